@@ -1,0 +1,24 @@
+"""Exact, scheduled gradient accumulation for PyTorch Lightning.
+
+Example::
+
+    >>> import lightning_accum as la
+    >>> la.Ramp(1, 8, over=10_000)(la.Progress(samples=5_000))
+    4
+"""
+
+from lightning_accum.callbacks import AccumulationScheduler
+from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulationScheduler",
+    "Constant",
+    "Lambda",
+    "Piecewise",
+    "Progress",
+    "Ramp",
+    "Schedule",
+    "__version__",
+]

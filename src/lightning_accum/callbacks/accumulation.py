@@ -1,0 +1,293 @@
+"""``AccumulationScheduler``: exact, scheduled gradient accumulation in automatic optimization."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_accum import gradients, sync
+from lightning_accum.callbacks._seam import set_divisor, zero_grad_like_lightning
+from lightning_accum.schedules import Progress, Schedule, as_schedule
+from lightning_accum.window import NORMALIZE, Normalize, Window, lightning_divisor
+
+LRScaling = Literal["linear", "sqrt"]
+
+
+class AccumulationScheduler(Callback):
+    r"""Accumulate gradients over windows whose size follows a schedule, exactly.
+
+    Each window holds the ``k`` micro-batches the schedule gave when it opened (changes apply
+    from the next window, mid-epoch included; an epoch's last window may be short) and the
+    stepped gradient is normalised by what really went in:
+
+    * ``normalize="mean"``: the mean of the window's micro-batch gradients over all ranks, a
+      short window included (Lightning's built-in divides a short window by the full ``k``);
+    * ``normalize="items"``: ``training_step`` returns a *sum* over items (tokens, ...) and
+      ``count(batch)`` gives the micro-batch's item count; the stepped gradient is the window's
+      summed gradient over all ranks divided by its global item count (token-weighted mean).
+
+    On DDP the gradients are all-reduced once per optimizer step. The rescale happens in
+    ``on_before_optimizer_step``: after AMP unscaling, before gradient clipping. LR schedulers
+    with ``interval="step"`` step once per optimizer step, and their ``frequency`` counts
+    optimizer steps. ``lr_scaling`` multiplies every group's learning rate, for the step only,
+    by ``k / k_first`` (``"linear"``) or its square root (``"sqrt"``).
+
+    Args:
+        schedule: a :class:`~lightning_accum.Schedule`, an ``int`` or an epoch-keyed ``dict``
+            (as for Lightning's ``GradientAccumulationScheduler``).
+        normalize: ``"mean"`` or ``"items"``.
+        count: ``count(batch) -> int | Tensor``: items in a micro-batch; required for
+            ``"items"``, optional otherwise (it feeds ``Progress.items``).
+        lr_scaling: ``None``, ``"linear"`` or ``"sqrt"``.
+        log: log ``accum/k`` (also in the progress bar), ``accum/effective_batch``,
+            ``accum/samples`` and ``accum/items`` once per optimizer step.
+
+    Example::
+
+        >>> from lightning_accum import AccumulationScheduler, Ramp
+        >>> ramp = Ramp(1, 8, over=50_000, unit="samples")
+        >>> callback = AccumulationScheduler(ramp, lr_scaling="sqrt")
+        >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule | int | Mapping[int, int] = 1,
+        *,
+        normalize: Normalize = "mean",
+        count: Callable[[Any], int | Tensor] | None = None,
+        lr_scaling: LRScaling | None = None,
+        log: bool = True,
+    ) -> None:
+        self.schedule = as_schedule(schedule)
+        if normalize not in NORMALIZE:
+            raise ValueError(f"`normalize` must be 'mean' or 'items'; got {normalize!r}.")
+        if count is not None and not callable(count):
+            raise TypeError(f"`count` must be a function count(batch) -> int; got {count!r}.")
+        if normalize == "items" and count is None:
+            raise ValueError(
+                "`normalize='items'` needs `count`: a function giving each micro-batch's number of items, "
+                "e.g. `count=lambda batch: int(batch['mask'].sum())`."
+            )
+        if lr_scaling not in (None, "linear", "sqrt"):
+            raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
+        self.normalize = normalize
+        self.count = count
+        self.lr_scaling = lr_scaling
+        self.log = log
+
+        self.progress = Progress()
+        self._window: Window | None = None
+        self._first_k: int | None = None
+        self._divisor = 1  # the trainer.accumulate_grad_batches value in force
+        self._saved_grads: list[Tensor | None] | None = None
+        # per fit
+        self._optimizer: Optimizer | None = None
+        self._batch: Any = None
+        self._batch_idx = 0
+        self._stepped: list[int] | None = None  # global (microbatches, samples, items) of a stepped window
+        self._lr_frequencies: list[tuple[Any, int]] = []
+        self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
+        self._lr_hook: RemovableHandle | None = None
+
+    # ------------------------------------------------------------------ checks
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "`AccumulationScheduler` drives Lightning's automatic optimization, but this module sets "
+                "`automatic_optimization = False`. For manual optimization use `lightning_accum.AccumulationMixin` "
+                "and `self.configure_accumulation(...)` instead of the callback."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` and `AccumulationScheduler` "
+                "both set the accumulation: remove `accumulate_grad_batches` from the Trainer and give the "
+                f"callback the schedule, e.g. `AccumulationScheduler({trainer.accumulate_grad_batches})`."
+            )
+        others = [
+            type(cb).__name__
+            for cb in trainer.callbacks
+            if cb is not self and isinstance(cb, AccumulationScheduler | GradientAccumulationScheduler)
+        ]
+        if others:
+            raise ValueError(
+                f"Only one accumulation callback can drive the Trainer; found {', '.join(others)} besides this "
+                "`AccumulationScheduler`. Keep one (a dict schedule replaces `GradientAccumulationScheduler`)."
+            )
+        if sync.is_deepspeed(trainer.strategy):
+            raise RuntimeError(
+                f"`AccumulationScheduler` does not support `{type(trainer.strategy).__name__}` yet: DeepSpeed owns "
+                "gradient accumulation. Use DDP or FSDP, or DeepSpeed's own fixed `gradient_accumulation_steps`."
+            )
+        if self.schedule.unit == "items" and self.count is None:
+            raise ValueError(
+                f"The schedule {self.schedule!r} counts items, so `AccumulationScheduler` needs `count`, "
+                "a function giving each micro-batch's number of items."
+            )
+
+    # ------------------------------------------------------------------ fit lifetime
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after checkpoint restore: put back the divisor Lightning's loop state was saved with
+        set_divisor(trainer, self._divisor)
+        self._optimizer = trainer.optimizers[0]
+        if self._saved_grads is not None:
+            gradients.restore(gradients.optimizer_params(self._optimizer), self._saved_grads)
+            self._saved_grads = None
+        self._lr_frequencies = [
+            (config, config.frequency)
+            for config in trainer.lr_scheduler_configs
+            if config.interval == "step" and config.frequency > 1
+        ]
+        if self.lr_scaling is not None:
+            self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._restore_lrs())
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._teardown(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._teardown(trainer)
+
+    def _teardown(self, trainer: pl.Trainer) -> None:
+        """Leave the Trainer and the LR scheduler configs as the user made them."""
+        set_divisor(trainer, 1)
+        for config, frequency in self._lr_frequencies:
+            config.frequency = frequency
+        self._lr_frequencies = []
+        self._restore_lrs()
+        if self._lr_hook is not None:
+            self._lr_hook.remove()
+            self._lr_hook = None
+        self._optimizer = None
+        self._batch = None
+
+    # ------------------------------------------------------------------ one window
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._window is None:
+            self._open(trainer, pl_module, batch_idx)
+        self._batch = batch
+        self._batch_idx = batch_idx
+
+    def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        self.progress = dataclasses.replace(self.progress, epoch=trainer.current_epoch)
+        k = self.schedule(self.progress)
+        if self._first_k is None:
+            self._first_k = k
+        self._divisor = lightning_divisor(batch_idx, k)
+        set_divisor(trainer, self._divisor)
+        if batch_idx % self._divisor:  # Lightning will not zero this window's first batch: do it
+            assert self._optimizer is not None
+            zero_grad_like_lightning(trainer, pl_module, batch_idx, self._optimizer)
+        self._window = Window(k=k, start=batch_idx, divisor=self._divisor)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._window is None:
+            return
+        samples = extract_batch_size(self._batch)
+        items = samples if self.count is None else self.count(self._batch)
+        self._window.add(samples, items)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        window = self._window
+        if window is None:
+            return
+        counts = sync.sum_over_ranks(trainer.strategy, [window.microbatches, window.samples, window.local_items()])
+        scale = window.gradient_scale(
+            self.normalize,
+            world_size=sync.world_size(trainer.strategy),
+            global_microbatches=counts[0],
+            global_items=counts[2],
+        )
+        gradients.scale_(gradients.grads_of(gradients.optimizer_params(optimizer)), scale)
+        self._stepped = counts
+        self._scale_lrs(optimizer, window.k)
+        step = self.progress.step + 1
+        for config, frequency in self._lr_frequencies:
+            # Lightning tests (batch_idx + 1) % frequency; make that true exactly every `frequency` steps
+            config.frequency = 1 if step % frequency == 0 else self._batch_idx + 2
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._window is None or self._stepped is None:
+            return
+        self._restore_lrs()  # normally done by the optimizer's post-step hook already
+        window, (microbatches, samples, items) = self._window, self._stepped
+        self.progress = Progress(
+            epoch=trainer.current_epoch,
+            step=self.progress.step + 1,
+            samples=self.progress.samples + samples,
+            items=self.progress.items + items,
+            microbatches=self.progress.microbatches + window.microbatches,
+        )
+        self._window, self._stepped = None, None
+        if self.log:
+            pl_module.log("accum/k", float(window.k), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log_dict(
+                {
+                    "accum/effective_batch": float(samples),
+                    "accum/samples": float(self.progress.samples),
+                    "accum/items": float(self.progress.items),
+                },
+                on_step=True,
+                on_epoch=False,
+                batch_size=1,
+            )
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._window is not None and self._stepped is None:
+            # the loop was stopped inside a window (e.g. `trainer.should_stop`): nothing was stepped
+            self._window = None
+
+    # ------------------------------------------------------------------ learning rate
+    def _scale_lrs(self, optimizer: Optimizer, k: int) -> None:
+        if self.lr_scaling is None or self._first_k is None:
+            return
+        ratio = k / self._first_k
+        factor = ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+        if factor == 1.0:
+            return
+        for group in optimizer.param_groups:
+            self._scaled_lrs.append((group, group["lr"]))
+            group["lr"] = group["lr"] * factor
+
+    def _restore_lrs(self) -> None:
+        for group, lr in self._scaled_lrs:
+            group["lr"] = lr
+        self._scaled_lrs = []
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "progress": dataclasses.asdict(self.progress),
+            "schedule": self.schedule.state_dict(),
+            "first_k": self._first_k,
+            "divisor": self._divisor,
+            "window": None,
+        }
+        if self._window is not None and self._stepped is None:
+            state["window"] = self._window.state_dict()
+            if self._window.microbatches and self._optimizer is not None:
+                # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
+                state["grads"] = gradients.snapshot(gradients.optimizer_params(self._optimizer))
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.progress = Progress(**state_dict["progress"])
+        self.schedule.load_state_dict(state_dict.get("schedule", {}))
+        self._first_k = state_dict.get("first_k")
+        self._divisor = int(state_dict.get("divisor", 1))
+        window = state_dict.get("window")
+        self._window = None if window is None else Window.from_state_dict(window)
+        self._saved_grads = state_dict.get("grads")
+        if self._window is not None and self._window.microbatches and self._saved_grads is None:
+            rank_zero_warn("The checkpoint was saved inside an accumulation window without its gradients.")

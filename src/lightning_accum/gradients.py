@@ -1,0 +1,67 @@
+"""Gradient operations on an optimizer's parameters, one fused pass per device and dtype.
+
+Every op works on the ``.grad`` tensors that exist; parameters whose ``.grad`` is ``None``
+stay ``None``. The ``torch._foreach_*`` kernels need tensors of one device and dtype, so the
+gradients are grouped first; a model has few groups, so the Python cost is per group, not per
+parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
+    """The parameters of every param group, in order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
+    """The existing ``.grad`` tensors of ``params``."""
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _groups(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
+    by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    return list(by_key.values())
+
+
+def scale_(grads: Sequence[Tensor], factor: float) -> None:
+    """``g *= factor`` for every gradient; no work at all for ``factor == 1``."""
+    if factor == 1.0 or not grads:
+        return
+    for group in _groups(grads):
+        torch._foreach_mul_(group, factor)
+
+
+def zero_(grads: Sequence[Tensor]) -> None:
+    """``g.zero_()`` for every gradient, the buffers kept (``set_to_none=False``)."""
+    for group in _groups(grads):
+        torch._foreach_zero_(group)
+
+
+def snapshot(params: Sequence[Tensor]) -> list[Tensor | None]:
+    """CPU copies of the gradients of ``params`` (``None`` where there is none), for checkpoints."""
+    return [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in params]
+
+
+def restore(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> None:
+    """Put gradients saved by :func:`snapshot` back, on each parameter's device and dtype."""
+    if len(saved) != len(params):
+        raise ValueError(
+            f"The checkpoint holds gradients for {len(saved)} parameters but the optimizer has {len(params)}; "
+            "resume with the same model and optimizer."
+        )
+    for p, g in zip(params, saved, strict=True):
+        if g is None:
+            p.grad = None
+            continue
+        if g.shape != p.shape:
+            raise ValueError(f"A saved gradient of shape {tuple(g.shape)} does not fit a parameter of {tuple(p.shape)}.")
+        p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)

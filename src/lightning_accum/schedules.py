@@ -1,0 +1,261 @@
+"""Accumulation schedules: training progress in, micro-batches per window out.
+
+A schedule is asked once per window, when the window opens, for ``k``: how many
+micro-batches the window holds. It sees only :class:`Progress`, which is identical on
+every rank (counts are summed over ranks), so every rank gets the same ``k``.
+
+This module is plain Python: it imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Unit = Literal["epoch", "step", "samples", "items"]
+UNITS: tuple[str, ...] = ("epoch", "step", "samples", "items")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far training has come when a window opens.
+
+    Attributes:
+        epoch: the current epoch (0-based).
+        step: optimizer steps done (windows closed).
+        samples: samples consumed by the closed windows, summed over all ranks.
+        items: counted items (tokens, ...) in the closed windows, summed over all ranks; equals
+            ``samples`` when no ``count`` function is given.
+        microbatches: micro-batches consumed by the closed windows on one rank.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    samples: int = 0
+    items: int = 0
+    microbatches: int = 0
+
+    def value(self, unit: str) -> int:
+        """The counter that ``unit`` names (``"epoch"``, ``"step"``, ``"samples"`` or ``"items"``)."""
+        return int(getattr(self, _check_unit(unit, UNITS)))
+
+
+def _check_unit(unit: object, allowed: tuple[str, ...]) -> str:
+    if unit not in allowed:
+        raise ValueError(f"`unit` must be one of {', '.join(map(repr, allowed))}; got {unit!r}.")
+    return str(unit)
+
+
+def _check_k(value: object, name: str) -> int:
+    """``value`` as an ``int >= 1``, or a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        raise ValueError(f"`{name}` must be an int >= 1 (micro-batches per window); got {value!r}.")
+    return int(value)
+
+
+def _check_count(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
+        raise ValueError(f"`{name}` must be an int >= 0; got {value!r}.")
+    return int(value)
+
+
+class Schedule:
+    """Base class: maps :class:`Progress` to ``k >= 1``, the micro-batches of the next window.
+
+    Subclasses implement :meth:`k`; calling the schedule validates the result. Stateless
+    schedules keep the default empty :meth:`state_dict`; stateful ones (adaptive schedules)
+    override it so that a resumed run continues exactly.
+
+    Example::
+
+        >>> class EveryOtherEpoch(Schedule):
+        ...     def k(self, progress: Progress) -> int:
+        ...         return 4 if progress.epoch % 2 else 2
+        >>> EveryOtherEpoch()(Progress(epoch=1))
+        4
+    """
+
+    #: the progress counter the schedule reads, if it reads just one (used for early checks)
+    unit: str | None = None
+
+    def k(self, progress: Progress) -> int:
+        raise NotImplementedError
+
+    def __call__(self, progress: Progress) -> int:
+        value = self.k(progress)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+            raise ValueError(f"{self!r} returned k={value!r} at {progress}; a schedule must return an int >= 1.")
+        return int(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; stateless schedules have nothing to restore."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and repr(self) == repr(other)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+
+class Constant(Schedule):
+    """The same ``k`` for every window.
+
+    Example::
+
+        >>> Constant(4)(Progress(step=1000))
+        4
+    """
+
+    def __init__(self, k: int) -> None:
+        self._k = _check_k(k, "k")
+
+    def k(self, progress: Progress) -> int:
+        return self._k
+
+    def __repr__(self) -> str:
+        return f"Constant({self._k})"
+
+
+class Piecewise(Schedule):
+    """``k`` from the largest milestone reached; ``k = 1`` before the first milestone.
+
+    ``milestones`` maps a value of ``unit`` (epoch, optimizer step, samples or items, all
+    0-based counts of what is done) to ``k``; a sequence of ``(milestone, k)`` pairs works
+    too. ``Piecewise({4: 2})`` behaves like Lightning's ``GradientAccumulationScheduler({4: 2})``,
+    except that with ``unit="step"``, ``"samples"`` or ``"items"`` the change happens at the
+    first window that opens past the milestone, mid-epoch included.
+
+    Example::
+
+        >>> s = Piecewise({0: 1, 1000: 4, 5000: 8}, unit="samples")
+        >>> s(Progress(samples=999)), s(Progress(samples=1000)), s(Progress(samples=10**6))
+        (1, 4, 8)
+    """
+
+    def __init__(
+        self, milestones: Mapping[int, int] | Iterable[tuple[int, int]], unit: Unit = "epoch"
+    ) -> None:
+        self.unit = _check_unit(unit, UNITS)
+        pairs = list(milestones.items()) if isinstance(milestones, Mapping) else list(milestones)
+        if not pairs:
+            raise ValueError("`milestones` is empty; give at least one `{milestone: k}` entry, e.g. `{0: 2}`.")
+        table: dict[int, int] = {}
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ValueError(f"`milestones` entries must be `(milestone, k)` pairs; got {pair!r}.")
+            at = _check_count(pair[0], f"milestones key ({unit})")
+            if at in table:
+                raise ValueError(f"`milestones` repeats milestone {at}; each milestone may appear once.")
+            table[at] = _check_k(pair[1], f"milestones[{at}]")
+        self._milestones = sorted(table)
+        self._ks = [table[m] for m in self._milestones]
+
+    @property
+    def milestones(self) -> dict[int, int]:
+        """A copy of the ``{milestone: k}`` table, sorted."""
+        return dict(zip(self._milestones, self._ks, strict=True))
+
+    def k(self, progress: Progress) -> int:
+        i = bisect.bisect_right(self._milestones, progress.value(self.unit))  # type: ignore[arg-type]
+        return self._ks[i - 1] if i else 1
+
+    def __repr__(self) -> str:
+        return f"Piecewise({self.milestones!r}, unit={self.unit!r})"
+
+
+class Ramp(Schedule):
+    """Batch-size warm-up: ``k`` moves from ``start`` to ``end`` over ``over`` units, then stays.
+
+    ``shape="linear"`` interpolates ``k``; ``"exponential"`` interpolates ``log k`` (doubling
+    at even intervals from 1 to a power of two). ``k`` is rounded down to a multiple of
+    ``multiple_of`` and kept between ``start`` and ``end``; ``end`` must be such a multiple.
+
+    Example::
+
+        >>> ramp = Ramp(1, 8, over=70_000, unit="samples")
+        >>> [ramp(Progress(samples=s)) for s in (0, 10_000, 35_000, 70_000)]
+        [1, 2, 4, 8]
+    """
+
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        over: int,
+        unit: Unit = "samples",
+        shape: Literal["linear", "exponential"] = "linear",
+        multiple_of: int = 1,
+    ) -> None:
+        self.start = _check_k(start, "start")
+        self.end = _check_k(end, "end")
+        self.over = _check_k(over, "over")
+        self.unit = _check_unit(unit, UNITS)
+        if shape not in ("linear", "exponential"):
+            raise ValueError(f"`shape` must be 'linear' or 'exponential'; got {shape!r}.")
+        self.shape = shape
+        self.multiple_of = _check_k(multiple_of, "multiple_of")
+        if self.end % self.multiple_of:
+            raise ValueError(
+                f"`end`={end} is not a multiple of `multiple_of`={multiple_of}; the ramp could never reach it."
+            )
+
+    def k(self, progress: Progress) -> int:
+        t = progress.value(self.unit) / self.over  # type: ignore[arg-type]
+        if t >= 1:
+            return self.end
+        if self.shape == "linear":
+            raw = self.start + (self.end - self.start) * t
+        else:
+            raw = self.start * (self.end / self.start) ** t
+        # the tiny slack keeps e.g. 3.9999999999 from flooring to 3
+        k = math.floor(raw / self.multiple_of + 1e-9) * self.multiple_of
+        return min(max(k, min(self.start, self.end)), max(self.start, self.end))
+
+    def __repr__(self) -> str:
+        return (
+            f"Ramp({self.start}, {self.end}, over={self.over}, unit={self.unit!r}, "
+            f"shape={self.shape!r}, multiple_of={self.multiple_of})"
+        )
+
+
+class Lambda(Schedule):
+    """Any function of :class:`Progress`; its result is validated like every schedule's.
+
+    Example::
+
+        >>> Lambda(lambda p: 1 + p.epoch)(Progress(epoch=3))
+        4
+    """
+
+    def __init__(self, fn: Callable[[Progress], int], unit: Unit | None = None) -> None:
+        if not callable(fn):
+            raise TypeError(f"`fn` must be callable as fn(progress) -> int; got {fn!r}.")
+        self.fn = fn
+        self.unit = None if unit is None else _check_unit(unit, UNITS)
+
+    def k(self, progress: Progress) -> int:
+        return self.fn(progress)
+
+    def __repr__(self) -> str:
+        suffix = "" if self.unit is None else f", unit={self.unit!r}"
+        return f"Lambda({self.fn!r}{suffix})"
+
+
+def as_schedule(schedule: Schedule | int | Mapping[int, int]) -> Schedule:
+    """Accept what Lightning users already write: an ``int`` or an epoch-keyed ``dict``."""
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, Mapping):
+        return Piecewise(schedule, unit="epoch")
+    if isinstance(schedule, numbers.Integral) and not isinstance(schedule, bool):
+        return Constant(int(schedule))
+    raise TypeError(
+        f"`schedule` must be a Schedule, an int k or an epoch-keyed dict like {{0: 1, 4: 2}}; got {schedule!r}."
+    )

@@ -1,0 +1,119 @@
+"""One accumulation window: what went in, and the factor that normalises its gradient.
+
+A window opens with the ``k`` its schedule gave and counts, on this rank, the micro-batches
+that were back-propagated, their samples and their items (tokens, ...). At its end the counts
+are summed over ranks (:mod:`lightning_accum.sync`) and :meth:`Window.gradient_scale` gives
+the factor that turns the accumulated gradient into the window's mean.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+Normalize = Literal["mean", "items"]
+NORMALIZE: tuple[str, ...] = ("mean", "items")
+
+
+@dataclass
+class Window:
+    """Counts of one window on one rank.
+
+    Attributes:
+        k: micro-batches the schedule gave when the window opened.
+        start: index, within its epoch, of the window's first batch.
+        divisor: the number every micro-batch loss was divided by before backward (Lightning's
+            ``accumulate_grad_batches`` in automatic optimization, 1 where nothing divides).
+        microbatches: micro-batches back-propagated so far.
+        samples: samples in those micro-batches.
+        items: items in those micro-batches; device tensors are kept unsynchronised until the
+            window ends, so counting costs no host-device round trip per micro-batch.
+    """
+
+    k: int
+    start: int = 0
+    divisor: int = 1
+    microbatches: int = 0
+    samples: int = 0
+    items: int = 0
+    pending_items: list[Tensor] = field(default_factory=list)
+
+    def add(self, samples: int, items: int | Tensor) -> None:
+        """Count one back-propagated micro-batch."""
+        self.microbatches += 1
+        self.samples += samples
+        if isinstance(items, Tensor):
+            self.pending_items.append(items.detach().reshape(()))
+        else:
+            self.items += check_item_count(items)
+
+    def local_items(self) -> int:
+        """This rank's item count; resolves device counts with one host transfer."""
+        if self.pending_items:
+            values = torch.stack([t.to(torch.float64) for t in self.pending_items]).tolist()
+            self.pending_items.clear()
+            self.items += sum(check_item_count(v) for v in values)
+        return self.items
+
+    @property
+    def full(self) -> bool:
+        return self.microbatches >= self.k
+
+    def gradient_scale(
+        self, normalize: str, *, world_size: int = 1, global_microbatches: int = 0, global_items: int = 0
+    ) -> float:
+        """Factor for the accumulated gradient: what was summed, over what it must be divided by.
+
+        The accumulated gradient is ``sum(g_i) / divisor`` on each rank, averaged over
+        ``world_size`` ranks by the data-parallel all-reduce. ``"mean"`` wants the mean over all
+        micro-batches of all ranks, ``"items"`` wants the sum of per-item losses over the global
+        item count; both scales are exact rationals of integers, computed once in float64.
+        """
+        if normalize == "mean":
+            total = global_microbatches or self.microbatches * world_size
+            return self.divisor * world_size / total if total else 1.0
+        if normalize == "items":
+            return self.divisor * world_size / global_items if global_items else 0.0
+        raise ValueError(f"`normalize` must be one of {NORMALIZE}; got {normalize!r}.")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "k": self.k,
+            "start": self.start,
+            "divisor": self.divisor,
+            "microbatches": self.microbatches,
+            "samples": self.samples,
+            "items": self.local_items(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Window:
+        return cls(**{key: int(state[key]) for key in ("k", "start", "divisor", "microbatches", "samples", "items")})
+
+
+def check_item_count(value: object) -> int:
+    """An item count as an ``int >= 0``, or a clear error naming ``count``."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(
+            f"`count(batch)` returned {value!r}; it must give the micro-batch's number of items "
+            "(tokens, ...) as an int >= 0 or an integer tensor."
+        )
+    return int(value)
+
+
+def lightning_divisor(start: int, k: int) -> int:
+    """The ``accumulate_grad_batches`` value that makes Lightning close a window of ``k``
+    opened at batch index ``start`` exactly after its ``k``-th batch.
+
+    Lightning steps when ``(batch_idx + 1) % value == 0`` and zeroes when
+    ``batch_idx % value == 0``. ``value = k`` works when ``start`` is a multiple of ``k``;
+    otherwise ``value = start + k`` is the only step point in ``start+1 .. start+k``, and the
+    window's first batch is not a zeroing point, so the caller zeroes it.
+    """
+    return k if start % k == 0 else start + k

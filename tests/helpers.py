@@ -1,0 +1,233 @@
+"""Shared test fixtures: a tiny float64 token model, its data, and a plain-PyTorch reference.
+
+The reference forms the accumulation windows by hand, from the schedule and the batch
+sequence, and takes one joint backward of the window's normalised loss: nothing in it
+shares code with the package except the schedule objects (which have their own tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_accum import Progress, Schedule
+
+Batch = dict[str, Tensor]
+
+
+class TokenData(Dataset[Batch]):
+    """Variable-length sequences of ``d``-dim tokens with per-token targets, padded to ``T``."""
+
+    def __init__(self, n: int, d: int = 3, T: int = 5, seed: int = 0, ragged: bool = True) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, T, d, generator=g, dtype=torch.float64)
+        self.y = torch.randn(n, T, 1, generator=g, dtype=torch.float64)
+        lengths = torch.randint(1, T + 1, (n,), generator=g) if ragged else torch.full((n,), T)
+        self.mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Batch:
+        return {"x": self.x[i], "y": self.y[i], "mask": self.mask[i]}
+
+    def batch(self, index: Sequence[int] | slice) -> Batch:
+        return {"x": self.x[index], "y": self.y[index], "mask": self.mask[index]}
+
+
+def count_tokens(batch: Batch) -> Tensor:
+    return batch["mask"].sum()
+
+
+def make_net(d: int = 3, hidden: int = 8, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, 1)).double()
+
+
+def token_losses(net: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+    """(sum of masked squared errors, number of tokens) of one micro-batch."""
+    err = (net(batch["x"]) - batch["y"]).squeeze(-1) ** 2
+    return (err * batch["mask"]).sum(), batch["mask"].sum()
+
+
+class TokenModel(pl.LightningModule):
+    """``reduction="mean"``: per-micro-batch token mean; ``"sum"``: token sum (for ``normalize="items"``)."""
+
+    def __init__(
+        self,
+        reduction: str = "mean",
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        scheduler_frequency: int = 1,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.net = make_net(seed=seed)
+        self.reduction = reduction
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.scheduler = scheduler
+        self.scheduler_frequency = scheduler_frequency
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        total, tokens = token_losses(self.net, batch)
+        return total if self.reduction == "sum" else total / tokens
+
+    def configure_optimizers(self) -> Any:
+        opt = make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
+        if self.scheduler is None:
+            return opt
+        config = {"scheduler": self.scheduler(opt), "interval": "step", "frequency": self.scheduler_frequency}
+        return {"optimizer": opt, "lr_scheduler": config}
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.Adam(params, lr=lr)
+
+
+def loader(data: TokenData, batch_size: int) -> DataLoader[Batch]:
+    return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+def trainer(**kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_epochs=2,
+        precision="64-true",
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def rank_batches(data: TokenData, batch_size: int, world: int = 1) -> list[list[Batch]]:
+    """Per rank, the batches Lightning's DistributedSampler(shuffle=False) gives (len(data) % world == 0)."""
+    assert len(data) % world == 0
+    out = []
+    for r in range(world):
+        index = list(range(r, len(data), world))
+        out.append([data.batch(index[i : i + batch_size]) for i in range(0, len(index), batch_size)])
+    return out
+
+
+@dataclasses.dataclass
+class Reference:
+    """A plain float64 loop over hand-made windows; returns final parameters and window sizes."""
+
+    schedule: Schedule
+    normalize: str = "mean"
+    lr: float = 0.1
+    optimizer: str = "sgd"
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    scheduler_frequency: int = 1
+    clip: float | None = None
+    lr_scaling: str | None = None
+    seed: int = 0
+    short_window: str = "own"  # "own": divide by its real size; "full": by k, as Lightning's built-in
+
+    def run(self, epochs: list[list[list[Batch]]]) -> tuple[list[Tensor], list[int]]:
+        net = make_net(seed=self.seed)
+        opt = make_optimizer(self.optimizer, net.parameters(), self.lr)
+        sched = self.scheduler(opt) if self.scheduler else None
+        progress, sizes, first_k = Progress(), [], None
+        for epoch, ranks in enumerate(epochs):
+            n, world, i = len(ranks[0]), len(ranks), 0
+            while i < n:
+                k = self.schedule(dataclasses.replace(progress, epoch=epoch))
+                first_k = first_k or k
+                window = [rank[i : i + k] for rank in ranks]
+                m = len(window[0])
+                sizes.append(m)
+                tokens = sum(float(b["mask"].sum()) for rank in window for b in rank)
+                loss = torch.zeros((), dtype=torch.float64)
+                for rank in window:
+                    for b in rank:
+                        total, tok = token_losses(net, b)
+                        if self.normalize == "items":
+                            loss = loss + total / tokens
+                        else:
+                            loss = loss + total / tok / ((m if self.short_window == "own" else k) * world)
+                opt.zero_grad()
+                loss.backward()
+                if self.clip is not None:
+                    nn.utils.clip_grad_norm_(net.parameters(), self.clip)
+                saved = [g["lr"] for g in opt.param_groups]
+                if self.lr_scaling is not None:
+                    ratio = k / first_k
+                    for g in opt.param_groups:
+                        g["lr"] *= ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+                opt.step()
+                for g, lr in zip(opt.param_groups, saved, strict=True):
+                    g["lr"] = lr
+                progress = Progress(
+                    epoch=epoch,
+                    step=progress.step + 1,
+                    samples=progress.samples + sum(len(b["x"]) for rank in window for b in rank),
+                    items=progress.items + int(tokens),
+                    microbatches=progress.microbatches + m,
+                )
+                if sched is not None and progress.step % self.scheduler_frequency == 0:
+                    sched.step()
+                i += m
+        return [p.detach().clone() for p in net.parameters()], sizes
+
+
+def params_of(module: pl.LightningModule) -> list[Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def max_diff(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+class KRecorder(pl.Callback):
+    """Records the number of micro-batches between optimizer steps, as Lightning ran them."""
+
+    def __init__(self) -> None:
+        self.windows: list[int] = []
+        self._n = 0
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._n += 1
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.windows.append(self._n)
+        self._n = 0
+
+
+
+class ResumableLoader(DataLoader[Batch]):
+    """A DataLoader that resumes mid-epoch (Lightning saves and restores its state), for
+    exact-resume tests: on resume it skips the batches the interrupted epoch had yielded."""
+
+    def __init__(self, data: TokenData, batch_size: int) -> None:
+        super().__init__(data, batch_size=batch_size, shuffle=False)
+        self._yielded, self._skip = 0, 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        skip, self._skip = self._skip, 0
+        self._yielded = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self._yielded += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["consumed"]

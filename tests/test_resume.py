@@ -1,0 +1,41 @@
+"""Checkpoint and resume: a run stopped at any optimizer step continues as if uninterrupted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import Reference, ResumableLoader, TokenData, TokenModel, count_tokens, max_diff, params_of, rank_batches, trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_accum import AccumulationScheduler, Ramp
+
+SCHEDULE = Ramp(1, 5, over=160, unit="items")
+
+
+def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8)
+
+
+def run(ckpt_dir: Path | None = None, resume: Path | None = None) -> TokenModel:
+    model = TokenModel(reduction="sum", scheduler=scheduler, optimizer="adam", lr=0.01)
+    callbacks = [AccumulationScheduler(SCHEDULE, normalize="items", count=count_tokens, lr_scaling="sqrt")]
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1, filename="{step}"))
+    t = trainer(callbacks=callbacks, max_epochs=3, enable_checkpointing=ckpt_dir is not None)
+    t.fit(model, ResumableLoader(TokenData(50), 4), ckpt_path=resume)
+    return model
+
+
+@pytest.mark.parametrize("stop_step", [2, 5, 9])  # inside the ramp; mid-epoch; in the second epoch
+def test_resume_equals_uninterrupted(tmp_path: Path, stop_step: int) -> None:
+    full = run(ckpt_dir=tmp_path)
+    resumed = run(resume=tmp_path / f"step={stop_step}.ckpt")
+    assert max_diff(params_of(resumed), params_of(full)) <= 1e-12
+    expected, _ = Reference(
+        SCHEDULE, normalize="items", scheduler=scheduler, optimizer="adam", lr=0.01, lr_scaling="sqrt"
+    ).run([rank_batches(TokenData(50), 4)] * 3)
+    assert max_diff(params_of(full), expected) <= 1e-12
+    state = torch.load(tmp_path / f"step={stop_step}.ckpt", weights_only=False)["callbacks"]["AccumulationScheduler"]
+    assert state["progress"]["step"] == stop_step
