@@ -95,8 +95,28 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=lr)
 
 
-def loader(data: TokenData, batch_size: int) -> DataLoader[Batch]:
-    return DataLoader(data, batch_size=batch_size, shuffle=False)
+def loader(data: TokenData, batch_size: int, sharded: bool = False) -> DataLoader[Batch]:
+    """In order; ``sharded``: each rank takes every world-th sample from its rank on (Lightning's
+    own distributed sampler always shuffles training data, so tests shard by hand)."""
+    sampler = RankStrided(len(data)) if sharded else None
+    return DataLoader(data, batch_size=batch_size, shuffle=False, sampler=sampler)
+
+
+class RankStrided(torch.utils.data.Sampler[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def _rank_world(self) -> tuple[int, int]:
+        dist = torch.distributed
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        rank, world = self._rank_world()
+        return iter(range(rank, self.n, world))
+
+    def __len__(self) -> int:
+        rank, world = self._rank_world()
+        return len(range(rank, self.n, world))
 
 
 def trainer(**kwargs: Any) -> pl.Trainer:
@@ -207,7 +227,6 @@ class KRecorder(pl.Callback):
     def on_before_optimizer_step(self, *args: Any) -> None:
         self.windows.append(self._n)
         self._n = 0
-
 
 
 class ResumableLoader(DataLoader[Batch]):

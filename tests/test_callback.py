@@ -128,7 +128,12 @@ def test_lr_scheduler_and_scaling(lr_scaling: str | None, frequency: int) -> Non
         schedule, data, 4, epochs=3, model_kwargs=model_kwargs, callback_kwargs={"lr_scaling": lr_scaling}
     )
     reference = Reference(
-        schedule, scheduler=scheduler, scheduler_frequency=frequency, optimizer="adam", lr=0.01, lr_scaling=lr_scaling
+        schedule,
+        scheduler=scheduler,
+        scheduler_frequency=frequency,
+        optimizer="adam",
+        lr=0.01,
+        lr_scaling=lr_scaling,
     )
     expected, sizes = reference.run([rank_batches(data, 4)] * 3)
     assert recorder.windows == sizes
@@ -165,7 +170,7 @@ def test_bf16_mixed_on_cpu() -> None:
 
 def test_logs_progress() -> None:
     data = TokenData(48)
-    model, recorder, callback = fit(Ramp(1, 4, over=6, unit="step"), data, 4, epochs=1)
+    model, recorder, callback = fit(Ramp(1, 4, over=6, unit="step"), data, 4, epochs=1, log_every_n_steps=1)
     assert recorder.windows == [1, 1, 2, 2, 3, 3]  # 12 batches: the last window is k=3
     metrics = model.trainer.callback_metrics
     assert float(metrics["accum/k"]) == 3.0
@@ -209,9 +214,19 @@ class ManualModel(TokenModel):
     ("model", "callbacks", "trainer_kwargs", "match"),
     [
         (ManualModel, [AccumulationScheduler(2)], {}, "AccumulationMixin"),
-        (TokenModel, [AccumulationScheduler(2)], {"accumulate_grad_batches": 2}, "remove `accumulate_grad_batches`"),
+        (
+            TokenModel,
+            [AccumulationScheduler(2)],
+            {"accumulate_grad_batches": 2},
+            "remove `accumulate_grad_batches`",
+        ),
         # Lightning itself refuses two stateful callbacks of one type, at `Trainer(...)`
-        (TokenModel, [AccumulationScheduler(2), AccumulationScheduler(3)], {}, "more than one stateful callback"),
+        (
+            TokenModel,
+            [AccumulationScheduler(2), AccumulationScheduler(3)],
+            {},
+            "more than one stateful callback",
+        ),
         (TokenModel, [AccumulationScheduler(2), GradientAccumulationScheduler({0: 2})], {}, "Only one"),
         (TokenModel, [AccumulationScheduler(Ramp(1, 4, over=100, unit="items"))], {}, "needs `count`"),
     ],

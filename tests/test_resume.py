@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Reference, ResumableLoader, TokenData, TokenModel, count_tokens, max_diff, params_of, rank_batches, trainer
+from helpers import (
+    Reference,
+    ResumableLoader,
+    TokenData,
+    TokenModel,
+    count_tokens,
+    max_diff,
+    params_of,
+    rank_batches,
+    trainer,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_accum import AccumulationScheduler, Ramp

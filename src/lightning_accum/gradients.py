@@ -63,5 +63,7 @@ def restore(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> None:
             p.grad = None
             continue
         if g.shape != p.shape:
-            raise ValueError(f"A saved gradient of shape {tuple(g.shape)} does not fit a parameter of {tuple(p.shape)}.")
+            raise ValueError(
+                f"A saved gradient of shape {tuple(g.shape)} does not fit a parameter of {tuple(p.shape)}."
+            )
         p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)

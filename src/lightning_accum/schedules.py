@@ -139,9 +139,7 @@ class Piecewise(Schedule):
         (1, 4, 8)
     """
 
-    def __init__(
-        self, milestones: Mapping[int, int] | Iterable[tuple[int, int]], unit: Unit = "epoch"
-    ) -> None:
+    def __init__(self, milestones: Mapping[int, int] | Iterable[tuple[int, int]], unit: Unit = "epoch") -> None:
         self.unit = _check_unit(unit, UNITS)
         pairs = list(milestones.items()) if isinstance(milestones, Mapping) else list(milestones)
         if not pairs:

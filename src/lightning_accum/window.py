@@ -19,7 +19,7 @@ Normalize = Literal["mean", "items"]
 NORMALIZE: tuple[str, ...] = ("mean", "items")
 
 
-@dataclass
+@dataclass(slots=True)
 class Window:
     """Counts of one window on one rank.
 
@@ -48,6 +48,8 @@ class Window:
         self.samples += samples
         if isinstance(items, Tensor):
             self.pending_items.append(items.detach().reshape(()))
+        elif type(items) is int and items >= 0:
+            self.items += items
         else:
             self.items += check_item_count(items)
 
@@ -92,7 +94,10 @@ class Window:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> Window:
-        return cls(**{key: int(state[key]) for key in ("k", "start", "divisor", "microbatches", "samples", "items")})
+        window = cls(k=int(state["k"]), start=int(state["start"]), divisor=int(state["divisor"]))
+        window.microbatches, window.samples = int(state["microbatches"]), int(state["samples"])
+        window.items = int(state["items"])
+        return window
 
 
 def check_item_count(value: object) -> int:

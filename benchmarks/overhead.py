@@ -1,0 +1,184 @@
+"""Per-batch overhead of AccumulationScheduler against Lightning's built-in accumulation.
+
+Worst case for overhead: a tiny MLP and many small batches, so that the Trainer's own
+per-batch work dominates. Runs alternate (built-in, callback without and with logging, ...)
+in one process. Shared 2-core machines add +-15 % noise to single runs, and noise only
+adds time, so the headline figure is the ratio of the best (minimum) CPU times over the
+rounds, as ``timeit`` advises; the median of the per-round ratios is printed beside it.
+Only the training loop is timed (setup excluded). Lightning's ``self.log``
+has a per-batch cost for every logged key, hence the two callback rows; and Lightning's
+dispatch of callback hooks has a cost of its own, measured by the empty-callback row.
+
+    python benchmarks/overhead.py [--batches 600] [--repeats 30] [--k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AccumulationScheduler
+
+
+class TinyMLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class EmptyCallback(pl.Callback):
+    """Overrides the hooks AccumulationScheduler uses and does nothing: the floor cost that
+    Lightning's per-hook dispatch puts on any callback."""
+
+    def on_train_batch_start(self, *args: Any) -> None: ...
+
+    def on_before_backward(self, *args: Any) -> None: ...
+
+    def on_before_optimizer_step(self, *args: Any) -> None: ...
+
+    def on_train_batch_end(self, *args: Any) -> None: ...
+
+
+class TimedAccumulationScheduler(AccumulationScheduler):
+    """Adds up the wall time spent inside the callback's own hooks (its logic, in place)."""
+
+    inside = 0.0
+
+    def _timed(self, hook: Any, *args: Any) -> Any:
+        start = time.perf_counter()
+        hook(*args)
+        TimedAccumulationScheduler.inside += time.perf_counter() - start
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._timed(super().on_train_batch_start, *args)
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._timed(super().on_before_backward, *args)
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._timed(super().on_before_optimizer_step, *args)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._timed(super().on_train_batch_end, *args)
+
+
+class LoopTimer(pl.Callback):
+    def on_train_start(self, *args: Any) -> None:
+        self.start = time.process_time()
+
+    def on_train_end(self, *args: Any) -> None:
+        self.seconds = time.process_time() - self.start
+
+
+def timed_fit(
+    data: DataLoader[Any], k: int, ours: bool, log: bool = False, empty: bool = False, timed: bool = False
+) -> float:
+    gc.collect()
+    torch.manual_seed(0)
+    timer = LoopTimer()
+    callbacks: list[pl.Callback] = [timer]
+    if ours:
+        callbacks.insert(0, AccumulationScheduler(k, log=log))
+    elif empty:
+        callbacks.insert(0, EmptyCallback())
+    elif timed:
+        callbacks.insert(0, TimedAccumulationScheduler(k, log=False))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=1 if ours or timed else k,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyMLP(), data)
+    return timer.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=600)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--json", type=Path, default=Path(__file__).with_name("overhead.json"))
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(args.batches * 8, 16, generator=g), torch.randn(args.batches * 8, 1, generator=g)
+    data = DataLoader(TensorDataset(x, y), batch_size=8)
+
+    variants: dict[str, dict[str, bool]] = {
+        "built-in accumulate_grad_batches": {"ours": False},
+        "built-in + empty callback (floor)": {"ours": False, "empty": True},
+        "AccumulationScheduler, log=False": {"ours": True, "log": False},
+        "AccumulationScheduler, log=True": {"ours": True, "log": True},
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for repeat in range(args.repeats + 1):  # the first round is a warm-up
+        for name, kwargs in variants.items():
+            seconds = timed_fit(data, args.k, **kwargs)
+            if repeat:
+                times[name].append(seconds)
+    baseline = times["built-in accumulate_grad_batches"]
+    rows = []
+    print(f"{'run':<36}{'best s':>8}{'ratio of best':>15}{'median pair ratio':>19}{'us/batch':>10}")
+    for name, values in times.items():
+        row = {
+            "run": name,
+            "best_s": min(values),
+            "ratio_best": min(values) / min(baseline),
+            "ratio_median_pair": statistics.median(v / b for v, b in zip(values, baseline, strict=True)),
+            "us_per_batch_added": (min(values) - min(baseline)) / args.batches * 1e6,
+        }
+        rows.append(row)
+        print(
+            f"{name:<36}{row['best_s']:>8.3f}{row['ratio_best']:>15.4f}{row['ratio_median_pair']:>19.4f}"
+            f"{row['us_per_batch_added']:>+10.1f}"
+        )
+    result = {
+        "benchmark": "overhead",
+        "what": f"training-loop CPU time, {args.batches} batches, k={args.k}, tiny MLP, {args.repeats} rounds",
+        "baseline": "Trainer(accumulate_grad_batches=k)",
+        "rows": rows,
+        "target": 1.01,
+        "machine": f"{platform.machine()} torch {torch.__version__} lightning {pl.__version__}",
+    }
+    TimedAccumulationScheduler.inside = 0.0
+    for _ in range(3):
+        timed_fit(data, args.k, ours=False, timed=True)
+    inside_us = TimedAccumulationScheduler.inside / (3 * args.batches) * 1e6
+    best_us = min(baseline) / args.batches * 1e6
+    result["callback_logic_us_per_batch"] = inside_us
+    result["callback_logic_fraction"] = inside_us / best_us
+    print(
+        f"time inside the callback's hooks (log=False): {inside_us:.1f} us/batch = {100 * inside_us / best_us:.2f} % "
+        f"of a {best_us:.0f} us batch"
+    )
+    print(f"target: ratio <= {result['target']}")
+    args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""AccumulationScheduler under DDP: 2 CPU processes (gloo) against the single-process reference.
+
+Each run counts the gradient all-reduces with a DDP communication hook and writes, per rank,
+the final parameters, the window sizes and the hook count to a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import (
+    KRecorder,
+    Reference,
+    TokenData,
+    TokenModel,
+    count_tokens,
+    loader,
+    max_diff,
+    rank_batches,
+    trainer,
+)
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from lightning_accum import AccumulationScheduler, Piecewise, Ramp, Schedule
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+ALLREDUCES = [0]  # per process
+
+
+def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations; none here
+    ALLREDUCES[0] += 1
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+class Report(pl.Callback):
+    def __init__(self, out: Path, recorder: KRecorder) -> None:
+        self.out, self.recorder = out, recorder
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning registers `ddp_comm_hook` on CUDA only; on CPU (gloo) register it here
+        trainer.strategy.model.register_comm_hook(None, counting_allreduce)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        accum = next(cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler))
+        report = {
+            "params": [p.detach().tolist() for p in pl_module.parameters()],
+            "windows": self.recorder.windows,
+            "allreduces": ALLREDUCES[0],
+            "progress": accum.progress.__dict__,
+            "steps": trainer.global_step,
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+def run_ddp(tmp_path: Path, schedule: Schedule, normalize: str, epochs: int = 2) -> list[dict[str, Any]]:
+    data = TokenData(64)  # 32 samples per rank: 8 batches of 4
+    recorder = KRecorder()
+    callbacks = [
+        AccumulationScheduler(schedule, normalize=normalize, count=count_tokens),
+        recorder,
+        Report(tmp_path, recorder),
+    ]
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
+    t = trainer(
+        callbacks=callbacks,
+        max_epochs=epochs,
+        devices=WORLD,
+        strategy=strategy,
+        use_distributed_sampler=False,
+    )
+    model = TokenModel(reduction="sum" if normalize == "items" else "mean")
+    t.fit(model, loader(data, 4, sharded=True))
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "normalize"),
+    [
+        (Piecewise({0: 3, 3: 2}, unit="step"), "mean"),  # mid-epoch change, short last windows
+        (Ramp(1, 4, over=600, unit="items"), "items"),  # token-weighted, different token counts per rank
+    ],
+)
+def test_ddp_matches_single_process_reference(tmp_path: Path, schedule: Schedule, normalize: str) -> None:
+    reports = run_ddp(tmp_path, schedule, normalize)
+    data = TokenData(64)
+    expected, sizes = Reference(schedule, normalize=normalize).run([rank_batches(data, 4, world=WORLD)] * 2)
+    for report in reports:
+        params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+        assert max_diff(params, expected) <= 1e-12
+        assert report["windows"] == sizes
+        # one gradient all-reduce (one bucket for this small model) per optimizer step
+        assert report["allreduces"] == report["steps"] == len(sizes)
+        assert report["progress"]["samples"] == 2 * len(data)  # summed over ranks
+    assert reports[0]["progress"] == reports[1]["progress"]
+    if normalize == "items":
+        per_rank = [sum(int(b["mask"].sum()) for b in rank) for rank in rank_batches(data, 4, world=WORLD)]
+        assert per_rank[0] != per_rank[1]  # the ranks really differ in token count
+        assert reports[0]["progress"]["items"] == 2 * sum(per_rank)

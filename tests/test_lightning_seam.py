@@ -1,0 +1,66 @@
+"""Fails if Lightning changes the loop arithmetic that `callbacks/_seam.py` relies on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from helpers import TokenData, TokenModel, loader, trainer
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_accum.callbacks._seam import set_divisor
+from lightning_accum.window import lightning_divisor
+
+
+@given(st.integers(0, 500), st.integers(1, 64))
+def test_divisor_closes_the_window_exactly(start: int, k: int) -> None:
+    """Lightning's rules, written out: step after batch i if (i + 1) % value == 0, zero before
+    batch i if i % value == 0. With the divisor, the first step point from ``start`` on is
+    ``start + k - 1``, and ``start`` is a zero point or the caller is told to zero."""
+    value = lightning_divisor(start, k)
+    steps = [i for i in range(start, start + k) if (i + 1) % value == 0]
+    zeros = [i for i in range(start + 1, start + k) if i % value == 0]
+    assert steps == [start + k - 1]
+    assert zeros == []
+
+
+class Recorder(pl.Callback):
+    """Sets an arbitrary divisor at chosen batches, as the package does, and records what
+    Lightning then does: where it zeroes, where it steps, what it divides the loss by."""
+
+    def __init__(self, plan: dict[int, int]) -> None:
+        self.plan, self.events = plan, []  # type: ignore[var-annotated]
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx in self.plan:
+            set_divisor(trainer, self.plan[batch_idx])
+        self.batch_idx = batch_idx
+
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.events.append(("zero", self.batch_idx))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.events.append(("step", self.batch_idx))
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Any) -> None:
+        self.events.append(("divided_by", round(float(pl_module.raw_loss / loss.detach()))))
+
+
+class RawLossModel(TokenModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.raw_loss = loss.detach()
+        return loss
+
+
+def test_lightning_loop_arithmetic() -> None:
+    # 11 batches; windows: [0, 1] (value 2), [2..4] (value 2 + 3 = 5), [5..9] (value 5 + 5 = 10), [10] (last)
+    recorder = Recorder({0: 2, 2: 5, 5: 10})
+    trainer(callbacks=[recorder], max_epochs=1).fit(RawLossModel(), loader(TokenData(44), 4))
+    steps = [i for what, i in recorder.events if what == "step"]
+    zeros = [i for what, i in recorder.events if what == "zero"]
+    divided = [d for what, d in recorder.events if what == "divided_by"]
+    assert steps == [1, 4, 9, 10]
+    assert zeros == [0, 10]  # Lightning zeroes only at multiples of the value; the package zeroes 2 and 5
+    assert divided == [2, 2, 5, 5, 5, 10, 10, 10, 10, 10, 10]

@@ -1,0 +1,85 @@
+"""Window accounting and the fused gradient ops, against direct computations."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_accum import gradients
+from lightning_accum.window import Window
+
+
+@given(
+    divisor=st.integers(1, 1000),
+    world=st.integers(1, 8),
+    micro=st.integers(1, 64),
+    items=st.integers(1, 10**9),
+)
+def test_gradient_scale_is_the_exact_rational(divisor: int, world: int, micro: int, items: int) -> None:
+    window = Window(k=micro, divisor=divisor)
+    mean = window.gradient_scale("mean", world_size=world, global_microbatches=micro * world)
+    assert mean == float(Fraction(divisor * world, micro * world))
+    tokens = window.gradient_scale("items", world_size=world, global_items=items)
+    assert tokens == float(Fraction(divisor * world, items))
+
+
+def test_window_counts_python_and_device_items() -> None:
+    window = Window(k=3)
+    window.add(4, 10)
+    window.add(4, torch.tensor(7))
+    window.add(2, torch.tensor(5.0))
+    assert (window.microbatches, window.samples, window.local_items(), window.full) == (3, 10, 22, True)
+    restored = Window.from_state_dict(window.state_dict())
+    assert restored == window
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, torch.tensor(-3), torch.tensor(2.5)])
+def test_window_rejects_bad_counts(bad: object) -> None:
+    window = Window(k=2)
+    with pytest.raises(ValueError, match=r"`count\(batch\)` returned"):
+        window.add(1, bad)  # type: ignore[arg-type]
+        window.local_items()
+
+
+def test_unknown_normalize() -> None:
+    with pytest.raises(ValueError, match="normalize"):
+        Window(k=1).gradient_scale("median")
+
+
+def make_params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]
+    params.append(torch.nn.Parameter(torch.randn(5)))  # no grad
+    for p in params[:2]:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def test_scale_and_zero_touch_existing_grads_only() -> None:
+    params = make_params()
+    before = [p.grad.clone() for p in params[:2]]  # type: ignore[union-attr]
+    grads = gradients.grads_of(params)
+    gradients.scale_(grads, 0.25)
+    for p, b in zip(params[:2], before, strict=True):
+        assert torch.equal(p.grad, b * 0.25)  # type: ignore[arg-type]
+    assert params[2].grad is None
+    gradients.zero_(grads)
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+    assert all(p.grad is g for p, g in zip(params[:2], grads, strict=True))  # buffers kept
+
+
+def test_snapshot_and_restore() -> None:
+    params = make_params()
+    saved = gradients.snapshot(params)
+    expected = [None if g is None else g.clone() for g in saved]
+    for p in params:
+        p.grad = None
+    gradients.restore(params, saved)
+    for p, e in zip(params, expected, strict=True):
+        assert (p.grad is None and e is None) or torch.equal(p.grad, e)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="same model and optimizer"):
+        gradients.restore(params[:2], saved)
