@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_accum import Progress, Schedule
+from lightning_accum import AccumulationMixin, Progress, Schedule
 
 Batch = dict[str, Tensor]
 
@@ -92,6 +92,8 @@ class TokenModel(pl.LightningModule):
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "plain-sgd":
+        return torch.optim.SGD(params, lr=lr)
     return torch.optim.Adam(params, lr=lr)
 
 
@@ -249,4 +251,58 @@ class ResumableLoader(DataLoader[Batch]):
         return {"consumed": self._yielded}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._skip = state["consumed"]
+        self._skip = state["consumed"] if state["consumed"] < len(self) else 0  # a finished epoch starts anew
+
+
+class ManualTokenModel(AccumulationMixin, pl.LightningModule):
+    """TokenModel's loss, back-propagated through the mixin in one of several equivalent ways.
+
+    ``mode``: ``"backward"`` (one pass), ``"items_arg"`` (a token-mean loss with ``items=``),
+    ``"each"`` (the tokens split in two tasks, each with its own forward), ``"heads"`` (the
+    net's first layers as a shared trunk, the last layer applied by two heads on the split).
+    Every mode yields the same gradient as ``"backward"``.
+    """
+
+    def __init__(
+        self,
+        mode: str = "backward",
+        reduction: str = "mean",
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+        scheduler_frequency: int = 1,
+        **accumulation: Any,
+    ) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.mode, self.reduction = mode, reduction
+        self.lr, self.optimizer_name = lr, optimizer
+        self.scheduler, self.scheduler_frequency = scheduler, scheduler_frequency
+        self.configure_accumulation(**accumulation)
+
+    def _split_losses(self, out: Tensor, batch: Batch) -> list[Tensor]:
+        err = (out - batch["y"]).squeeze(-1) ** 2 * batch["mask"]
+        norm = 1.0 if self.reduction == "sum" else batch["mask"].sum()
+        return [err[:, :2].sum() / norm, err[:, 2:].sum() / norm]
+
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        with self.accumulate(batch) as acc:
+            if self.mode == "backward":
+                total, tokens = token_losses(self.net, batch)
+                acc.backward(total if self.reduction == "sum" else total / tokens)
+            elif self.mode == "items_arg":
+                total, tokens = token_losses(self.net, batch)
+                acc.backward(total / tokens, items=tokens)
+            elif self.mode == "each":
+                acc.backward_each([lambda i=i: self._split_losses(self.net(batch["x"]), batch)[i] for i in (0, 1)])
+            else:
+                trunk, last = self.net[:2], self.net[2]
+                heads = [lambda f, i=i: self._split_losses(last(f), batch)[i] for i in (0, 1)]
+                acc.backward_heads(trunk(batch["x"]), heads)
+
+    def configure_optimizers(self) -> Any:
+        opt = make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
+        if self.scheduler is None:
+            return opt
+        config = {"scheduler": self.scheduler(opt), "interval": "step", "frequency": self.scheduler_frequency}
+        return {"optimizer": opt, "lr_scheduler": config}

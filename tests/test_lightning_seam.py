@@ -1,4 +1,4 @@
-"""Fails if Lightning changes the loop arithmetic that `callbacks/_seam.py` relies on."""
+"""Fails if Lightning changes the loop arithmetic that `lightning_accum/_seam.py` relies on."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from helpers import TokenData, TokenModel, loader, trainer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_accum.callbacks._seam import set_divisor
+from lightning_accum._seam import set_divisor
 from lightning_accum.window import lightning_divisor
 
 

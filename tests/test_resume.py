@@ -32,20 +32,32 @@ def run(ckpt_dir: Path | None = None, resume: Path | None = None) -> TokenModel:
     model = TokenModel(reduction="sum", scheduler=scheduler, optimizer="adam", lr=0.01)
     callbacks = [AccumulationScheduler(SCHEDULE, normalize="items", count=count_tokens, lr_scaling="sqrt")]
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1, filename="{step}"))
+        callbacks.append(
+            ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
+        )
     t = trainer(callbacks=callbacks, max_epochs=3, enable_checkpointing=ckpt_dir is not None)
     t.fit(model, ResumableLoader(TokenData(50), 4), ckpt_path=resume)
     return model
 
 
-@pytest.mark.parametrize("stop_step", [2, 5, 9])  # inside the ramp; mid-epoch; in the second epoch
-def test_resume_equals_uninterrupted(tmp_path: Path, stop_step: int) -> None:
+def checkpoint_at(directory: Path, stop: int | str) -> Path:
+    """The checkpoint after optimizer step ``stop``, or after the last step of epoch 0."""
+    steps = {int(p.stem.split("step=")[1]): p for p in directory.glob("*.ckpt")}
+    if stop == "epoch_end":
+        stop = max(int(p.stem.split("step=")[1]) for p in directory.glob("epoch=0-*.ckpt"))
+    return steps[int(stop)]
+
+
+# inside the ramp; mid-epoch; in the second epoch; at an epoch's end
+@pytest.mark.parametrize("stop", [2, 5, 9, "epoch_end"])
+def test_resume_equals_uninterrupted(tmp_path: Path, stop: int | str) -> None:
     full = run(ckpt_dir=tmp_path)
-    resumed = run(resume=tmp_path / f"step={stop_step}.ckpt")
+    path = checkpoint_at(tmp_path, stop)
+    resumed = run(resume=path)
     assert max_diff(params_of(resumed), params_of(full)) <= 1e-12
     expected, _ = Reference(
         SCHEDULE, normalize="items", scheduler=scheduler, optimizer="adam", lr=0.01, lr_scaling="sqrt"
     ).run([rank_batches(TokenData(50), 4)] * 3)
     assert max_diff(params_of(full), expected) <= 1e-12
-    state = torch.load(tmp_path / f"step={stop_step}.ckpt", weights_only=False)["callbacks"]["AccumulationScheduler"]
-    assert state["progress"]["step"] == stop_step
+    state = torch.load(path, weights_only=False)["callbacks"]["AccumulationScheduler"]
+    assert state["progress"]["step"] == int(path.stem.split("step=")[1])

@@ -8,12 +8,15 @@ Example::
 """
 
 from lightning_accum.callbacks import AccumulationScheduler
+from lightning_accum.mixin import AccumulationMixin, Accumulator
 from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulationMixin",
     "AccumulationScheduler",
+    "Accumulator",
     "Constant",
     "Lambda",
     "Piecewise",

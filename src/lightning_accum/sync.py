@@ -1,15 +1,26 @@
-"""Strategy integration: which ranks take part, and window counts made global.
+"""Strategy integration: skipping gradient sync inside a window, and making it global at its end.
 
 Every rank must normalise its window by the same global counts, so the local counts are
 summed over ranks once per window, in a single all-reduce of one small integer tensor.
+
+In automatic optimization Lightning itself skips DDP's sync on the non-final micro-batches.
+In manual optimization (the mixin) every backward pass runs under DDP's ``no_sync`` and the
+window's gradients are all-reduced once, explicitly, when it closes: one collective round per
+optimizer step whatever the number of backward passes per micro-batch, and no dependence on
+``find_unused_parameters``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
+
+BUCKET_BYTES = 25 * 2**20  # like DDP's default bucket: bounds the transient flat buffer
 
 
 def world_size(strategy: Any) -> int:
@@ -28,3 +39,63 @@ def sum_over_ranks(strategy: Any, values: Sequence[int]) -> list[int]:
 def is_deepspeed(strategy: Any) -> bool:
     """Whether the strategy owns gradient accumulation itself (DeepSpeed does)."""
     return bool(getattr(strategy, "handles_gradient_accumulation", False))
+
+
+@contextlib.contextmanager
+def no_backward_sync(strategy: Any, enabled: bool = True) -> Iterator[None]:
+    """Backward passes inside skip DDP's gradient all-reduce (nothing to skip on one device)."""
+    block = getattr(strategy, "block_backward_sync", None)
+    if not enabled or block is None or world_size(strategy) == 1:
+        yield
+        return
+    with block():
+        yield
+
+
+def all_reduce_gradients(strategy: Any, params: Sequence[Tensor], present_anywhere: Sequence[int]) -> int:
+    """Average the gradients of ``params`` over ranks, in flat buckets; returns the collectives used.
+
+    ``present_anywhere[i]`` says on how many ranks ``params[i]`` has a gradient (from the window's
+    count all-reduce): a parameter with a gradient on some rank gets zeros where it has none, so
+    that every rank reduces the same buffers; one with a gradient nowhere stays ``None``.
+    """
+    world = world_size(strategy)
+    if world == 1:
+        return 0
+    grads: list[Tensor] = []
+    for p, present in zip(params, present_anywhere, strict=True):
+        if present:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    calls = 0
+    for bucket in _buckets(grads):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        _all_reduce_sum(flat)
+        flat.div_(world)
+        for g, piece in zip(bucket, torch.split(flat, [g.numel() for g in bucket]), strict=True):
+            g.copy_(piece.view_as(g))
+        calls += 1
+    return calls
+
+
+def _all_reduce_sum(flat: Tensor) -> None:
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+
+
+def _buckets(grads: Sequence[Tensor]) -> Iterator[list[Tensor]]:
+    """Same-device, same-dtype groups of at most ``BUCKET_BYTES``, in parameter order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for group in groups.values():
+        bucket: list[Tensor] = []
+        size = 0
+        for g in group:
+            if bucket and size + g.numel() * g.element_size() > BUCKET_BYTES:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+        if bucket:
+            yield bucket

@@ -100,6 +100,20 @@ class Window:
         return window
 
 
+def batch_size(batch: Any) -> int:
+    """Samples in a micro-batch: dim 0 of its first tensor (fast path), else Lightning's search."""
+    first = batch
+    while isinstance(first, list | tuple) and first:
+        first = first[0]
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    if isinstance(first, Tensor) and first.ndim:
+        return len(first)
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    return extract_batch_size(batch)
+
+
 def check_item_count(value: object) -> int:
     """An item count as an ``int >= 0``, or a clear error naming ``count``."""
     if isinstance(value, float) and value.is_integer():

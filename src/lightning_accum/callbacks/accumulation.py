@@ -10,29 +10,16 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accum import gradients, sync
-from lightning_accum.callbacks._seam import set_divisor, zero_grad_like_lightning
+from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.schedules import Progress, Schedule, as_schedule
-from lightning_accum.window import NORMALIZE, Normalize, Window, lightning_divisor
+from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size, lightning_divisor
 
 LRScaling = Literal["linear", "sqrt"]
-
-
-def batch_size(batch: Any) -> int:
-    """Samples in a micro-batch: dim 0 of its first tensor (fast path), else Lightning's search."""
-    first = batch
-    while isinstance(first, (list, tuple)) and first:
-        first = first[0]
-    if isinstance(first, dict) and first:
-        first = next(iter(first.values()))
-    if isinstance(first, Tensor) and first.ndim:
-        return len(first)
-    return extract_batch_size(batch)
 
 
 class AccumulationScheduler(Callback):

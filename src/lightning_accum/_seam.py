@@ -1,4 +1,4 @@
-"""The one place that leans on how Lightning's automatic loop decides to step and zero.
+"""The one place that leans on Lightning's loop internals.
 
 Lightning 2.x (read off 2.6) steps the optimizer after the batch where
 ``(batch_idx + 1) % trainer.accumulate_grad_batches == 0`` (or the epoch's last batch), zeroes
@@ -28,3 +28,13 @@ def zero_grad_like_lightning(trainer: Any, pl_module: Any, batch_idx: int, optim
         callback.on_before_zero_grad(trainer, pl_module, optimizer)
     pl_module.on_before_zero_grad(optimizer)
     pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+
+
+def epoch_ends_after_this_batch(trainer: Any) -> bool:
+    """Whether the batch being trained is the epoch's last (data exhausted or the batch limit).
+
+    ``trainer.is_last_batch`` comes from the prefetching data fetcher; the batch index, which
+    only the epoch loop holds, covers ``limit_train_batches``.
+    """
+    batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+    return bool(trainer.is_last_batch) or batch_idx + 1 >= trainer.num_training_batches

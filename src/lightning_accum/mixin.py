@@ -1,0 +1,472 @@
+"""``AccumulationMixin``: exact, scheduled accumulation for manual optimization.
+
+The mixin owns the windows (one per optimizer group), scales each backward pass, skips DDP's
+sync inside the window, and at the window's end makes the gradient global, normalises it,
+clips it, steps the optimizers and their step-interval LR schedulers, and resets the
+gradients. A small callback it attaches through ``configure_callbacks`` does the work that
+must happen inside Lightning's optimizer step (after AMP unscaling) and carries the state in
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_accum import _seam, gradients, multitask, sync
+from lightning_accum.schedules import Progress, Schedule, as_schedule
+from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size
+
+if TYPE_CHECKING:  # the mixin is only ever used in front of a LightningModule
+    _ModuleBase = pl.LightningModule
+else:
+    _ModuleBase = object
+
+Reset = Literal["zero", "none"]
+GroupKey = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationConfig:
+    """What :meth:`AccumulationMixin.configure_accumulation` was given, validated."""
+
+    schedule: Schedule
+    normalize: str = "mean"
+    count: Callable[[Any], int | Tensor] | None = None
+    reset: str = "zero"
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    lr_scaling: str | None = None
+    log: bool = True
+
+
+@dataclasses.dataclass
+class _Group:
+    """Accumulation state of the optimizers that step together."""
+
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    window: Window | None = None
+    first_k: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "progress": dataclasses.asdict(self.progress),
+            "window": None if self.window is None else self.window.state_dict(),
+            "first_k": self.first_k,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> _Group:
+        window = state.get("window")
+        return cls(
+            progress=Progress(**state["progress"]),
+            window=None if window is None else Window.from_state_dict(window),
+            first_k=state.get("first_k"),
+        )
+
+
+class Accumulator:
+    """What ``with self.accumulate(batch) as acc`` gives: backward passes into the open window.
+
+    Attributes:
+        k: micro-batches of the window.
+        index: this micro-batch's position in the window (0-based).
+        last: whether the window closes after this micro-batch (``k`` reached or epoch end).
+    """
+
+    def __init__(self, module: AccumulationMixin, window: Window, last: bool) -> None:
+        self._module = module
+        self._window = window
+        self.k = window.k
+        self.index = window.microbatches
+        self.last = last
+        self.items: int | Tensor | None = None
+        self.passes = 0
+        self._open = True
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError(
+                "`acc.backward*` was called outside its `with self.accumulate(batch) as acc:` block; "
+                "call it inside the block, which closes the window on exit."
+            )
+
+    def _backward(self, loss: Tensor) -> None:
+        """``manual_backward(loss / divisor)`` with DDP's sync skipped (the window syncs at its end)."""
+        module = self._module
+        with sync.no_backward_sync(module.trainer.strategy):
+            module.manual_backward(loss / self._window.divisor)
+        self.passes += 1
+
+    def _add_items(self, items: int | Tensor | None) -> None:
+        if items is not None:
+            self.items = items if self.items is None else self.items + items
+
+    def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
+        """Back-propagate one loss into the window.
+
+        With ``normalize="items"``, ``loss`` is a sum over the micro-batch's items; or pass a mean
+        loss with ``items=n`` and it is weighted by ``n``.
+        """
+        self._check_open()
+        loss = multitask.check_loss(loss, "the loss passed to `acc.backward`")
+        self._backward(loss if items is None else loss * items)
+        self._add_items(items)
+
+    def backward_each(
+        self,
+        closures: Sequence[Callable[[], Tensor]],
+        weights: Sequence[float] | None = None,
+        *,
+        grad_norms: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Run each closure's forward and backward in turn: one task graph alive at a time.
+
+        Returns the detached per-task losses, and with ``grad_norms=True`` also the L2 norm of
+        each task's weighted gradient (one gradient copy per task).
+        """
+        self._check_open()
+        params = self._module._accum_params() if grad_norms else None
+        losses, norms = multitask.backward_each(self._backward, closures, weights, grad_norms_of=params)
+        return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
+
+    def backward_heads(
+        self,
+        features: Tensor,
+        heads: Sequence[Callable[[Tensor], Tensor]],
+        weights: Sequence[float] | None = None,
+    ) -> Tensor:
+        """Shared trunk: each head back-propagates into a detached copy of ``features`` in turn,
+        then the trunk back-propagates once with the summed feature gradient. Peak memory is the
+        trunk's graph plus the largest head's. Returns the detached per-head losses."""
+        self._check_open()
+
+        def trunk_backward(features: Tensor, grad: Tensor) -> None:
+            with sync.no_backward_sync(self._module.trainer.strategy):
+                multitask._autograd_backward(features, grad)
+            self.passes += 1
+
+        return multitask.backward_heads(self._backward, features, heads, weights, trunk_backward=trunk_backward)
+
+
+class AccumulationMixin(_ModuleBase):
+    """Manual-optimization accumulation: ``class Model(AccumulationMixin, LightningModule)``.
+
+    Sets ``automatic_optimization = False``. Configure once with :meth:`configure_accumulation`
+    (the same schedules as :class:`~lightning_accum.AccumulationScheduler`), then in
+    ``training_step`` wrap the backward passes in :meth:`accumulate`. The optimizers are stepped,
+    their step-interval LR schedulers stepped and the gradients reset by the mixin at each
+    window's end; do not call ``optimizer.step()`` or ``zero_grad()`` yourself.
+
+    If the model overrides ``configure_callbacks`` or ``on_validation_model_zero_grad``, it must
+    call ``super()``.
+
+    Example::
+
+        class Model(AccumulationMixin, pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Linear(4, 1)
+                self.configure_accumulation(Ramp(1, 8, over=10_000), gradient_clip_val=1.0)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                with self.accumulate(batch) as acc:
+                    acc.backward(torch.nn.functional.mse_loss(self.net(x), y))
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+        self._accum_config = AccumulationConfig(schedule=as_schedule(1))
+        self._accum_groups: dict[GroupKey, _Group] = {}
+        self._accum_driver = _MixinDriver(self)
+
+    def configure_accumulation(
+        self,
+        schedule: Schedule | int | Mapping[int, int] = 1,
+        *,
+        normalize: Normalize = "mean",
+        count: Callable[[Any], int | Tensor] | None = None,
+        reset: Reset = "zero",
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        lr_scaling: Literal["linear", "sqrt"] | None = None,
+        log: bool = True,
+    ) -> None:
+        """Set the schedule and the window-end policy.
+
+        Args:
+            schedule: a :class:`~lightning_accum.Schedule`, an ``int`` or an epoch-keyed ``dict``.
+            normalize: ``"mean"`` (mean of the window's micro-batch gradients over ranks) or
+                ``"items"`` (losses are sums over items; divide by the global item count).
+            count: ``count(batch)`` items in a micro-batch; for ``"items"`` either this or
+                ``acc.backward(loss, items=n)``.
+            reset: after each step, ``"zero"`` the gradients (keep the buffers) or set them to ``None``.
+            gradient_clip_val: clip the normalised window gradient to this norm (or value).
+            gradient_clip_algorithm: ``"norm"`` or ``"value"``.
+            lr_scaling: ``"linear"`` or ``"sqrt"``: LR times ``k / k_first`` (or its root) for each step.
+            log: log ``accum/k``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``.
+        """
+        if normalize not in NORMALIZE:
+            raise ValueError(f"`normalize` must be 'mean' or 'items'; got {normalize!r}.")
+        if count is not None and not callable(count):
+            raise TypeError(f"`count` must be a function count(batch) -> int; got {count!r}.")
+        if reset not in ("zero", "none"):
+            raise ValueError(f"`reset` must be 'zero' or 'none'; got {reset!r}.")
+        if gradient_clip_val is not None and (not isinstance(gradient_clip_val, int | float) or gradient_clip_val <= 0):
+            raise ValueError(f"`gradient_clip_val` must be a number > 0 or None; got {gradient_clip_val!r}.")
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"`gradient_clip_algorithm` must be 'norm' or 'value'; got {gradient_clip_algorithm!r}.")
+        if lr_scaling not in (None, "linear", "sqrt"):
+            raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
+        schedule = as_schedule(schedule)
+        if schedule.unit == "items" and count is None:
+            raise ValueError(f"The schedule {schedule!r} counts items, so `count` is needed (count(batch) -> int).")
+        self._accum_config = AccumulationConfig(
+            schedule, normalize, count, reset, gradient_clip_val, gradient_clip_algorithm, lr_scaling, log
+        )
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def configure_callbacks(self) -> Sequence[Callback] | Callback:
+        callbacks = super().configure_callbacks()  # type: ignore[misc]
+        callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
+        return [*callbacks, self._accum_driver]
+
+    def on_validation_model_zero_grad(self) -> None:
+        """Lightning zeroes gradients before validation; keep them while a window is open."""
+        if not any(g.window is not None and g.window.microbatches for g in self._accum_groups.values()):
+            super().on_validation_model_zero_grad()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ windows
+    @property
+    def accumulation_progress(self) -> Progress:
+        """:class:`Progress` of the window group of all optimizers (or the only group)."""
+        group = self._accum_groups.get(self._accum_key(None))
+        return Progress() if group is None else group.progress
+
+    @contextlib.contextmanager
+    def accumulate(self, batch: Any, optimizer: Any = None) -> Iterator[Accumulator]:
+        """Open (or continue) the window and yield an :class:`Accumulator` for this micro-batch.
+
+        ``optimizer`` picks the window: ``None`` for one window shared by all optimizers, or an
+        optimizer (or its index, or a list of them) for a window of its own. On exit at the
+        window's last micro-batch the window is closed: gradients all-reduced (DDP), normalised,
+        clipped, the optimizers stepped with their step-interval schedulers, gradients reset.
+        """
+        trainer = self.trainer  # type: ignore[attr-defined]
+        self._accum_check(trainer)
+        key = self._accum_key(optimizer)
+        group = self._accum_groups.setdefault(key, _Group())
+        if group.window is None:
+            self._accum_open(trainer, group)
+        assert group.window is not None
+        window = group.window
+        last = window.microbatches + 1 >= window.k or _seam.epoch_ends_after_this_batch(trainer)
+        acc = Accumulator(self, window, last)
+        try:
+            yield acc
+        finally:
+            acc._open = False
+        window.add(batch_size(batch), self._accum_items(acc, batch))
+        if last:
+            self._accum_close(trainer, key, group)
+
+    def _accum_check(self, trainer: Any) -> None:
+        if self.automatic_optimization:
+            raise RuntimeError(
+                "`AccumulationMixin` drives manual optimization, but `automatic_optimization` is True: remove "
+                "`self.automatic_optimization = True`, or use the `AccumulationScheduler` callback instead."
+            )
+        if self._accum_driver not in trainer.callbacks:
+            raise RuntimeError(
+                "The AccumulationMixin's callback is not attached: an override of `configure_callbacks` must "
+                "include `super().configure_callbacks()` in what it returns."
+            )
+
+    def _accum_optimizers(self) -> list[Any]:
+        optimizers = self.optimizers()  # type: ignore[attr-defined]
+        return list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
+
+    def _accum_key(self, optimizer: Any) -> GroupKey:
+        optimizers = self._accum_optimizers() if self._trainer_attached() else []
+        if optimizer is None:
+            return tuple(range(len(optimizers)))
+        wanted = optimizer if isinstance(optimizer, list | tuple) else [optimizer]
+        key = []
+        for o in wanted:
+            if isinstance(o, int) and 0 <= o < len(optimizers):
+                key.append(o)
+                continue
+            raw = getattr(o, "optimizer", o)
+            matches = [i for i, lo in enumerate(optimizers) if lo is o or lo.optimizer is raw]
+            if not matches:
+                raise ValueError(f"`optimizer` must be one of `self.optimizers()` or its index; got {o!r}.")
+            key.append(matches[0])
+        return tuple(sorted(set(key)))
+
+    def _trainer_attached(self) -> bool:
+        return getattr(self, "_trainer", None) is not None
+
+    def _accum_params(self, key: GroupKey | None = None) -> list[Tensor]:
+        optimizers = self._accum_optimizers()
+        chosen = range(len(optimizers)) if key is None else key
+        return [p for i in chosen for p in gradients.optimizer_params(optimizers[i].optimizer)]
+
+    def _accum_open(self, trainer: Any, group: _Group) -> None:
+        epoch = trainer.current_epoch
+        if group.progress.epoch != epoch:
+            group.progress = dataclasses.replace(group.progress, epoch=epoch)
+        k = self._accum_config.schedule(group.progress)
+        if group.first_k is None:
+            group.first_k = k
+        group.window = Window(k=k, start=trainer.fit_loop.epoch_loop.batch_idx, divisor=k)
+
+    def _accum_items(self, acc: Accumulator, batch: Any) -> int | Tensor:
+        config = self._accum_config
+        if acc.items is not None:
+            return acc.items
+        if config.count is not None:
+            return config.count(batch)
+        if config.normalize == "items":
+            raise ValueError(
+                "`normalize='items'` needs the micro-batch's item count: give `count=` to "
+                "`configure_accumulation`, or call `acc.backward(loss, items=n)`."
+            )
+        return batch_size(batch)
+
+    def _accum_close(self, trainer: Any, key: GroupKey, group: _Group) -> None:
+        config, window, strategy = self._accum_config, group.window, trainer.strategy
+        assert window is not None
+        params = self._accum_params(key)
+        local = [window.microbatches, window.samples, window.local_items()]
+        world = sync.world_size(strategy)
+        if world > 1:
+            counts = sync.sum_over_ranks(strategy, local + [int(p.grad is not None) for p in params])
+            sync.all_reduce_gradients(strategy, params, counts[3:])
+        else:
+            counts = local
+        scale = window.gradient_scale(
+            config.normalize, world_size=world, global_microbatches=counts[0], global_items=counts[2]
+        )
+        optimizers = self._accum_optimizers()
+        stepped = [optimizers[i] for i in key]
+        lr_factor = 1.0
+        if config.lr_scaling is not None and group.first_k:
+            ratio = window.k / group.first_k
+            lr_factor = ratio if config.lr_scaling == "linear" else math.sqrt(ratio)
+        for optimizer in stepped:
+            self._accum_driver.pending[id(optimizer.optimizer)] = scale
+            saved = [g["lr"] for g in optimizer.param_groups]
+            if lr_factor != 1.0:
+                for g in optimizer.param_groups:
+                    g["lr"] = g["lr"] * lr_factor
+            try:
+                optimizer.step()
+            finally:
+                for g, lr in zip(optimizer.param_groups, saved, strict=True):
+                    g["lr"] = lr
+            if self._accum_driver.pending.pop(id(optimizer.optimizer), None) is not None:
+                raise RuntimeError(
+                    "The window's gradient was not normalised: Lightning did not call the callbacks' "
+                    "`on_before_optimizer_step` during `optimizer.step()`."
+                )
+        step = group.progress.step + 1
+        self._accum_step_schedulers(trainer, [o.optimizer for o in stepped], step)
+        for optimizer in stepped:
+            if config.reset == "none":
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                gradients.zero_(gradients.grads_of(gradients.optimizer_params(optimizer.optimizer)))
+        group.progress = Progress(
+            epoch=trainer.current_epoch,
+            step=step,
+            samples=group.progress.samples + counts[1],
+            items=group.progress.items + counts[2],
+            microbatches=group.progress.microbatches + window.microbatches,
+        )
+        group.window = None
+        every = trainer.log_every_n_steps
+        if config.log and (step % every == 0 or step == 1):
+            prefix = "accum/" if len(self._accum_groups) == 1 else f"accum/opt{'_'.join(map(str, key))}/"
+            log = self.log  # type: ignore[attr-defined]
+            log(f"{prefix}k", float(window.k), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+            for name, value in (
+                ("effective_batch", counts[1]),
+                ("samples", group.progress.samples),
+                ("items", group.progress.items),
+            ):
+                log(f"{prefix}{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
+
+    def _accum_step_schedulers(self, trainer: Any, optimizers: list[Optimizer], step: int) -> None:
+        """Step the step-interval LR schedulers of these optimizers, every ``frequency`` steps."""
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if config.interval != "step" or config.reduce_on_plateau:
+                continue
+            if getattr(scheduler, "optimizer", None) in optimizers and step % config.frequency == 0:
+                self.lr_scheduler_step(scheduler, None)  # type: ignore[attr-defined]
+
+
+class _MixinDriver(Callback):
+    """The mixin's part inside Lightning's loop: validation at fit start, the rescale and
+    clipping inside ``optimizer.step()`` (after AMP unscaling), and checkpoint state."""
+
+    def __init__(self, module: AccumulationMixin) -> None:
+        self.module = module
+        self.pending: dict[int, float] = {}
+        self._saved_grads: list[Tensor | None] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return "AccumulationMixin"
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.module._accum_check(trainer)
+        if sync.is_deepspeed(trainer.strategy):
+            raise RuntimeError(
+                f"`AccumulationMixin` does not support `{type(trainer.strategy).__name__}` yet: DeepSpeed owns "
+                "gradient accumulation. Use DDP or FSDP."
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._saved_grads is not None:
+            gradients.restore(self.module._accum_params(), self._saved_grads)
+            self._saved_grads = None
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        scale = self.pending.pop(id(optimizer), None)
+        if scale is None:
+            return
+        gradients.scale_(gradients.grads_of(gradients.optimizer_params(optimizer)), scale)
+        config = self.module._accum_config
+        if config.gradient_clip_val is not None:
+            pl_module.clip_gradients(
+                optimizer,
+                gradient_clip_val=config.gradient_clip_val,
+                gradient_clip_algorithm=config.gradient_clip_algorithm,
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        groups = self.module._accum_groups
+        state: dict[str, Any] = {"groups": {",".join(map(str, key)): g.state_dict() for key, g in groups.items()}}
+        if any(g.window is not None and g.window.microbatches for g in groups.values()):
+            state["grads"] = gradients.snapshot(self.module._accum_params())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.module._accum_groups = {
+            tuple(int(i) for i in key.split(",") if i): _Group.from_state_dict(g)
+            for key, g in state_dict["groups"].items()
+        }
+        self._saved_grads = state_dict.get("grads")

@@ -1,0 +1,114 @@
+"""Sequential backward: several losses back-propagated one at a time, one graph alive at once.
+
+``(loss_a + loss_b).backward()`` keeps every task's graph alive until the joint backward.
+Back-propagating each task right after its forward frees its graph before the next task's
+forward, so the peak holds one graph. With a shared trunk, the heads run on a detached leaf
+copy of the trunk's output; each head back-propagates into it, and the trunk back-propagates
+once with the summed feature gradient: the peak holds the trunk's graph plus one head's.
+
+Both functions take the ``backward`` to use (the mixin's, which scales and skips DDP sync),
+so the arithmetic here is plain autograd and is tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+Backward = Callable[[Tensor], None]
+
+
+def _weights(weights: Sequence[float] | None, n: int, what: str) -> list[float]:
+    if weights is None:
+        return [1.0] * n
+    if len(weights) != n:
+        raise ValueError(f"`weights` has {len(weights)} entries for {n} {what}; give one weight per {what[:-1]}.")
+    return [float(w) for w in weights]
+
+
+def check_loss(loss: object, label: str) -> Tensor:
+    """``loss`` as a scalar tensor with a graph, or a ``ValueError`` that says what ``label`` gave."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"{label} is {what}; it must be a scalar loss tensor.")
+    if not loss.requires_grad:
+        raise ValueError(
+            f"{label} does not require grad; compute it from the model's outputs "
+            "(not under `torch.no_grad()`, not `.detach()`-ed)."
+        )
+    return loss.reshape(())
+
+
+def backward_each(
+    backward: Backward,
+    closures: Sequence[Callable[[], Tensor]],
+    weights: Sequence[float] | None = None,
+    *,
+    grad_norms_of: Sequence[Tensor] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Run each closure's forward and ``backward(w_i * loss_i)`` in turn.
+
+    Returns the detached per-task losses and, when ``grad_norms_of`` gives parameters, the L2
+    norm of each task's weighted gradient on them (this costs one gradient copy per task).
+    """
+    ws = _weights(weights, len(closures), "closures")
+    losses, norms = [], []
+    for i, (closure, w) in enumerate(zip(closures, ws, strict=True)):
+        before = None if grad_norms_of is None else _grad_copy(grad_norms_of)
+        loss = check_loss(closure(), f"the loss of closure {i}")
+        backward(loss * w if w != 1.0 else loss)
+        losses.append(loss.detach())
+        if before is not None:
+            norms.append(_increment_norm(grad_norms_of, before))  # type: ignore[arg-type]
+    return torch.stack(losses), (torch.stack(norms) if norms else None)
+
+
+def backward_heads(
+    backward: Backward,
+    features: Tensor,
+    heads: Sequence[Callable[[Tensor], Tensor]],
+    weights: Sequence[float] | None = None,
+    *,
+    trunk_backward: Callable[[Tensor, Tensor], None] | None = None,
+) -> Tensor:
+    """Back-propagate each head into a detached copy of ``features``, then the trunk once.
+
+    ``heads[i](features) -> loss_i``. Gradients equal those of ``sum(w_i * loss_i).backward()``.
+    ``trunk_backward(features, grad)`` runs the trunk's pass (default: plain autograd); the
+    feature gradient already carries whatever scaling ``backward`` applied to the head losses.
+    """
+    if not isinstance(features, Tensor) or not features.requires_grad:
+        raise ValueError(
+            "`features` must be the trunk's output tensor, with its graph (it does not require grad); "
+            "pass the trunk's output before any `.detach()`."
+        )
+    ws = _weights(weights, len(heads), "heads")
+    leaf = features.detach().requires_grad_(True)
+    losses = []
+    for i, (head, w) in enumerate(zip(heads, ws, strict=True)):
+        loss = check_loss(head(leaf), f"the loss of head {i}")
+        backward(loss * w if w != 1.0 else loss)
+        losses.append(loss.detach())
+    if leaf.grad is not None:
+        (trunk_backward or _autograd_backward)(features, leaf.grad)
+    return torch.stack(losses)
+
+
+def _autograd_backward(features: Tensor, grad: Tensor) -> None:
+    torch.autograd.backward(features, grad_tensors=grad)
+
+
+def _grad_copy(params: Sequence[Tensor]) -> list[Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def _increment_norm(params: Sequence[Tensor], before: Sequence[Tensor | None]) -> Tensor:
+    total = torch.zeros((), dtype=torch.float64)
+    for p, b in zip(params, before, strict=True):
+        if p.grad is None:
+            continue
+        delta = p.grad.detach() if b is None else p.grad.detach() - b
+        total = total + delta.double().square().sum().cpu()
+    return total.sqrt()
