@@ -11,15 +11,22 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+def run(script: str, *args: str) -> str:
+    command = [sys.executable, str(EXAMPLES / script), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+
+
 @pytest.mark.slow
 def test_quickstart() -> None:
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / "quickstart.py"), "--epochs", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    out = run("quickstart.py", "--epochs", "1")
     lines = [line for line in out.splitlines() if line.startswith("epoch 0")]
     assert lines[0].split()[5] == "1" and "effective batch   16" in lines[0]
     assert "done:" in out and "validation accuracy" in out
+
+
+@pytest.mark.slow
+def test_multitask() -> None:
+    out = run("multitask.py", "--epochs", "1")
+    assert "optimizer steps" in out
+    joint, heads = (float(part.split(" MiB")[0].split()[-1]) for part in out.split("joint backward")[1].split(","))
+    assert heads < joint

@@ -12,7 +12,9 @@ so the arithmetic here is plain autograd and is tested on its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -112,3 +114,55 @@ def _increment_norm(params: Sequence[Tensor], before: Sequence[Tensor | None]) -
         delta = p.grad.detach() if b is None else p.grad.detach() - b
         total = total + delta.double().square().sum().cpu()
     return total.sqrt()
+
+
+class GraphMemory:
+    """Bytes of tensors saved for backward that are alive, and their peak, while measuring.
+
+    Parameters are not counted (they exist anyway). Use :func:`measure_graph_memory`.
+    """
+
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+        self._exclude = {t.data_ptr() for t in exclude}
+        self.alive = 0
+        self.peak = 0
+
+    def _release(self, nbytes: int) -> None:
+        self.alive -= nbytes
+
+    def _pack(self, tensor: Tensor) -> _Saved:
+        saved = _Saved(tensor)
+        if tensor.data_ptr() not in self._exclude:
+            nbytes = tensor.numel() * tensor.element_size()
+            self.alive += nbytes
+            self.peak = max(self.peak, self.alive)
+            weakref.finalize(saved, self._release, nbytes)
+        return saved
+
+    @staticmethod
+    def _unpack(saved: _Saved) -> Tensor:
+        return saved.tensor
+
+
+class _Saved:
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+@contextlib.contextmanager
+def measure_graph_memory(exclude: Iterable[Tensor] = ()) -> Iterator[GraphMemory]:
+    """Track the autograd graph memory (tensors saved for backward) of the code inside.
+
+    Example::
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        >>> with measure_graph_memory(exclude=net.parameters()) as memory:
+        ...     net(torch.randn(4, 8)).sum().backward()
+        >>> memory.peak > 0, memory.alive
+        (True, 0)
+    """
+    memory = GraphMemory(exclude)
+    with torch.autograd.graph.saved_tensors_hooks(memory._pack, memory._unpack):
+        yield memory

@@ -1,4 +1,5 @@
-"""AccumulationScheduler under DDP: 2 CPU processes (gloo) against the single-process reference.
+"""AccumulationScheduler and AccumulationMixin under DDP: 2 CPU processes (gloo) against the
+single-process reference.
 
 Each run counts the gradient all-reduces with a DDP communication hook and writes, per rank,
 the final parameters, the window sizes and the hook count to a JSON file.
@@ -15,6 +16,7 @@ import pytest
 import torch
 from helpers import (
     KRecorder,
+    ManualTokenModel,
     Reference,
     TokenData,
     TokenModel,
@@ -27,12 +29,13 @@ from helpers import (
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_accum import AccumulationScheduler, Piecewise, Ramp, Schedule
+from lightning_accum import AccumulationScheduler, Piecewise, Ramp, Schedule, sync
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-ALLREDUCES = [0]  # per process
+ALLREDUCES = [0]  # per process: DDP's own gradient all-reduces (comm hook calls)
+EXPLICIT = [0]  # per process: the mixin's explicit gradient all-reduces
 
 
 def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations; none here
@@ -49,12 +52,14 @@ class Report(pl.Callback):
         trainer.strategy.model.register_comm_hook(None, counting_allreduce)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        accum = next(cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler))
+        accum = next((cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)), None)
+        progress = pl_module.accumulation_progress if accum is None else accum.progress  # type: ignore[attr-defined]
         report = {
             "params": [p.detach().tolist() for p in pl_module.parameters()],
             "windows": self.recorder.windows,
             "allreduces": ALLREDUCES[0],
-            "progress": accum.progress.__dict__,
+            "explicit": EXPLICIT[0],
+            "progress": progress.__dict__,
             "steps": trainer.global_step,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
@@ -104,3 +109,49 @@ def test_ddp_matches_single_process_reference(tmp_path: Path, schedule: Schedule
         per_rank = [sum(int(b["mask"].sum()) for b in rank) for rank in rank_batches(data, 4, world=WORLD)]
         assert per_rank[0] != per_rank[1]  # the ranks really differ in token count
         assert reports[0]["progress"]["items"] == 2 * sum(per_rank)
+
+
+def counting_explicit(flat: torch.Tensor, original: Any = sync._all_reduce_sum) -> None:
+    EXPLICIT[0] += 1
+    original(flat)
+
+
+def run_ddp_mixin(
+    tmp_path: Path, schedule: Schedule, normalize: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> list[dict[str, Any]]:
+    monkeypatch.setattr(sync, "_all_reduce_sum", counting_explicit)  # before the fork: the ranks inherit it
+    recorder = KRecorder()
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", find_unused_parameters=False)
+    t = trainer(
+        callbacks=[recorder, Report(tmp_path, recorder)],
+        max_epochs=2,
+        devices=WORLD,
+        strategy=strategy,
+        use_distributed_sampler=False,
+    )
+    reduction = "sum" if normalize == "items" else "mean"
+    model = ManualTokenModel(mode=mode, reduction=reduction, schedule=schedule, normalize=normalize, count=count_tokens)
+    t.fit(model, loader(TokenData(64), 4, sharded=True))
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "normalize"),
+    [
+        ("backward", "mean"),  # one pass per micro-batch
+        ("each", "items"),  # two passes, overlapping parameters
+        ("heads", "mean"),  # head passes reach the last layer only, then the trunk pass
+    ],
+)
+def test_ddp_mixin_one_allreduce_per_step(
+    tmp_path: Path, mode: str, normalize: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    schedule = Piecewise({0: 3, 3: 2}, unit="step")
+    reports = run_ddp_mixin(tmp_path, schedule, normalize, mode, monkeypatch)
+    expected, sizes = Reference(schedule, normalize=normalize).run([rank_batches(TokenData(64), 4, world=WORLD)] * 2)
+    for report in reports:
+        params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+        assert max_diff(params, expected) <= 1e-12
+        assert report["allreduces"] == 0  # DDP's reducer never synced: every pass ran under no_sync
+        assert report["explicit"] == report["steps"] == len(sizes)  # one gradient all-reduce per step
+    assert reports[0]["progress"] == reports[1]["progress"]
