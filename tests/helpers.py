@@ -82,11 +82,16 @@ class TokenModel(pl.LightningModule):
         return total if self.reduction == "sum" else total / tokens
 
     def configure_optimizers(self) -> Any:
-        opt = make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
-        if self.scheduler is None:
-            return opt
-        config = {"scheduler": self.scheduler(opt), "interval": "step", "frequency": self.scheduler_frequency}
-        return {"optimizer": opt, "lr_scheduler": config}
+        return optimizer_config(self)
+
+
+def optimizer_config(module: Any) -> Any:
+    """The optimizer (and step-interval scheduler) a test model asked for."""
+    opt = make_optimizer(module.optimizer_name, module.net.parameters(), module.lr)
+    if module.scheduler is None:
+        return opt
+    config = {"scheduler": module.scheduler(opt), "interval": "step", "frequency": module.scheduler_frequency}
+    return {"optimizer": opt, "lr_scheduler": config}
 
 
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -301,8 +306,4 @@ class ManualTokenModel(AccumulationMixin, pl.LightningModule):
                 acc.backward_heads(trunk(batch["x"]), heads)
 
     def configure_optimizers(self) -> Any:
-        opt = make_optimizer(self.optimizer_name, self.net.parameters(), self.lr)
-        if self.scheduler is None:
-            return opt
-        config = {"scheduler": self.scheduler(opt), "interval": "step", "frequency": self.scheduler_frequency}
-        return {"optimizer": opt, "lr_scheduler": config}
+        return optimizer_config(self)
