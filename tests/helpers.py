@@ -165,12 +165,14 @@ class Reference:
     lr_scaling: str | None = None
     seed: int = 0
     short_window: str = "own"  # "own": divide by its real size; "full": by k, as Lightning's built-in
+    decay: tuple[float, str, bool] | None = None  # (factor, "sum" | "ema", bias_correction)
 
     def run(self, epochs: list[list[list[Batch]]]) -> tuple[list[Tensor], list[int]]:
         net = make_net(seed=self.seed)
         opt = make_optimizer(self.optimizer, net.parameters(), self.lr)
         sched = self.scheduler(opt) if self.scheduler else None
         progress, sizes, first_k = Progress(), [], None
+        residual: list[Tensor] | None = None
         for epoch, ranks in enumerate(epochs):
             n, world, i = len(ranks[0]), len(ranks), 0
             while i < n:
@@ -190,6 +192,13 @@ class Reference:
                             loss = loss + total / tok / ((m if self.short_window == "own" else k) * world)
                 opt.zero_grad()
                 loss.backward()
+                if self.decay is not None:
+                    f, mode, bias = self.decay
+                    for j, p in enumerate(net.parameters()):
+                        g = p.grad if mode == "sum" else (1 - f) * p.grad
+                        p.grad = g if residual is None else g + f * residual[j]
+                        if bias:
+                            p.grad = p.grad / (1 - f ** (progress.step + 1))
                 if self.clip is not None:
                     nn.utils.clip_grad_norm_(net.parameters(), self.clip)
                 saved = [g["lr"] for g in opt.param_groups]
@@ -198,6 +207,10 @@ class Reference:
                     for g in opt.param_groups:
                         g["lr"] *= ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
                 opt.step()
+                if self.decay is not None:
+                    f, _, bias = self.decay
+                    correction = 1 - f ** (progress.step + 1) if bias else 1.0
+                    residual = [p.grad.clone() * correction for p in net.parameters()]
                 for g, lr in zip(opt.param_groups, saved, strict=True):
                     g["lr"] = lr
                 progress = Progress(

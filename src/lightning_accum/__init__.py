@@ -7,7 +7,7 @@ Example::
     4
 """
 
-from lightning_accum.callbacks import AccumulationScheduler
+from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
 from lightning_accum.mixin import AccumulationMixin, Accumulator
 from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
 
@@ -18,6 +18,7 @@ __all__ = [
     "AccumulationScheduler",
     "Accumulator",
     "Constant",
+    "GradientDecay",
     "Lambda",
     "Piecewise",
     "Progress",

@@ -51,19 +51,24 @@ def snapshot(params: Sequence[Tensor]) -> list[Tensor | None]:
     return [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in params]
 
 
-def restore(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> None:
-    """Put gradients saved by :func:`snapshot` back, on each parameter's device and dtype."""
+def placed(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Gradients saved by :func:`snapshot`, checked against ``params`` and moved to their device and dtype."""
     if len(saved) != len(params):
         raise ValueError(
             f"The checkpoint holds gradients for {len(saved)} parameters but the optimizer has {len(params)}; "
             "resume with the same model and optimizer."
         )
+    out: list[Tensor | None] = []
     for p, g in zip(params, saved, strict=True):
-        if g is None:
-            p.grad = None
-            continue
-        if g.shape != p.shape:
+        if g is not None and g.shape != p.shape:
             raise ValueError(
                 f"A saved gradient of shape {tuple(g.shape)} does not fit a parameter of {tuple(p.shape)}."
             )
-        p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
+        out.append(None if g is None else g.to(device=p.device, dtype=p.dtype, copy=True))
+    return out
+
+
+def restore(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> None:
+    """Put gradients saved by :func:`snapshot` back, on each parameter's device and dtype."""
+    for p, g in zip(params, placed(params, saved), strict=True):
+        p.grad = g

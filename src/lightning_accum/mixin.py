@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import _seam, gradients, multitask, sync
+from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.schedules import Progress, Schedule, as_schedule
 from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # the mixin is only ever used in front of a LightningModule
 else:
     _ModuleBase = object
 
-Reset = Literal["zero", "none"]
+Reset = Literal["zero", "none"] | GradientDecay
 GroupKey = tuple[int, ...]
 
 
@@ -41,7 +42,7 @@ class AccumulationConfig:
     schedule: Schedule
     normalize: str = "mean"
     count: Callable[[Any], int | Tensor] | None = None
-    reset: str = "zero"
+    reset: Reset = "zero"
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
     lr_scaling: str | None = None
@@ -210,7 +211,8 @@ class AccumulationMixin(_ModuleBase):
                 ``"items"`` (losses are sums over items; divide by the global item count).
             count: ``count(batch)`` items in a micro-batch; for ``"items"`` either this or
                 ``acc.backward(loss, items=n)``.
-            reset: after each step, ``"zero"`` the gradients (keep the buffers) or set them to ``None``.
+            reset: after each step, ``"zero"`` the gradients (keep the buffers), set them to ``None``,
+                or decay them with a :class:`~lightning_accum.GradientDecay`.
             gradient_clip_val: clip the normalised window gradient to this norm (or value).
             gradient_clip_algorithm: ``"norm"`` or ``"value"``.
             lr_scaling: ``"linear"`` or ``"sqrt"``: LR times ``k / k_first`` (or its root) for each step.
@@ -220,8 +222,8 @@ class AccumulationMixin(_ModuleBase):
             raise ValueError(f"`normalize` must be 'mean' or 'items'; got {normalize!r}.")
         if count is not None and not callable(count):
             raise TypeError(f"`count` must be a function count(batch) -> int; got {count!r}.")
-        if reset not in ("zero", "none"):
-            raise ValueError(f"`reset` must be 'zero' or 'none'; got {reset!r}.")
+        if not (isinstance(reset, GradientDecay) or reset in ("zero", "none")):
+            raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")
         if gradient_clip_val is not None and (not isinstance(gradient_clip_val, int | float) or gradient_clip_val <= 0):
             raise ValueError(f"`gradient_clip_val` must be a number > 0 or None; got {gradient_clip_val!r}.")
         if gradient_clip_algorithm not in ("norm", "value"):
@@ -381,10 +383,12 @@ class AccumulationMixin(_ModuleBase):
                 )
         step = group.progress.step + 1
         self._accum_step_schedulers(trainer, [o.optimizer for o in stepped], step)
+        if isinstance(config.reset, GradientDecay):
+            config.reset.after_step()
         for optimizer in stepped:
             if config.reset == "none":
                 optimizer.zero_grad(set_to_none=True)
-            else:
+            elif config.reset == "zero":
                 gradients.zero_(gradients.grads_of(gradients.optimizer_params(optimizer.optimizer)))
         group.progress = Progress(
             epoch=trainer.current_epoch,
@@ -441,6 +445,20 @@ class _MixinDriver(Callback):
         if self._saved_grads is not None:
             gradients.restore(self.module._accum_params(), self._saved_grads)
             self._saved_grads = None
+        if self.decay is not None:
+            self.decay.attach(trainer.optimizers)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.decay is not None:
+            self.decay.detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_fit_end(trainer, pl_module)
+
+    @property
+    def decay(self) -> GradientDecay | None:
+        reset = self.module._accum_config.reset
+        return reset if isinstance(reset, GradientDecay) else None
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
@@ -449,6 +467,8 @@ class _MixinDriver(Callback):
         if scale is None:
             return
         gradients.scale_(gradients.grads_of(gradients.optimizer_params(optimizer)), scale)
+        if self.decay is not None:
+            self.decay.combine(optimizer)
         config = self.module._accum_config
         if config.gradient_clip_val is not None:
             pl_module.clip_gradients(
@@ -462,6 +482,8 @@ class _MixinDriver(Callback):
         state: dict[str, Any] = {"groups": {",".join(map(str, key)): g.state_dict() for key, g in groups.items()}}
         if any(g.window is not None and g.window.microbatches for g in groups.values()):
             state["grads"] = gradients.snapshot(self.module._accum_params())
+        if self.decay is not None:
+            state["decay"] = self.decay.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -470,3 +492,5 @@ class _MixinDriver(Callback):
             for key, g in state_dict["groups"].items()
         }
         self._saved_grads = state_dict.get("grads")
+        if self.decay is not None and "decay" in state_dict:
+            self.decay.load_state_dict(state_dict["decay"])

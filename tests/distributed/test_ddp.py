@@ -29,7 +29,7 @@ from helpers import (
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_accum import AccumulationScheduler, Piecewise, Ramp, Schedule, sync
+from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise, Ramp, Schedule, sync
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +65,14 @@ class Report(pl.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
-def run_ddp(tmp_path: Path, schedule: Schedule, normalize: str, epochs: int = 2) -> list[dict[str, Any]]:
+def run_ddp(
+    tmp_path: Path, schedule: Schedule, normalize: str, epochs: int = 2, decay: GradientDecay | None = None
+) -> list[dict[str, Any]]:
     data = TokenData(64)  # 32 samples per rank: 8 batches of 4
     recorder = KRecorder()
     callbacks = [
         AccumulationScheduler(schedule, normalize=normalize, count=count_tokens),
+        *([decay] if decay else []),
         recorder,
         Report(tmp_path, recorder),
     ]
@@ -109,6 +112,18 @@ def test_ddp_matches_single_process_reference(tmp_path: Path, schedule: Schedule
         per_rank = [sum(int(b["mask"].sum()) for b in rank) for rank in rank_batches(data, 4, world=WORLD)]
         assert per_rank[0] != per_rank[1]  # the ranks really differ in token count
         assert reports[0]["progress"]["items"] == 2 * sum(per_rank)
+
+
+def test_ddp_gradient_decay_keeps_ranks_identical(tmp_path: Path) -> None:
+    """The residual is the all-reduced gradient: identical on every rank, equal to the reference."""
+    schedule = Piecewise({0: 3, 3: 2}, unit="step")
+    reports = run_ddp(tmp_path, schedule, "mean", decay=GradientDecay(0.8, mode="ema"))
+    reference = Reference(schedule, decay=(0.8, "ema", False))
+    expected, _ = reference.run([rank_batches(TokenData(64), 4, world=WORLD)] * 2)
+    for report in reports:
+        params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+        assert max_diff(params, expected) <= 1e-12
+    assert reports[0]["params"] == reports[1]["params"]
 
 
 def counting_explicit(flat: torch.Tensor, original: Any = sync._all_reduce_sum) -> None:

@@ -1,5 +1,6 @@
 """Lightning callbacks for automatic optimization."""
 
 from lightning_accum.callbacks.accumulation import AccumulationScheduler
+from lightning_accum.callbacks.decay import GradientDecay
 
-__all__ = ["AccumulationScheduler"]
+__all__ = ["AccumulationScheduler", "GradientDecay"]

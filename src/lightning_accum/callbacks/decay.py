@@ -1,0 +1,212 @@
+"""``GradientDecay``: decay the gradient at each window's start instead of zeroing it."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_accum import gradients, sync
+
+Factor = float | Callable[[int], float]
+
+
+class GradientDecay(Callback):
+    r"""Keep a decaying memory of earlier steps' gradients instead of zeroing them.
+
+    With ``g_t`` the gradient of window ``t`` (normalised, unscaled, averaged over ranks) and
+    ``G_t`` the gradient the optimizer steps with:
+
+    * ``mode="sum"``: :math:`G_t = g_t + f\,G_{t-1}` (what ``p.grad *= f`` instead of
+      ``zero_grad()`` gives);
+    * ``mode="ema"``: :math:`G_t = (1 - f)\,g_t + f\,G_{t-1}`, and with ``bias_correction`` the
+      step uses :math:`G_t / (1 - f^t)`.
+
+    ``factor=0`` is ``zero_grad(set_to_none=False)``, ``factor=1`` (sum) pure accumulation.
+    ``factor`` may be a function of the number of optimizer steps done. The residual
+    :math:`G_{t-1}` is held beside the window's gradient (one extra gradient-sized buffer) and
+    combined with it in ``on_before_optimizer_step``: after AMP unscaling and after
+    :class:`AccumulationScheduler`'s normalisation (put this callback after it), before
+    clipping. So the residual never mixes loss scales or window normalisers, survives
+    Lightning's ``zero_grad`` before validation, and is kept, not decayed, when AMP skips a step
+    for inf/nan gradients. It is saved in checkpoints unless ``save_residual=False``.
+
+    Use it as a Trainer callback (automatic optimization, alone or after an
+    ``AccumulationScheduler``) or as ``reset=GradientDecay(...)`` of ``AccumulationMixin``.
+
+    Example::
+
+        >>> decay = GradientDecay(0.9, mode="ema", bias_correction=True)
+        >>> trainer = pl.Trainer(callbacks=[AccumulationScheduler(4), decay])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        factor: Factor,
+        *,
+        mode: Literal["sum", "ema"] = "sum",
+        bias_correction: bool = False,
+        save_residual: bool = True,
+    ) -> None:
+        if callable(factor):
+            if bias_correction:
+                raise ValueError("`bias_correction` needs a constant `factor`; give a float in [0, 1].")
+        else:
+            _check_factor(factor)
+        if mode not in ("sum", "ema"):
+            raise ValueError(f"`mode` must be 'sum' or 'ema'; got {mode!r}.")
+        if bias_correction and mode != "ema":
+            raise ValueError("`bias_correction` applies to `mode='ema'` (a weighted mean); use mode='ema'.")
+        self.factor = factor
+        self.mode = mode
+        self.bias_correction = bias_correction
+        self.save_residual = save_residual
+        self.steps = 0  # optimizer steps taken with this policy
+        self._residual: dict[int, list[Tensor | None]] = {}  # optimizer index -> G_{t-1} per parameter
+        self._combined: dict[int, float] = {}  # optimizer index -> f used, for a step under way
+        self._stepped: set[int] = set()
+        self._optimizers: list[Optimizer] = []
+        self._hooks: list[RemovableHandle] = []
+
+    def factor_at(self, step: int) -> float:
+        """The decay factor for the window that ends with optimizer step ``step + 1``."""
+        return _check_factor(self.factor(step) if callable(self.factor) else self.factor)
+
+    # ------------------------------------------------------------------ lifetime
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if sync.is_deepspeed(trainer.strategy):
+            raise RuntimeError(
+                "`GradientDecay` does not support DeepSpeed: its engine owns the gradient buffers (and under "
+                "ZeRO-2/3 `.grad` is not the gradient). Use DDP or FSDP, or zero the gradients."
+            )
+        if not pl_module.automatic_optimization:
+            raise RuntimeError(
+                "In manual optimization give `GradientDecay` to the mixin, `configure_accumulation(reset="
+                "GradientDecay(...))`, instead of the Trainer's callbacks."
+            )
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if any(isinstance(cb, GradientDecay) and cb is not self for cb in callbacks):
+            raise ValueError("Two gradient reset policies are active: keep one `GradientDecay` callback.")
+        from lightning_accum.callbacks.accumulation import AccumulationScheduler
+
+        mine = callbacks.index(self)
+        if any(isinstance(cb, AccumulationScheduler) for cb in callbacks[mine + 1 :]):
+            raise ValueError(
+                "`GradientDecay` must come after `AccumulationScheduler` in `callbacks`, so that it adds the "
+                "residual to the normalised window gradient: e.g. `callbacks=[AccumulationScheduler(...), "
+                "GradientDecay(...)]`."
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.attach(trainer.optimizers)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.detach()
+
+    def attach(self, optimizers: Sequence[Optimizer]) -> None:
+        """Start managing these optimizers' gradients (called at train start)."""
+        self._optimizers = list(optimizers)
+        for i, optimizer in enumerate(self._optimizers):
+            self._hooks.append(optimizer.register_step_post_hook(lambda *_, i=i: self._stepped.add(i)))
+            if i in self._residual:  # restored from a checkpoint: checked and put on the parameters' devices
+                self._residual[i] = gradients.placed(gradients.optimizer_params(optimizer), self._residual[i])
+
+    def detach(self) -> None:
+        """Stop managing; the residual goes back into ``.grad`` so that it is visible after fit."""
+        for i, optimizer in enumerate(self._optimizers):
+            residual = self._residual.get(i)
+            if residual is not None:
+                for p, r in zip(gradients.optimizer_params(optimizer), residual, strict=True):
+                    if p.grad is None and r is not None:
+                        p.grad = r
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._optimizers = [], []
+
+    # ------------------------------------------------------------------ one step
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        self.combine(optimizer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.after_step()
+
+    def combine(self, optimizer: Optimizer) -> None:
+        """``.grad`` <- G_t from the window's gradient and the residual (bias-corrected if asked)."""
+        i = self._index(optimizer)
+        f = self.factor_at(self.steps)
+        params = gradients.optimizer_params(optimizer)
+        residual = self._residual.get(i) or [None] * len(params)
+        new = [p.grad for p in params]
+        both = [(g, r) for g, r in zip(new, residual, strict=True) if g is not None and r is not None]
+        alone = [g for g, r in zip(new, residual, strict=True) if g is not None and r is None]
+        if self.mode == "ema":  # one fused pass: lerp(g, r, f) = (1 - f) g + f r
+            if both:
+                torch._foreach_lerp_([g for g, _ in both], [r for _, r in both], f)
+            gradients.scale_(alone, 1.0 - f)
+        elif both and f != 0.0:
+            torch._foreach_add_([g for g, _ in both], [r for _, r in both], alpha=f)
+        for p, g, r in zip(params, new, residual, strict=True):
+            if g is None and r is not None:  # no gradient in this window: the residual alone (zeros if f=0)
+                p.grad = r.mul_(f)
+        if self.bias_correction:
+            gradients.scale_(gradients.grads_of(params), 1.0 / (1.0 - f ** (self.steps + 1)))
+        self._combined[i] = f
+
+    def after_step(self) -> None:
+        """Move G_t aside as the next residual (or keep the old one if the step was skipped)."""
+        if not self._combined:
+            return
+        stepped_any = False
+        for i, f in self._combined.items():
+            params = gradients.optimizer_params(self._optimizers[i])
+            if i in self._stepped:
+                stepped_any = True
+                if self.bias_correction:  # keep G_t, not the corrected gradient, as the residual
+                    gradients.scale_(gradients.grads_of(params), 1.0 - f ** (self.steps + 1))
+                self._residual[i] = [p.grad for p in params]
+            for p in params:  # the window's gradient leaves `.grad`: zero_grad and validation cannot touch it
+                p.grad = None
+        if stepped_any:
+            self.steps += 1
+        self._combined.clear()
+        self._stepped.clear()
+
+    def _index(self, optimizer: Optimizer) -> int:
+        for i, o in enumerate(self._optimizers):
+            if o is optimizer:
+                return i
+        raise RuntimeError("`GradientDecay` got an optimizer it was not attached to; attach it at train start.")
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"steps": self.steps}
+        if self.save_residual:
+            state["residual"] = {
+                i: [None if r is None else r.detach().to("cpu", copy=True) for r in residual]
+                for i, residual in self._residual.items()
+            }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.steps = int(state_dict.get("steps", 0))
+        self._residual = {int(i): list(r) for i, r in state_dict.get("residual", {}).items()}
+
+
+def _check_factor(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"`factor` must be a number in [0, 1] (0 zeroes, 1 keeps everything); got {value!r}.")
+    return float(value)

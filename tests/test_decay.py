@@ -1,0 +1,174 @@
+"""GradientDecay against the float64 reference: G_t = g_t + f G_{t-1} (sum), (1-f) g_t + f G_{t-1} (ema)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    ManualTokenModel,
+    Reference,
+    ResumableLoader,
+    TokenData,
+    TokenModel,
+    count_tokens,
+    loader,
+    max_diff,
+    params_of,
+    rank_batches,
+    trainer,
+)
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_resume import checkpoint_at
+
+from lightning_accum import AccumulationScheduler, Constant, GradientDecay, Piecewise
+
+TOL = 1e-12
+DECAYS = [(0.9, "sum", False), (0.5, "ema", False), (0.8, "ema", True), (1.0, "sum", False)]
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+def test_alone_matches_reference(decay: tuple[float, str, bool]) -> None:
+    data = TokenData(40)
+    model = TokenModel(optimizer="adam", lr=0.01)
+    f, mode, bias = decay
+    trainer(callbacks=[GradientDecay(f, mode=mode, bias_correction=bias)], max_epochs=2).fit(model, loader(data, 4))
+    expected, _ = Reference(Constant(1), decay=decay, optimizer="adam", lr=0.01).run([rank_batches(data, 4)] * 2)
+    assert max_diff(params_of(model), expected) <= TOL
+    plain, _ = Reference(Constant(1), optimizer="adam", lr=0.01).run([rank_batches(data, 4)] * 2)
+    assert max_diff(params_of(model), plain) > 1e-4  # the decay really changed training
+
+
+def test_factor_zero_is_zero_grad() -> None:
+    data = TokenData(40)
+    decayed, plain = TokenModel(), TokenModel()
+    trainer(callbacks=[GradientDecay(0.0)], max_epochs=2).fit(decayed, loader(data, 4))
+    trainer(max_epochs=2).fit(plain, loader(data, 4))
+    assert max_diff(params_of(decayed), params_of(plain)) == 0.0
+
+
+@pytest.mark.parametrize("normalize", ["mean", "items"])
+def test_with_accumulation_scheduler(normalize: str) -> None:
+    """Decay once per window, on the normalised window gradient (short windows included)."""
+    schedule, data = Piecewise({0: 3, 4: 2}, unit="step"), TokenData(50)
+    model = TokenModel(reduction="sum" if normalize == "items" else "mean")
+    callbacks = [
+        AccumulationScheduler(schedule, normalize=normalize, count=count_tokens),
+        GradientDecay(0.7, mode="ema", bias_correction=True),
+    ]
+    trainer(callbacks=callbacks, max_epochs=3, gradient_clip_val=0.5).fit(model, loader(data, 4))
+    reference = Reference(schedule, normalize=normalize, decay=(0.7, "ema", True), clip=0.5)
+    expected, _ = reference.run([rank_batches(data, 4)] * 3)
+    assert max_diff(params_of(model), expected) <= TOL
+
+
+@pytest.mark.parametrize("mode", ["backward", "heads"])
+def test_as_mixin_reset(mode: str) -> None:
+    schedule, data = Piecewise({0: 3, 4: 2}, unit="step"), TokenData(50)
+    model = ManualTokenModel(mode=mode, schedule=schedule, reset=GradientDecay(0.6), gradient_clip_val=0.5)
+    trainer(max_epochs=3).fit(model, loader(data, 4))
+    expected, _ = Reference(schedule, decay=(0.6, "sum", False), clip=0.5).run([rank_batches(data, 4)] * 3)
+    assert max_diff(params_of(model), expected) <= TOL
+
+
+def test_residual_survives_validation() -> None:
+    data = TokenData(40)
+    model = TokenModel()
+
+    class WithValidation(TokenModel):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val", float(batch["x"].sum()))
+
+    model = WithValidation()
+    t = trainer(callbacks=[GradientDecay(0.9)], max_epochs=2, val_check_interval=1, limit_val_batches=1)
+    t.fit(model, loader(data, 4), loader(data, 4))
+    expected, _ = Reference(Constant(1), decay=(0.9, "sum", False)).run([rank_batches(data, 4)] * 2)
+    assert max_diff(params_of(model), expected) <= TOL
+
+
+def test_residual_is_in_grad_after_fit_and_unused_parameters_stay_none() -> None:
+    class WithUnused(TokenModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unused = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+
+    model = WithUnused()
+    trainer(callbacks=[GradientDecay(0.5)], max_epochs=1).fit(model, loader(TokenData(16), 4))
+    assert model.unused.grad is None
+    assert all(p.grad is not None for p in model.net.parameters())
+
+
+@pytest.mark.parametrize("save_residual", [True, False])
+def test_resume(tmp_path: Path, save_residual: bool) -> None:
+    def run(ckpt: Path | None = None, resume: Path | None = None) -> TokenModel:
+        model = TokenModel()
+        callbacks: list[Any] = [AccumulationScheduler(2), GradientDecay(0.8, save_residual=save_residual)]
+        if ckpt is not None:
+            callbacks.append(ModelCheckpoint(dirpath=ckpt, every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}"))
+        t = trainer(callbacks=callbacks, max_epochs=2, enable_checkpointing=ckpt is not None)
+        t.fit(model, ResumableLoader(TokenData(50), 4), ckpt_path=resume)
+        return model
+
+    full = run(ckpt=tmp_path)
+    resumed = run(resume=checkpoint_at(tmp_path, 4))
+    difference = max_diff(params_of(resumed), params_of(full))
+    assert difference <= TOL if save_residual else difference > 1e-6
+
+
+def test_skipped_step_keeps_the_residual() -> None:
+    """An AMP step skipped for inf/nan never calls optimizer.step(): the old residual stays."""
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = torch.optim.SGD([p], lr=1.0)
+    decay = GradientDecay(0.5)
+    decay.attach([opt])
+    p.grad = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    decay.combine(opt)
+    opt.step()
+    decay.after_step()
+    assert p.grad is None and decay.steps == 1
+    p.grad = torch.tensor([float("inf"), 0.0], dtype=torch.float64)
+    decay.combine(opt)  # the scaler would now skip opt.step()
+    decay.after_step()
+    assert decay.steps == 1 and torch.equal(decay._residual[0][0], torch.tensor([1.0, 2.0], dtype=torch.float64))
+    p.grad = torch.tensor([4.0, 4.0], dtype=torch.float64)
+    decay.combine(opt)
+    assert torch.equal(p.grad, torch.tensor([4.5, 5.0], dtype=torch.float64))
+    decay.detach()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: GradientDecay(1.5), r"`factor` must be a number in \[0, 1\]"),
+        (lambda: GradientDecay(-0.1), r"\[0, 1\]"),
+        (lambda: GradientDecay(0.5, mode="max"), "`mode`"),
+        (lambda: GradientDecay(0.5, bias_correction=True), "mode='ema'"),
+        (lambda: GradientDecay(lambda step: 0.9, mode="ema", bias_correction=True), "constant `factor`"),
+    ],
+)
+def test_construction_errors(make: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_factor_schedule_is_validated_when_used() -> None:
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        trainer(callbacks=[GradientDecay(lambda step: 2.0)], max_epochs=1).fit(TokenModel(), loader(TokenData(8), 4))
+
+
+@pytest.mark.parametrize(
+    ("model", "callbacks", "match"),
+    [
+        (ManualTokenModel, [GradientDecay(0.5)], "reset="),
+        (TokenModel, [GradientDecay(0.5), GradientDecay(0.7)], "more than one stateful callback"),
+        (TokenModel, [GradientDecay(0.5), AccumulationScheduler(2)], "after `AccumulationScheduler`"),
+    ],
+)
+def test_fit_start_errors(model: Any, callbacks: list[Any], match: str) -> None:
+    m = model()
+    before = params_of(m)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        trainer(callbacks=callbacks, max_epochs=1).fit(m, loader(TokenData(8), 4))
+    assert max_diff(params_of(m), before) == 0.0
