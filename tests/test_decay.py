@@ -106,7 +106,9 @@ def test_resume(tmp_path: Path, save_residual: bool) -> None:
         model = TokenModel()
         callbacks: list[Any] = [AccumulationScheduler(2), GradientDecay(0.8, save_residual=save_residual)]
         if ckpt is not None:
-            callbacks.append(ModelCheckpoint(dirpath=ckpt, every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}"))
+            callbacks.append(
+                ModelCheckpoint(dirpath=ckpt, every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")
+            )
         t = trainer(callbacks=callbacks, max_epochs=2, enable_checkpointing=ckpt is not None)
         t.fit(model, ResumableLoader(TokenData(50), 4), ckpt_path=resume)
         return model

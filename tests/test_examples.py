@@ -30,3 +30,10 @@ def test_multitask() -> None:
     assert "optimizer steps" in out
     joint, heads = (float(part.split(" MiB")[0].split()[-1]) for part in out.split("joint backward")[1].split(","))
     assert heads < joint
+
+
+@pytest.mark.slow
+def test_gradient_decay(tmp_path: Path) -> None:
+    out = run("gradient_decay.py", "--epochs", "1", "--out", str(tmp_path))
+    assert out.count("mean loss over the last epoch") == 3
+    assert (tmp_path / "gradient_decay.png").stat().st_size > 10_000

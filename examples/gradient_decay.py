@@ -1,0 +1,108 @@
+"""Gradient decay instead of zeroing, on scikit-learn's digits: loss curves of three policies.
+
+The same classifier is trained three times from the same seed: with ``zero_grad`` (plain
+Lightning), with ``GradientDecay(0.5)`` (``p.grad *= 0.5`` instead of zeroing: the gradient
+keeps a decaying sum of earlier steps) and with ``GradientDecay(0.9, mode="ema",
+bias_correction=True)`` (an exponential moving average of gradients). It prints the final
+losses and writes ``gradient_decay.png`` (the loss curves) into ``--out``.
+
+    pip install "lightning-accum[examples]" && python examples/gradient_decay.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import GradientDecay
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def train(policy: GradientDecay | None, data: DataLoader[Any], epochs: int) -> list[float]:
+    pl.seed_everything(0, verbose=False)
+    model = Classifier()
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        callbacks=[] if policy is None else [policy],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+    return model.losses
+
+
+def smooth(values: list[float], width: int = 20) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - width] if i >= width else 0.0)
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    args = parser.parse_args()
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    generator = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(x, torch.tensor(digits.target)), batch_size=32, shuffle=True, generator=generator)
+    runs = {
+        "zero_grad": None,
+        "GradientDecay(0.5), sum": GradientDecay(0.5),
+        "GradientDecay(0.9), ema + bias correction": GradientDecay(0.9, mode="ema", bias_correction=True),
+    }
+    curves = {}
+    for name, policy in runs.items():
+        generator.manual_seed(0)
+        curves[name] = train(policy, data, args.epochs)
+        last = curves[name][-len(data) :]
+        print(f"{name:<44} mean loss over the last epoch {sum(last) / len(last):.4f}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, losses in curves.items():
+        ax.plot(smooth(losses), label=name)
+    ax.set(xlabel="optimizer step", ylabel="training loss (moving average of 20)", yscale="log")
+    ax.set_title("Digits classifier: zeroing vs decaying the gradient")
+    ax.legend()
+    fig.tight_layout()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gradient_decay.png"
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
