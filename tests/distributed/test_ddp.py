@@ -170,3 +170,30 @@ def test_ddp_mixin_one_allreduce_per_step(
         assert report["allreduces"] == 0  # DDP's reducer never synced: every pass ran under no_sync
         assert report["explicit"] == report["steps"] == len(sizes)  # one gradient all-reduce per step
     assert reports[0]["progress"] == reports[1]["progress"]
+
+
+def test_ddp_backward_each_disjoint_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tasks with disjoint parameters, one window: each pass leaves the other task's
+    parameters untouched, which DDP's reducer (find_unused_parameters=False) cannot sync."""
+    from test_mixin import TwoNets, reference_net
+
+    monkeypatch.setattr(sync, "_all_reduce_sum", counting_explicit)
+    schedule = Piecewise({0: 3, 3: 2}, unit="step")
+    recorder = KRecorder()
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", find_unused_parameters=False)
+    t = trainer(
+        callbacks=[recorder, Report(tmp_path, recorder)],
+        max_epochs=2,
+        devices=WORLD,
+        strategy=strategy,
+        use_distributed_sampler=False,
+    )
+    t.fit(TwoNets(shared=True, schedule=schedule), loader(TokenData(64), 4, sharded=True))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    epochs = [rank_batches(TokenData(64), 4, world=WORLD)] * 2
+    expected = reference_net(1, schedule, epochs, lr=0.1) + reference_net(2, schedule, epochs, lr=0.05)
+    for report in reports:
+        params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+        assert max_diff(params, expected) <= 1e-12
+        assert report["allreduces"] == 0
+        assert report["explicit"] == report["steps"] // 2  # two optimizers step per window, one all-reduce
