@@ -9,6 +9,7 @@ Example::
 
 from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
 from lightning_accum.mixin import AccumulationMixin, Accumulator
+from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
 from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
 
 __version__ = "0.1.0"
@@ -20,6 +21,8 @@ __all__ = [
     "Constant",
     "GradientDecay",
     "Lambda",
+    "NoiseScale",
+    "NoiseScaleEstimator",
     "Piecewise",
     "Progress",
     "Ramp",

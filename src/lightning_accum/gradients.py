@@ -46,6 +46,14 @@ def zero_(grads: Sequence[Tensor]) -> None:
         torch._foreach_zero_(group)
 
 
+def squared_norm(grads: Sequence[Tensor]) -> Tensor:
+    """The squared L2 norm of all gradients together, as a float64 scalar (no host sync)."""
+    parts = [torch.stack(torch._foreach_norm(group)).double().square().sum() for group in _groups(grads)]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([p.to(parts[0].device) for p in parts]).sum()
+
+
 def snapshot(params: Sequence[Tensor]) -> list[Tensor | None]:
     """CPU copies of the gradients of ``params`` (``None`` where there is none), for checkpoints."""
     return [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in params]

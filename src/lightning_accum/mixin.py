@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_accum import _seam, gradients, multitask, sync
 from lightning_accum.callbacks.decay import GradientDecay
+from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule
 from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size
 
@@ -279,6 +280,12 @@ class AccumulationMixin(_ModuleBase):
         finally:
             acc._open = False
         window.add(batch_size(batch), self._accum_items(acc, batch))
+        probe = self._accum_driver.probe
+        if probe is not None and acc.index == 0 and not last:
+            config = self._accum_config
+            units = window.samples if config.normalize == "mean" else window.local_items()
+            grads = gradients.grads_of(self._accum_params(key))
+            probe.first_microbatch(grads, window.divisor, units, self._accum_loss_scale(trainer))
         if last:
             self._accum_close(trainer, key, group)
 
@@ -359,6 +366,12 @@ class AccumulationMixin(_ModuleBase):
         scale = window.gradient_scale(
             config.normalize, world_size=world, global_microbatches=counts[0], global_items=counts[2]
         )
+        probe = self._accum_driver.probe
+        if probe is not None:  # the window's normalised gradient is `.grad * scale / loss scale`
+            grads = gradients.grads_of(params)
+            units = counts[1] if config.normalize == "mean" else counts[2]
+            factor = scale / self._accum_loss_scale(trainer)
+            probe.window_end(strategy, grads, units, counts[0] / world, config.normalize == "items", factor)
         optimizers = self._accum_optimizers()
         stepped = [optimizers[i] for i in key]
         lr_factor = 1.0
@@ -410,6 +423,11 @@ class AccumulationMixin(_ModuleBase):
             ):
                 log(f"{prefix}{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
 
+    @staticmethod
+    def _accum_loss_scale(trainer: Any) -> float:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        return 1.0 if scaler is None else float(scaler.get_scale())
+
     def _accum_step_schedulers(self, trainer: Any, optimizers: list[Optimizer], step: int) -> None:
         """Step the step-interval LR schedulers of these optimizers, every ``frequency`` steps."""
         for config in trainer.lr_scheduler_configs:
@@ -428,6 +446,7 @@ class _MixinDriver(Callback):
         self.module = module
         self.pending: dict[int, float] = {}
         self._saved_grads: list[Tensor | None] | None = None
+        self._probe: NoiseProbe | None = None
 
     @property
     def state_key(self) -> str:
@@ -454,6 +473,15 @@ class _MixinDriver(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.on_fit_end(trainer, pl_module)
+
+    @property
+    def probe(self) -> NoiseProbe | None:
+        schedule = self.module._accum_config.schedule
+        if not isinstance(schedule, NoiseScale):
+            return None
+        if self._probe is None or self._probe.schedule is not schedule:
+            self._probe = NoiseProbe(schedule)
+        return self._probe
 
     @property
     def decay(self) -> GradientDecay | None:
@@ -484,6 +512,7 @@ class _MixinDriver(Callback):
             state["grads"] = gradients.snapshot(self.module._accum_params())
         if self.decay is not None:
             state["decay"] = self.decay.state_dict()
+        state["schedule"] = self.module._accum_config.schedule.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -492,5 +521,6 @@ class _MixinDriver(Callback):
             for key, g in state_dict["groups"].items()
         }
         self._saved_grads = state_dict.get("grads")
+        self.module._accum_config.schedule.load_state_dict(state_dict.get("schedule", {}))
         if self.decay is not None and "decay" in state_dict:
             self.decay.load_state_dict(state_dict["decay"])

@@ -36,6 +36,15 @@ def sum_over_ranks(strategy: Any, values: Sequence[int]) -> list[int]:
     return [int(v) for v in strategy.reduce(tensor, reduce_op="sum").tolist()]
 
 
+def mean_over_ranks(strategy: Any, values: Sequence[Tensor | float]) -> list[float]:
+    """Float values (scalars or 0-d tensors) averaged over ranks in one collective, as floats."""
+    device = getattr(strategy, "root_device", None)
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    if world_size(strategy) > 1:
+        tensor = strategy.reduce(tensor, reduce_op="mean")
+    return [float(v) for v in tensor.tolist()]
+
+
 def is_deepspeed(strategy: Any) -> bool:
     """Whether the strategy owns gradient accumulation itself (DeepSpeed does)."""
     return bool(getattr(strategy, "handles_gradient_accumulation", False))

@@ -29,7 +29,7 @@ from helpers import (
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise, Ramp, Schedule, sync
+from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule, sync
 
 pytestmark = pytest.mark.slow
 
@@ -197,3 +197,12 @@ def test_ddp_backward_each_disjoint_tasks(tmp_path: Path, monkeypatch: pytest.Mo
         assert max_diff(params, expected) <= 1e-12
         assert report["allreduces"] == 0
         assert report["explicit"] == report["steps"] // 2  # two optimizers step per window, one all-reduce
+
+
+def test_ddp_noise_scale_k_identical_on_every_rank(tmp_path: Path) -> None:
+    """k from all-reduced statistics: every rank opens the same windows."""
+    schedule = NoiseScale(2, 6, every=1, warmup=2, hysteresis=0.0, beta=0.5)
+    reports = run_ddp(tmp_path, schedule, "mean", epochs=3)
+    assert reports[0]["windows"] == reports[1]["windows"]
+    assert len(set(reports[0]["windows"])) > 1  # k really adapted
+    assert reports[0]["params"] == reports[1]["params"]

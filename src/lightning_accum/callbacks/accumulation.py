@@ -14,8 +14,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_accum import gradients, sync
+from lightning_accum import _seam, gradients, sync
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
+from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule
 from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size, lightning_divisor
 
@@ -87,6 +88,7 @@ class AccumulationScheduler(Callback):
         self._log = log  # not `self.log`: Lightning binds `log` on callbacks
 
         self.progress = Progress()
+        self._probe = NoiseProbe(self.schedule) if isinstance(self.schedule, NoiseScale) else None
         self._window: Window | None = None
         self._first_k: int | None = None
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
@@ -199,6 +201,17 @@ class AccumulationScheduler(Callback):
         samples = batch_size(self._batch)
         self._window.add(samples, samples if self.count is None else self.count(self._batch))
 
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        window = self._window
+        if self._probe is None or window is None or window.microbatches != 1 or self._optimizer is None:
+            return
+        if window.k == 1 or _seam.epoch_ends_after_this_batch(trainer):
+            return  # this micro-batch closes the window: its gradient is already the window's (and synced)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        units = window.samples if self.normalize == "mean" else window.local_items()
+        grads = gradients.grads_of(gradients.optimizer_params(self._optimizer))
+        self._probe.first_microbatch(grads, window.divisor, units, 1.0 if scaler is None else scaler.get_scale())
+
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
@@ -212,7 +225,12 @@ class AccumulationScheduler(Callback):
             global_microbatches=counts[0],
             global_items=counts[2],
         )
-        gradients.scale_(gradients.grads_of(gradients.optimizer_params(optimizer)), scale)
+        grads = gradients.grads_of(gradients.optimizer_params(optimizer))
+        gradients.scale_(grads, scale)
+        if self._probe is not None:
+            units = counts[1] if self.normalize == "mean" else counts[2]
+            world = sync.world_size(trainer.strategy)
+            self._probe.window_end(trainer.strategy, grads, units, counts[0] / world, self.normalize == "items")
         self._stepped = counts
         self._scale_lrs(optimizer, window.k)
         step = self.progress.step + 1
@@ -246,6 +264,7 @@ class AccumulationScheduler(Callback):
                     "accum/effective_batch": float(samples),
                     "accum/samples": float(self.progress.samples),
                     "accum/items": float(self.progress.items),
+                    **({} if self._probe is None else {"accum/noise_scale": self._probe.schedule.noise_scale}),
                 },
                 on_step=True,
                 on_epoch=False,
