@@ -37,3 +37,10 @@ def test_gradient_decay(tmp_path: Path) -> None:
     out = run("gradient_decay.py", "--epochs", "1", "--out", str(tmp_path))
     assert out.count("mean loss over the last epoch") == 3
     assert (tmp_path / "gradient_decay.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_adaptive(tmp_path: Path) -> None:
+    out = run("adaptive.py", "--epochs", "2", "--out", str(tmp_path))
+    assert "done:" in out and "noise scale" in out
+    assert (tmp_path / "adaptive.png").stat().st_size > 10_000

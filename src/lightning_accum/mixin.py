@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum import _seam, gradients, multitask, sync
+from lightning_accum import _seam, gradients, microbatch, multitask, sync
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule
@@ -57,6 +58,8 @@ class _Group:
     progress: Progress = dataclasses.field(default_factory=Progress)
     window: Window | None = None
     first_k: int | None = None
+    # with `backward_microbatches(size="auto")`: the window's (batch, loss_fn), to redo it after an OOM
+    replay: list[tuple[Any, Callable[[Any], Tensor]]] = dataclasses.field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -84,8 +87,11 @@ class Accumulator:
         last: whether the window closes after this micro-batch (``k`` reached or epoch end).
     """
 
-    def __init__(self, module: AccumulationMixin, window: Window, last: bool) -> None:
+    def __init__(self, module: AccumulationMixin, group: _Group, key: GroupKey, batch: Any, last: bool) -> None:
+        assert group.window is not None
+        window = group.window
         self._module = module
+        self._group, self._key, self._batch = group, key, batch
         self._window = window
         self.k = window.k
         self.index = window.microbatches
@@ -140,6 +146,56 @@ class Accumulator:
         losses, norms = multitask.backward_each(self._backward, closures, weights, grad_norms_of=params)
         return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
 
+    def backward_microbatches(self, loss_fn: Callable[[Any], Tensor], size: int | Literal["auto"] = "auto") -> Tensor:
+        """Split this micro-batch's ``batch`` along dim 0 and back-propagate ``loss_fn(part)`` for
+        each part, weighted so that the result equals the whole batch's (sample-weighted for
+        ``"mean"``, plain sums for ``"items"``). Returns the detached per-part losses.
+
+        ``size="auto"`` starts with the whole batch and, on CUDA out-of-memory, frees the
+        window's gradient, halves the size, and redoes the window from its first micro-batch
+        (its batches are kept by reference): no sample is lost or counted twice. The size is kept
+        for later batches and agreed on by all ranks (their minimum) at each window's end.
+        """
+        self._check_open()
+        module = self._module
+        if size != "auto":
+            return self._run_parts(self._batch, loss_fn, size)
+        redo: list[tuple[Any, Callable[[Any], Tensor]]] = []
+        while True:
+            size = module._accum_auto_size or microbatch.batch_length(self._batch)
+            try:
+                for past_batch, past_fn in redo:
+                    self._run_parts(past_batch, past_fn, size)
+                losses = self._run_parts(self._batch, loss_fn, size)
+                break
+            except Exception as error:
+                if not microbatch.is_oom(error):
+                    raise
+                if size == 1:
+                    raise RuntimeError(
+                        "Out of memory with micro-batches of a single sample: one sample does not fit. Reduce the "
+                        "model or sequence size, or use a strategy that shards it (FSDP)."
+                    ) from error
+            # outside the `except` block, so that the error's frames (and their tensors) are freed
+            for p in module._accum_params(self._key):
+                p.grad = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            module._accum_auto_size = max(1, size // 2)
+            redo = list(self._group.replay)
+        self._group.replay.append((self._batch, loss_fn))
+        return losses
+
+    def _run_parts(self, batch: Any, loss_fn: Callable[[Any], Tensor], size: int) -> Tensor:
+        n = microbatch.batch_length(batch)
+        mean = self._module._accum_config.normalize == "mean"
+        losses = []
+        for part in microbatch.split(batch, size):
+            loss = multitask.check_loss(loss_fn(part), "the loss returned by `loss_fn`")
+            self._backward(loss * (microbatch.batch_length(part) / n) if mean and size < n else loss)
+            losses.append(loss.detach())
+        return torch.stack(losses)
+
     def backward_heads(
         self,
         features: Tensor,
@@ -191,6 +247,7 @@ class AccumulationMixin(_ModuleBase):
         self._accum_config = AccumulationConfig(schedule=as_schedule(1))
         self._accum_groups: dict[GroupKey, _Group] = {}
         self._accum_driver = _MixinDriver(self)
+        self._accum_auto_size: int | None = None  # samples per micro-batch found by `backward_microbatches`
 
     def configure_accumulation(
         self,
@@ -250,6 +307,12 @@ class AccumulationMixin(_ModuleBase):
             super().on_validation_model_zero_grad()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ windows
+    def microbatches(self, batch: Any, size: int) -> list[Any]:
+        """``batch`` split along dim 0 into micro-batches of ``size`` samples (the last may be
+        shorter); tensors in dicts, lists, tuples and dataclasses. For automatic sizing on
+        out-of-memory, use ``acc.backward_microbatches(loss_fn, size="auto")``."""
+        return microbatch.split(batch, size)
+
     @property
     def accumulation_progress(self) -> Progress:
         """:class:`Progress` of the window group of all optimizers (or the only group)."""
@@ -274,7 +337,7 @@ class AccumulationMixin(_ModuleBase):
         assert group.window is not None
         window = group.window
         last = window.microbatches + 1 >= window.k or _seam.epoch_ends_after_this_batch(trainer)
-        acc = Accumulator(self, window, last)
+        acc = Accumulator(self, group, key, batch, last)
         try:
             yield acc
         finally:
@@ -411,6 +474,12 @@ class AccumulationMixin(_ModuleBase):
             microbatches=group.progress.microbatches + window.microbatches,
         )
         group.window = None
+        if group.replay and world > 1:  # auto-sizing ran on every rank: all take the smallest size found
+            unset = 2**62
+            size = torch.tensor(self._accum_auto_size or unset, device=strategy.root_device)
+            agreed = int(strategy.reduce(size, reduce_op="min"))
+            self._accum_auto_size = None if agreed == unset else agreed
+        group.replay.clear()
         every = trainer.log_every_n_steps
         if config.log and (step % every == 0 or step == 1):
             prefix = "accum/" if len(self._accum_groups) == 1 else f"accum/opt{'_'.join(map(str, key))}/"

@@ -1,0 +1,96 @@
+"""Overhead of measuring the gradient noise scale: AccumulationScheduler with a constant k
+against the same k from ``NoiseScale(k, k)`` (same windows, plus the two squared-norm
+measurements and one small all-reduce per window).
+
+An MLP 256-1024-1024-10 on batches of 32, 1200 batches per run, interleaved rounds; the figure
+is the ratio of the best training-loop CPU times.
+
+    python benchmarks/noise_scale.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AccumulationScheduler, Constant, NoiseScale, Schedule
+
+
+class MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LoopTimer(pl.Callback):
+    def on_train_start(self, *args: Any) -> None:
+        self.start = time.process_time()
+
+    def on_train_end(self, *args: Any) -> None:
+        self.seconds = time.process_time() - self.start
+
+
+def timed(schedule: Schedule, data: DataLoader[Any]) -> float:
+    gc.collect()
+    torch.manual_seed(0)
+    timer = LoopTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[AccumulationScheduler(schedule, log=False), timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(MLP(), data)
+    return timer.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=1200)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", type=Path, default=Path(__file__).with_name("noise_scale.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(args.batches * 32, 256, generator=g), torch.randint(0, 10, (args.batches * 32,), generator=g)
+    data = DataLoader(TensorDataset(x, y), batch_size=32)
+    rows = []
+    print(f"{'k':>3}{'constant s':>12}{'noise scale s':>15}{'ratio':>8}")
+    for k in (4, 8):
+        best = {"constant": float("inf"), "noise": float("inf")}
+        for _ in range(args.rounds + 1):
+            best["constant"] = min(best["constant"], timed(Constant(k), data))
+            best["noise"] = min(best["noise"], timed(NoiseScale(k, k), data))
+        row = {
+            "k": k,
+            "constant_s": best["constant"],
+            "noise_s": best["noise"],
+            "ratio": best["noise"] / best["constant"],
+        }
+        rows.append(row)
+        print(f"{k:>3}{row['constant_s']:>12.3f}{row['noise_s']:>15.3f}{row['ratio']:>8.3f}")
+    print("target: ratio <= 1.03")
+    args.json.write_text(json.dumps({"benchmark": "noise_scale", "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Adaptive accumulation from the gradient noise scale, on scikit-learn's digits.
+
+``NoiseScale(2, 32)`` starts with windows of 2 micro-batches of 16 and sets k from the
+measured critical batch size B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), which
+grows as the model learns. Prints k and the estimate every few steps and writes
+``adaptive.png`` (k and the noise scale over training) into ``--out``.
+
+    pip install "lightning-accum[examples]" && python examples/adaptive.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AccumulationScheduler, NoiseScale
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Track(pl.Callback):
+    """Records k and the noise scale at every optimizer step."""
+
+    def __init__(self, accumulation: AccumulationScheduler, schedule: NoiseScale) -> None:
+        self.accumulation, self.schedule = accumulation, schedule
+        self.steps: list[int] = []
+        self.k: list[int] = []
+        self.noise: list[float] = []
+        self._samples = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        progress = self.accumulation.progress
+        if progress.step == len(self.steps):  # the window is still open
+            return
+        self.steps.append(progress.step)
+        self.k.append(progress.microbatches - sum(self.k))
+        self.noise.append(self.schedule.noise_scale)
+        if progress.step % 10 == 0:
+            print(f"step {progress.step:4d}  k {self.k[-1]:2d}  noise scale {self.noise[-1]:8.1f} samples")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    args = parser.parse_args()
+
+    pl.seed_everything(0, verbose=False)
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    data = DataLoader(TensorDataset(x, torch.tensor(digits.target)), batch_size=16, shuffle=True)
+    schedule = NoiseScale(2, 32, every=5, warmup=5, beta=0.9)
+    accumulation = AccumulationScheduler(schedule)
+    track = Track(accumulation, schedule)
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        callbacks=[accumulation, track],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Classifier(), data)
+    print(f"done: {accumulation.progress.step} optimizer steps, final k {track.k[-1]}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
+    top.step(track.steps, track.k, where="post")
+    top.set(ylabel="k (micro-batches of 16)")
+    bottom.plot(track.steps, track.noise)
+    bottom.set(xlabel="optimizer step", ylabel="noise scale B_simple (samples)")
+    top.set_title("Accumulation following the gradient noise scale (digits)")
+    fig.tight_layout()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "adaptive.png"
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

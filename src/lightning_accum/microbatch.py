@@ -1,0 +1,90 @@
+"""Split a batch into micro-batches along dim 0, and recognise out-of-memory errors.
+
+A batch is any nesting of tensors in dicts, lists, tuples (named too) and dataclasses; every
+tensor leaf is split along its first dimension, which must be the same for all of them. ``None``
+leaves are carried along unchanged; any other leaf (a string, a number) cannot be split and is
+refused with an error that names where it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+OOM_ERRORS: tuple[type[BaseException], ...] = tuple(
+    {getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError}
+)
+
+
+def batch_length(batch: Any) -> int:
+    """The common size of dim 0 of every tensor in ``batch``."""
+    sizes: dict[str, int] = {}
+    _collect(batch, "batch", sizes)
+    if not sizes:
+        raise ValueError("The batch holds no tensor with a batch dimension to split along.")
+    if len(set(sizes.values())) > 1:
+        listing = ", ".join(f"{path}: {n}" for path, n in sizes.items())
+        raise ValueError(f"The batch's tensors differ in size along dim 0 ({listing}); they must agree to be split.")
+    return next(iter(sizes.values()))
+
+
+def _collect(obj: Any, path: str, sizes: dict[str, int]) -> None:
+    if isinstance(obj, Tensor):
+        if obj.ndim == 0:
+            raise ValueError(f"`{path}` is a 0-d tensor: it has no batch dimension to split.")
+        sizes[path] = obj.shape[0]
+    elif obj is None:
+        return
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            _collect(value, f"{path}[{key!r}]", sizes)
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            _collect(value, f"{path}[{i}]", sizes)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect(getattr(obj, f.name), f"{path}.{f.name}", sizes)
+    else:
+        raise ValueError(
+            f"`{path}` is a {type(obj).__name__}, which cannot be split into micro-batches; keep only tensors "
+            "(and dicts, lists, tuples or dataclasses of them) in a batch that is split."
+        )
+
+
+def _slice(obj: Any, start: int, stop: int) -> Any:
+    if isinstance(obj, Tensor):
+        return obj[start:stop]
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return type(obj)({key: _slice(value, start, stop) for key, value in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(_slice(value, start, stop) for value in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(_slice(value, start, stop) for value in obj)
+    fields = {f.name: _slice(getattr(obj, f.name), start, stop) for f in dataclasses.fields(obj)}
+    return dataclasses.replace(obj, **fields)
+
+
+def split(batch: Any, size: int) -> list[Any]:
+    """``batch`` cut into consecutive micro-batches of ``size`` samples (the last may be shorter).
+
+    Example::
+
+        >>> parts = split({"x": torch.zeros(5, 2), "y": torch.arange(5)}, 2)
+        >>> [len(p["y"]) for p in parts]
+        [2, 2, 1]
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"`size` must be an int >= 1 (samples per micro-batch); got {size!r}.")
+    n = batch_length(batch)
+    return [_slice(batch, start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether ``error`` is a (CUDA) out-of-memory error."""
+    return isinstance(error, OOM_ERRORS) or ("out of memory" in str(error).lower() and isinstance(error, RuntimeError))

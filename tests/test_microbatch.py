@@ -1,0 +1,139 @@
+"""Splitting batches into micro-batches, and the out-of-memory back-off, with an injected OOM."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    ManualTokenModel,
+    Reference,
+    TokenData,
+    count_tokens,
+    loader,
+    max_diff,
+    params_of,
+    rank_batches,
+    token_losses,
+    trainer,
+)
+
+from lightning_accum import Piecewise
+from lightning_accum.microbatch import OOM_ERRORS, batch_length, is_oom, split
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    extra: Any = None
+
+
+def test_split_nested_structures() -> None:
+    batch = {"a": torch.arange(5), "b": [torch.zeros(5, 2), (torch.ones(5),)], "c": Pair(torch.arange(5), None)}
+    batch["d"] = Sample(torch.arange(5) * 2)
+    parts = split(batch, 2)
+    assert [batch_length(p) for p in parts] == [2, 2, 1]
+    assert torch.equal(torch.cat([p["d"].x for p in parts]), batch["d"].x)
+    assert isinstance(parts[0]["c"], Pair) and parts[0]["c"].y is None
+    assert isinstance(parts[0]["b"][1], tuple)
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        (
+            {"x": torch.zeros(4), "y": torch.zeros(3)},
+            r"differ in size along dim 0 \(batch\['x'\]: 4, batch\['y'\]: 3\)",
+        ),
+        ({"x": torch.zeros(4), "name": "cat"}, r"`batch\['name'\]` is a str"),
+        ({"x": torch.tensor(1.0)}, "0-d tensor"),
+        ({"x": None}, "no tensor"),
+    ],
+)
+def test_split_errors(batch: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        split(batch, 2)
+
+
+def test_split_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="`size` must be an int >= 1"):
+        split(torch.zeros(3), 0)
+
+
+def test_is_oom() -> None:
+    assert all(is_oom(e("CUDA out of memory")) for e in OOM_ERRORS)
+    assert not is_oom(ValueError("out of memory"))
+
+
+class Splitting(ManualTokenModel):
+    """Back-propagates each batch in parts; parts larger than `fits` raise an injected OOM."""
+
+    def __init__(self, size: int | str, fits: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.size, self.fits = size, fits
+        self.seen: list[int] = []  # the sizes of the parts back-propagated successfully
+        self.ooms = 0
+
+    def loss_fn(self, part: Any) -> torch.Tensor:
+        n = len(part["x"])
+        if self.fits is not None and n > self.fits:
+            self.ooms += 1
+            raise OOM_ERRORS[0]("CUDA out of memory (injected)")
+        self.seen.append(n)
+        total, tokens = token_losses(self.net, part)
+        return total if self.reduction == "sum" else total / tokens
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        with self.accumulate(batch) as acc:
+            acc.backward_microbatches(self.loss_fn, size=self.size)  # type: ignore[arg-type]
+
+
+SCHEDULE = Piecewise({0: 3, 4: 2}, unit="step")
+
+
+@pytest.mark.parametrize(("size", "fits"), [(3, None), ("auto", 3), ("auto", 1)])
+def test_items_exact_with_splitting_and_oom(size: int | str, fits: int | None) -> None:
+    data = TokenData(48)
+    model = Splitting(size, fits, reduction="sum", schedule=SCHEDULE, normalize="items", count=count_tokens)
+    trainer(max_epochs=2).fit(model, loader(data, 8))
+    expected, _ = Reference(SCHEDULE, normalize="items").run([rank_batches(data, 8)] * 2)
+    assert max_diff(params_of(model), expected) <= 1e-12
+    assert model.accumulation_progress.samples == 2 * len(data)  # every sample counted exactly once
+    if size == "auto":
+        assert model.ooms > 0 and model._accum_auto_size == (2 if fits == 3 else 1)
+        # after the back-off every part fits, and each epoch's samples went through (again where a window was redone)
+        assert max(model.seen) <= fits
+
+
+def test_mean_is_sample_weighted() -> None:
+    data = TokenData(48, ragged=False)  # full masks: the token mean of a batch is its sample mean
+    model = Splitting(3, None, schedule=SCHEDULE)
+    trainer(max_epochs=2).fit(model, loader(data, 8))  # parts of 3, 3, 2: weighted 3/8, 3/8, 2/8
+    expected, _ = Reference(SCHEDULE).run([rank_batches(data, 8)] * 2)
+    assert max_diff(params_of(model), expected) <= 1e-12
+
+
+def test_a_sample_that_does_not_fit_is_a_clear_error() -> None:
+    model = Splitting("auto", 0, schedule=SCHEDULE)
+    with pytest.raises(RuntimeError, match="one sample does not fit"):
+        trainer(max_epochs=1).fit(model, loader(TokenData(16), 8))
+
+
+def test_other_errors_are_not_swallowed() -> None:
+    class Broken(Splitting):
+        def loss_fn(self, part: Any) -> torch.Tensor:
+            raise KeyError("not an OOM")
+
+    with pytest.raises(KeyError, match="not an OOM"):
+        trainer(max_epochs=1).fit(Broken("auto", schedule=SCHEDULE), loader(TokenData(16), 8))
+
+
+def test_microbatches_method() -> None:
+    model = ManualTokenModel()
+    parts = model.microbatches({"x": torch.zeros(5, 3)}, 4)
+    assert [len(p["x"]) for p in parts] == [4, 1]
