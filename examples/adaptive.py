@@ -89,7 +89,7 @@ def main() -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
     top.step(track.steps, track.k, where="post")
-    top.set(ylabel="k (micro-batches of 16)")
+    top.set(ylabel="micro-batches of 16 per window")
     bottom.plot(track.steps, track.noise)
     bottom.set(xlabel="optimizer step", ylabel="noise scale B_simple (samples)")
     top.set_title("Accumulation following the gradient noise scale (digits)")

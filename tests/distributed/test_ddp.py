@@ -61,6 +61,7 @@ class Report(pl.Callback):
             "explicit": EXPLICIT[0],
             "progress": progress.__dict__,
             "steps": trainer.global_step,
+            "auto_size": getattr(pl_module, "_accum_auto_size", None),
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
@@ -206,3 +207,33 @@ def test_ddp_noise_scale_k_identical_on_every_rank(tmp_path: Path) -> None:
     assert reports[0]["windows"] == reports[1]["windows"]
     assert len(set(reports[0]["windows"])) > 1  # k really adapted
     assert reports[0]["params"] == reports[1]["params"]
+
+
+def test_ddp_oom_back_off_agrees_on_the_size(tmp_path: Path) -> None:
+    """Only rank 0 runs out of memory; after the window both ranks use its smaller size."""
+    from test_microbatch import OOM_ERRORS, Splitting
+
+    class RankZeroIsSmall(Splitting):
+        def loss_fn(self, part: Any) -> torch.Tensor:
+            if self.global_rank == 0 and len(part["x"]) > 2:
+                raise OOM_ERRORS[0]("CUDA out of memory (injected)")
+            return super().loss_fn(part)
+
+    schedule = Piecewise({0: 3, 3: 2}, unit="step")
+    recorder = KRecorder()
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
+    t = trainer(
+        callbacks=[recorder, Report(tmp_path, recorder)],
+        max_epochs=2,
+        devices=WORLD,
+        strategy=strategy,
+        use_distributed_sampler=False,
+    )
+    model = RankZeroIsSmall("auto", reduction="sum", schedule=schedule, normalize="items", count=count_tokens)
+    t.fit(model, loader(TokenData(64), 8, sharded=True))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    expected, _ = Reference(schedule, normalize="items").run([rank_batches(TokenData(64), 8, world=WORLD)] * 2)
+    for report in reports:
+        assert report["auto_size"] == 2
+        params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+        assert max_diff(params, expected) <= 1e-12

@@ -1,0 +1,39 @@
+"""A real CUDA out-of-memory: backward_microbatches(size="auto") backs off and stays exact.
+
+Each part of n samples briefly allocates n * (total GPU memory / 3.5): parts of 8 and 4 run out
+of memory for real, parts of 2 fit. The result must equal the float64 reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import Reference, TokenData, count_tokens, loader, max_diff, params_of, rank_batches, token_losses, trainer
+from test_microbatch import Splitting
+
+from lightning_accum import Piecewise
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+class Hungry(Splitting):
+    def loss_fn(self, part: Any) -> torch.Tensor:
+        n = len(part["x"])
+        per_sample = int(torch.cuda.get_device_properties(0).total_memory / 3.5)
+        block = torch.empty(n * per_sample, dtype=torch.uint8, device="cuda")  # OOM for n >= 4
+        del block
+        self.seen.append(n)
+        total, _ = token_losses(self.net, part)
+        return total
+
+
+def test_real_oom_back_off() -> None:
+    schedule = Piecewise({0: 3, 4: 2}, unit="step")
+    data = TokenData(48)
+    model = Hungry("auto", reduction="sum", schedule=schedule, normalize="items", count=count_tokens)
+    trainer(accelerator="gpu", devices=1, max_epochs=2).fit(model, loader(data, 8))
+    expected, _ = Reference(schedule, normalize="items").run([rank_batches(data, 8)] * 2)
+    assert model._accum_auto_size == 2 and max(model.seen) == 2
+    assert max_diff([p.double().cpu() for p in params_of(model)], expected) <= 1e-10
