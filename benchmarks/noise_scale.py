@@ -11,7 +11,6 @@ is the ratio of the best training-loop CPU times.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from common import timed_epoch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -44,29 +44,8 @@ class SingleDevice:
     root_device = torch.device("cpu")
 
 
-class LoopTimer(pl.Callback):
-    def on_train_start(self, *args: Any) -> None:
-        self.start = time.process_time()
-
-    def on_train_end(self, *args: Any) -> None:
-        self.seconds = time.process_time() - self.start
-
-
 def timed(schedule: Schedule, data: DataLoader[Any]) -> float:
-    gc.collect()
-    torch.manual_seed(0)
-    timer = LoopTimer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        callbacks=[AccumulationScheduler(schedule, log=False), timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(MLP(), data)
-    return timer.seconds
+    return timed_epoch(MLP(), data, [AccumulationScheduler(schedule, log=False)])
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ dispatch of callback hooks has a cost of its own, measured by the empty-callback
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import statistics
@@ -25,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from common import timed_epoch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -80,40 +80,17 @@ class TimedAccumulationScheduler(AccumulationScheduler):
         self._timed(super().on_train_batch_end, *args)
 
 
-class LoopTimer(pl.Callback):
-    def on_train_start(self, *args: Any) -> None:
-        self.start = time.process_time()
-
-    def on_train_end(self, *args: Any) -> None:
-        self.seconds = time.process_time() - self.start
-
-
 def timed_fit(
     data: DataLoader[Any], k: int, ours: bool, log: bool = False, empty: bool = False, timed: bool = False
 ) -> float:
-    gc.collect()
-    torch.manual_seed(0)
-    timer = LoopTimer()
-    callbacks: list[pl.Callback] = [timer]
+    callbacks: list[pl.Callback] = []
     if ours:
         callbacks.insert(0, AccumulationScheduler(k, log=log))
     elif empty:
         callbacks.insert(0, EmptyCallback())
     elif timed:
         callbacks.insert(0, TimedAccumulationScheduler(k, log=False))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        accumulate_grad_batches=1 if ours or timed else k,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(TinyMLP(), data)
-    return timer.seconds
+    return timed_epoch(TinyMLP(), data, callbacks, accumulate_grad_batches=1 if ours or timed else k)
 
 
 def main() -> None:

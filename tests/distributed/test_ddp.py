@@ -8,6 +8,7 @@ the final parameters, the window sizes and the hook count to a JSON file.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,28 +67,34 @@ class Report(pl.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
-def run_ddp(
-    tmp_path: Path, schedule: Schedule, normalize: str, epochs: int = 2, decay: GradientDecay | None = None
+def fit_ddp(
+    tmp_path: Path,
+    model: pl.LightningModule,
+    callbacks: Sequence[pl.Callback] = (),
+    epochs: int = 2,
+    batch_size: int = 4,
+    **strategy_kwargs: Any,
 ) -> list[dict[str, Any]]:
-    data = TokenData(64)  # 32 samples per rank: 8 batches of 4
+    """Fit on 2 forked gloo ranks, each taking every other sample of TokenData(64); the ranks' reports."""
     recorder = KRecorder()
-    callbacks = [
-        AccumulationScheduler(schedule, normalize=normalize, count=count_tokens),
-        *([decay] if decay else []),
-        recorder,
-        Report(tmp_path, recorder),
-    ]
-    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", **strategy_kwargs)
     t = trainer(
-        callbacks=callbacks,
+        callbacks=[*callbacks, recorder, Report(tmp_path, recorder)],
         max_epochs=epochs,
         devices=WORLD,
         strategy=strategy,
         use_distributed_sampler=False,
     )
-    model = TokenModel(reduction="sum" if normalize == "items" else "mean")
-    t.fit(model, loader(data, 4, sharded=True))
+    t.fit(model, loader(TokenData(64), batch_size, sharded=True))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def run_ddp(
+    tmp_path: Path, schedule: Schedule, normalize: str, epochs: int = 2, decay: GradientDecay | None = None
+) -> list[dict[str, Any]]:
+    callbacks = [AccumulationScheduler(schedule, normalize=normalize, count=count_tokens), *([decay] if decay else [])]
+    model = TokenModel(reduction="sum" if normalize == "items" else "mean")
+    return fit_ddp(tmp_path, model, callbacks, epochs=epochs)
 
 
 @pytest.mark.parametrize(
@@ -136,19 +143,9 @@ def run_ddp_mixin(
     tmp_path: Path, schedule: Schedule, normalize: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> list[dict[str, Any]]:
     monkeypatch.setattr(sync, "_all_reduce_sum", counting_explicit)  # before the fork: the ranks inherit it
-    recorder = KRecorder()
-    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", find_unused_parameters=False)
-    t = trainer(
-        callbacks=[recorder, Report(tmp_path, recorder)],
-        max_epochs=2,
-        devices=WORLD,
-        strategy=strategy,
-        use_distributed_sampler=False,
-    )
     reduction = "sum" if normalize == "items" else "mean"
     model = ManualTokenModel(mode=mode, reduction=reduction, schedule=schedule, normalize=normalize, count=count_tokens)
-    t.fit(model, loader(TokenData(64), 4, sharded=True))
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return fit_ddp(tmp_path, model, find_unused_parameters=False)
 
 
 @pytest.mark.parametrize(
@@ -180,17 +177,7 @@ def test_ddp_backward_each_disjoint_tasks(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(sync, "_all_reduce_sum", counting_explicit)
     schedule = Piecewise({0: 3, 3: 2}, unit="step")
-    recorder = KRecorder()
-    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", find_unused_parameters=False)
-    t = trainer(
-        callbacks=[recorder, Report(tmp_path, recorder)],
-        max_epochs=2,
-        devices=WORLD,
-        strategy=strategy,
-        use_distributed_sampler=False,
-    )
-    t.fit(TwoNets(shared=True, schedule=schedule), loader(TokenData(64), 4, sharded=True))
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    reports = fit_ddp(tmp_path, TwoNets(shared=True, schedule=schedule), find_unused_parameters=False)
     epochs = [rank_batches(TokenData(64), 4, world=WORLD)] * 2
     expected = reference_net(1, schedule, epochs, lr=0.1) + reference_net(2, schedule, epochs, lr=0.05)
     for report in reports:
@@ -220,18 +207,8 @@ def test_ddp_oom_back_off_agrees_on_the_size(tmp_path: Path) -> None:
             return super().loss_fn(part)
 
     schedule = Piecewise({0: 3, 3: 2}, unit="step")
-    recorder = KRecorder()
-    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
-    t = trainer(
-        callbacks=[recorder, Report(tmp_path, recorder)],
-        max_epochs=2,
-        devices=WORLD,
-        strategy=strategy,
-        use_distributed_sampler=False,
-    )
     model = RankZeroIsSmall("auto", reduction="sum", schedule=schedule, normalize="items", count=count_tokens)
-    t.fit(model, loader(TokenData(64), 8, sharded=True))
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    reports = fit_ddp(tmp_path, model, batch_size=8)
     expected, _ = Reference(schedule, normalize="items").run([rank_batches(TokenData(64), 8, world=WORLD)] * 2)
     for report in reports:
         assert report["auto_size"] == 2
