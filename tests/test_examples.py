@@ -44,3 +44,12 @@ def test_adaptive(tmp_path: Path) -> None:
     out = run("adaptive.py", "--epochs", "2", "--out", str(tmp_path))
     assert "done:" in out and "noise scale" in out
     assert (tmp_path / "adaptive.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_token_lm() -> None:
+    out = run("token_lm.py", "--epochs", "1")
+    items = float(out.split("normalize='items' vs one big batch: relative error ")[1].split()[0])
+    means = float(out.split("mean of means     vs one big batch: relative error ")[1].split()[0])
+    assert items < 1e-6 < 1e-2 < means
+    assert out.count("held-out loss per token") == 2
