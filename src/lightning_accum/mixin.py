@@ -16,13 +16,12 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import _seam, gradients, microbatch, multitask, sync
+from lightning_accum._lightning import Callback, pl
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule

@@ -109,7 +109,7 @@ def batch_size(batch: Any) -> int:
         first = next(iter(first.values()))
     if isinstance(first, Tensor) and first.ndim:
         return len(first)
-    from lightning.pytorch.utilities.data import extract_batch_size
+    from lightning_accum._lightning import extract_batch_size
 
     return extract_batch_size(batch)
 

@@ -7,14 +7,12 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accum import _seam, gradients, sync
+from lightning_accum._lightning import Callback, gradient_accumulation_schedulers, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule
@@ -119,7 +117,7 @@ class AccumulationScheduler(Callback):
         others = [
             type(cb).__name__
             for cb in trainer.callbacks  # type: ignore[attr-defined]
-            if cb is not self and isinstance(cb, AccumulationScheduler | GradientAccumulationScheduler)
+            if cb is not self and isinstance(cb, (AccumulationScheduler, *gradient_accumulation_schedulers()))
         ]
         if others:
             raise ValueError(

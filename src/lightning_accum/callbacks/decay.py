@@ -6,14 +6,13 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accum import gradients, sync
+from lightning_accum._lightning import Callback, pl
 
 Factor = float | Callable[[int], float]
 

@@ -1,0 +1,78 @@
+"""Run every benchmark and write ``benchmarks/RESULTS.md``: what was measured, ratio, target, machine.
+
+python benchmarks/run_all.py            # all of them (about 12 minutes on 2 CPU cores)
+python benchmarks/run_all.py --quick    # tiny budgets: checks that every benchmark runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+QUICK = {
+    "overhead.py": ["--repeats", "1", "--batches", "40"],
+    "multitask_memory.py": ["--repeats", "1"],
+    "decay.py": ["--rounds", "1", "--steps", "2"],
+    "noise_scale.py": ["--rounds", "0", "--batches", "24"],
+}
+
+
+def run(script: str, extra: list[str], out: Path) -> dict:  # type: ignore[type-arg]
+    path = out / script.replace(".py", ".json")
+    subprocess.run([sys.executable, str(HERE / script), "--json", str(path), *extra], check=True, capture_output=True)
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: ignore[type-arg]
+    table = []
+    for row in results["overhead.py"]["rows"]:
+        table.append((f"overhead: {row['run']}", "CPU time vs built-in (best)", f"{row['ratio_best']:.3f}", "<= 1.01"))
+    for row in results["multitask_memory.py"]["rows"]:
+        what = f"multitask: {row['setup']}, T={row['tasks']}"
+        table.append((what, "graph memory vs joint", f"{row['graph_ratio']:.3f}", f"<= {row['target']:.3f}"))
+        table.append((what, "allocator peak vs joint", f"{row['alloc_ratio']:.3f}", "(reported)"))
+        table.append((what, "time vs joint", f"{row['time_ratio']:.3f}", "<= 1.05"))
+    for row in results["decay.py"]["rows"]:
+        table.append(
+            (f"decay: {row['model']}, {row['policy']}", "step vs zero_grad", f"{row['step_ratio']:.3f}", "<= 1.1")
+        )
+    for row in results["noise_scale.py"]["rows"]:
+        table.append(
+            (f"noise scale, k={row['k']}", "probe / window fwd+bwd", f"{row['probe_fraction']:.4f}", "<= 0.03")
+        )
+        table.append((f"noise scale, k={row['k']}", "loop time vs constant k", f"{row['ratio']:.3f}", "(noisy)"))
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    args = parser.parse_args()
+    json_dir = args.out.parent
+    results = {script: run(script, QUICK[script] if args.quick else [], json_dir) for script in QUICK}
+    machine = f"{platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Written by `python benchmarks/run_all.py{' --quick' if args.quick else ''}` on {machine}.",
+        "Ratios are against the baseline run in the same process; see each script's docstring.",
+        "",
+        "| what | measured | ratio | target |",
+        "| --- | --- | --- | --- |",
+        *(f"| {what} | {measured} | {ratio} | {target} |" for what, measured, ratio, target in rows(results)),
+        "",
+    ]
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
