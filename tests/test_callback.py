@@ -197,6 +197,7 @@ def test_trainer_is_left_as_found() -> None:
         (dict(schedule=3, normalize="items"), "needs `count`"),
         (dict(schedule=3, count=5), "`count` must be a function"),
         (dict(schedule=3, lr_scaling="cubic"), "lr_scaling"),
+        (dict(schedule=Ramp(1, 4, over=100, unit="items")), "needs `count`"),
     ],
 )
 def test_construction_errors(kwargs: dict[str, Any], match: str) -> None:
@@ -228,7 +229,6 @@ class ManualModel(TokenModel):
             "more than one stateful callback",
         ),
         (TokenModel, [AccumulationScheduler(2), GradientAccumulationScheduler({0: 2})], {}, "Only one"),
-        (TokenModel, [AccumulationScheduler(Ramp(1, 4, over=100, unit="items"))], {}, "needs `count`"),
     ],
 )
 def test_fit_start_errors(model: type, callbacks: list[Any], trainer_kwargs: dict[str, Any], match: str) -> None:

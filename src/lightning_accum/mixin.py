@@ -341,9 +341,10 @@ class AccumulationMixin(_ModuleBase):
             yield acc
         finally:
             acc._open = False
-        window.add(batch_size(batch), self._accum_items(acc, batch))
+        if acc.passes:  # a micro-batch that back-propagated nothing does not count
+            window.add(batch_size(batch), self._accum_items(acc, batch))
         probe = self._accum_driver.probe
-        if probe is not None and acc.index == 0 and not last:
+        if probe is not None and acc.passes and acc.index == 0 and not last:
             config = self._accum_config
             units = window.samples if config.normalize == "mean" else window.local_items()
             grads = gradients.grads_of(self._accum_params(key))
@@ -417,6 +418,9 @@ class AccumulationMixin(_ModuleBase):
     def _accum_close(self, trainer: Any, key: GroupKey, group: _Group) -> None:
         config, window, strategy = self._accum_config, group.window, trainer.strategy
         assert window is not None
+        if not window.microbatches and sync.world_size(strategy) == 1:  # nothing went in: nothing to step
+            group.window = None
+            return
         params = self._accum_params(key)
         local = [window.microbatches, window.samples, window.local_items()]
         world = sync.world_size(strategy)

@@ -80,6 +80,11 @@ class AccumulationScheduler(Callback):
             )
         if lr_scaling not in (None, "linear", "sqrt"):
             raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
+        if self.schedule.unit == "items" and count is None:
+            raise ValueError(
+                f"The schedule {self.schedule!r} counts items, so `AccumulationScheduler` needs `count`, "
+                "a function giving each micro-batch's number of items."
+            )
         self.normalize = normalize
         self.count = count
         self.lr_scaling = lr_scaling
@@ -128,11 +133,6 @@ class AccumulationScheduler(Callback):
             raise RuntimeError(
                 f"`AccumulationScheduler` does not support `{type(trainer.strategy).__name__}` yet: DeepSpeed owns "
                 "gradient accumulation. Use DDP or FSDP, or DeepSpeed's own fixed `gradient_accumulation_steps`."
-            )
-        if self.schedule.unit == "items" and self.count is None:
-            raise ValueError(
-                f"The schedule {self.schedule!r} counts items, so `AccumulationScheduler` needs `count`, "
-                "a function giving each micro-batch's number of items."
             )
 
     # ------------------------------------------------------------------ fit lifetime
