@@ -143,4 +143,4 @@ def test_plumbing_matches_reference_and_k_follows_the_noise_scale(manual: bool) 
     assert schedule.estimator.trace == pytest.approx(expected.trace, rel=1e-9)
     assert schedule.noise_scale == pytest.approx(TRUE_TRACE / TRUE_GRAD_SQ, rel=0.3)
     assert max(recorder.windows) > 2  # k moved from min_k towards B_simple / 4 = 5.25
-    assert model.trainer.callback_metrics.get("accum/noise_scale") is not None or manual
+    assert "accum/noise_scale" in model.trainer.callback_metrics

@@ -5,7 +5,7 @@ Trainer of either namespace; this module only decides what to import from.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -34,6 +34,29 @@ def gradient_accumulation_schedulers() -> tuple[type, ...]:
     return tuple(classes)
 
 
+def log_window(
+    module: Any,
+    step: int,
+    every: int,
+    prefix: str,
+    k: int,
+    effective_batch: int,
+    progress: Any,
+    noise_scale: float | None,
+) -> None:
+    """Log a closed window's ``accum/*`` metrics (k also in the progress bar). ``self.log`` costs
+    ~0.3 ms a call, so only at the cadence the loggers are written at (every ``every`` optimizer
+    steps) and at the first step, for the progress bar."""
+    if step % every and step != 1:
+        return
+    module.log(f"{prefix}k", float(k), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+    values = {"effective_batch": effective_batch, "samples": progress.samples, "items": progress.items}
+    if noise_scale is not None:
+        values["noise_scale"] = noise_scale
+    for name, value in values.items():
+        module.log(f"{prefix}{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
+
+
 Callback = pl.Callback
 LightningModule = pl.LightningModule
 Trainer = pl.Trainer
@@ -46,6 +69,7 @@ __all__ = [
     "Trainer",
     "extract_batch_size",
     "gradient_accumulation_schedulers",
+    "log_window",
     "pl",
     "rank_zero_warn",
 ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,11 +20,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import _seam, gradients, microbatch, multitask, sync
-from lightning_accum._lightning import Callback, pl
+from lightning_accum._lightning import Callback, log_window, pl
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule
-from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size
+from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size, lr_factor
 
 if TYPE_CHECKING:  # the mixin is only ever used in front of a LightningModule
     _ModuleBase = pl.LightningModule
@@ -440,16 +439,13 @@ class AccumulationMixin(_ModuleBase):
             probe.window_end(strategy, grads, units, counts[0] / world, config.normalize == "items", factor)
         optimizers = self._accum_optimizers()
         stepped = [optimizers[i] for i in key]
-        lr_factor = 1.0
-        if config.lr_scaling is not None and group.first_k:
-            ratio = window.k / group.first_k
-            lr_factor = ratio if config.lr_scaling == "linear" else math.sqrt(ratio)
+        lr_scale = lr_factor(config.lr_scaling, window.k, group.first_k)
         for optimizer in stepped:
             self._accum_driver.pending[id(optimizer.optimizer)] = scale
             saved = [g["lr"] for g in optimizer.param_groups]
-            if lr_factor != 1.0:
+            if lr_scale != 1.0:
                 for g in optimizer.param_groups:
-                    g["lr"] = g["lr"] * lr_factor
+                    g["lr"] = g["lr"] * lr_scale
             try:
                 optimizer.step()
             finally:
@@ -483,17 +479,10 @@ class AccumulationMixin(_ModuleBase):
             agreed = int(strategy.reduce(size, reduce_op="min"))
             self._accum_auto_size = None if agreed == unset else agreed
         group.replay.clear()
-        every = trainer.log_every_n_steps
-        if config.log and (step % every == 0 or step == 1):
+        if config.log:
             prefix = "accum/" if len(self._accum_groups) == 1 else f"accum/opt{'_'.join(map(str, key))}/"
-            log = self.log  # type: ignore[attr-defined]
-            log(f"{prefix}k", float(window.k), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-            for name, value in (
-                ("effective_batch", counts[1]),
-                ("samples", group.progress.samples),
-                ("items", group.progress.items),
-            ):
-                log(f"{prefix}{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
+            noise = None if probe is None else probe.schedule.noise_scale
+            log_window(self, step, trainer.log_every_n_steps, prefix, window.k, counts[1], group.progress, noise)
 
     @staticmethod
     def _accum_loss_scale(trainer: Any) -> float:

@@ -8,6 +8,7 @@ the factor that turns the accumulated gradient into the window's mean.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -124,6 +125,15 @@ def check_item_count(value: object) -> int:
             "(tokens, ...) as an int >= 0 or an integer tensor."
         )
     return int(value)
+
+
+def lr_factor(lr_scaling: str | None, k: int, first_k: int | None) -> float:
+    """The learning-rate multiplier for a window of ``k``: ``k / first_k`` (``"linear"``), its
+    square root (``"sqrt"``), or 1."""
+    if lr_scaling is None or not first_k:
+        return 1.0
+    ratio = k / first_k
+    return ratio if lr_scaling == "linear" else math.sqrt(ratio)
 
 
 def lightning_divisor(start: int, k: int) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -12,11 +11,11 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accum import _seam, gradients, sync
-from lightning_accum._lightning import Callback, gradient_accumulation_schedulers, pl, rank_zero_warn
+from lightning_accum._lightning import Callback, gradient_accumulation_schedulers, log_window, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule
-from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size, lightning_divisor
+from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size, lightning_divisor, lr_factor
 
 LRScaling = Literal["linear", "sqrt"]
 
@@ -251,23 +250,10 @@ class AccumulationScheduler(Callback):
             microbatches=self.progress.microbatches + window.microbatches,
         )
         self._window, self._stepped = None, None
-        # Lightning's self.log costs ~0.3 ms a call; log at the cadence the loggers are written
-        # at (every `log_every_n_steps` optimizer steps) and on the first step, for the progress bar
-        step = self.progress.step
-        every = trainer.log_every_n_steps  # type: ignore[attr-defined]
-        if self._log and (step % every == 0 or step == 1):
-            pl_module.log("accum/k", float(window.k), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-            pl_module.log_dict(
-                {
-                    "accum/effective_batch": float(samples),
-                    "accum/samples": float(self.progress.samples),
-                    "accum/items": float(self.progress.items),
-                    **({} if self._probe is None else {"accum/noise_scale": self._probe.schedule.noise_scale}),
-                },
-                on_step=True,
-                on_epoch=False,
-                batch_size=1,
-            )
+        if self._log:
+            noise = None if self._probe is None else self._probe.schedule.noise_scale
+            every = trainer.log_every_n_steps  # type: ignore[attr-defined]
+            log_window(pl_module, self.progress.step, every, "accum/", window.k, samples, self.progress, noise)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._window is not None and self._stepped is None:
@@ -276,10 +262,7 @@ class AccumulationScheduler(Callback):
 
     # ------------------------------------------------------------------ learning rate
     def _scale_lrs(self, optimizer: Optimizer, k: int) -> None:
-        if self.lr_scaling is None or self._first_k is None:
-            return
-        ratio = k / self._first_k
-        factor = ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+        factor = lr_factor(self.lr_scaling, k, self._first_k)
         if factor == 1.0:
             return
         for group in optimizer.param_groups:
