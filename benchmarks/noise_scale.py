@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler, Constant, NoiseScale, Schedule
 from lightning_accum.noise import NoiseProbe
+from lightning_accum.window import Window
 
 
 class MLP(pl.LightningModule):
@@ -81,11 +82,12 @@ def main() -> None:
         model.training_step((xb, yb), 0).backward()
     batch_ms = (time.perf_counter() - start) / 50 * 1e3
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    probe = NoiseProbe(NoiseScale(4, 4))
+    probe = NoiseProbe(NoiseScale(4, 4), "mean")
+    window = Window(k=4, divisor=4, microbatches=1, samples=32)
     start = time.perf_counter()
     for _ in range(200):
-        probe.first_microbatch(grads, 4, 32)
-        probe.window_end(SingleDevice(), grads, 128, 4, False)
+        probe.first_microbatch(grads, window)
+        probe.window_end(SingleDevice(), grads, [4, 128, 128])
     probe_ms = (time.perf_counter() - start) / 200 * 1e3
     for row in rows:
         row["probe_ms_per_window"] = probe_ms

@@ -34,6 +34,12 @@ def gradient_accumulation_schedulers() -> tuple[type, ...]:
     return tuple(classes)
 
 
+def loss_scale(trainer: Any) -> float:
+    """The AMP GradScaler's current scale (1 without one); a host sync, so once per window."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return 1.0 if scaler is None else float(scaler.get_scale())
+
+
 def log_window(
     module: Any,
     step: int,
@@ -70,6 +76,7 @@ __all__ = [
     "extract_batch_size",
     "gradient_accumulation_schedulers",
     "log_window",
+    "loss_scale",
     "pl",
     "rank_zero_warn",
 ]

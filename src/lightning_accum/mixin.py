@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import _seam, gradients, microbatch, multitask, sync
-from lightning_accum._lightning import Callback, log_window, pl
+from lightning_accum._lightning import Callback, log_window, loss_scale, pl
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule
@@ -344,10 +344,7 @@ class AccumulationMixin(_ModuleBase):
             window.add(batch_size(batch), self._accum_items(acc, batch))
         probe = self._accum_driver.probe
         if probe is not None and acc.passes and acc.index == 0 and not last:
-            config = self._accum_config
-            units = window.samples if config.normalize == "mean" else window.local_items()
-            grads = gradients.grads_of(self._accum_params(key))
-            probe.first_microbatch(grads, window.divisor, units, self._accum_loss_scale(trainer))
+            probe.first_microbatch(gradients.grads_of(self._accum_params(key)), window, loss_scale(trainer))
         if last:
             self._accum_close(trainer, key, group)
 
@@ -433,10 +430,7 @@ class AccumulationMixin(_ModuleBase):
         )
         probe = self._accum_driver.probe
         if probe is not None:  # the window's normalised gradient is `.grad * scale / loss scale`
-            grads = gradients.grads_of(params)
-            units = counts[1] if config.normalize == "mean" else counts[2]
-            factor = scale / self._accum_loss_scale(trainer)
-            probe.window_end(strategy, grads, units, counts[0] / world, config.normalize == "items", factor)
+            probe.window_end(strategy, gradients.grads_of(params), counts, scale / loss_scale(trainer))
         optimizers = self._accum_optimizers()
         stepped = [optimizers[i] for i in key]
         lr_scale = lr_factor(config.lr_scaling, window.k, group.first_k)
@@ -483,11 +477,6 @@ class AccumulationMixin(_ModuleBase):
             prefix = "accum/" if len(self._accum_groups) == 1 else f"accum/opt{'_'.join(map(str, key))}/"
             noise = None if probe is None else probe.schedule.noise_scale
             log_window(self, step, trainer.log_every_n_steps, prefix, window.k, counts[1], group.progress, noise)
-
-    @staticmethod
-    def _accum_loss_scale(trainer: Any) -> float:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        return 1.0 if scaler is None else float(scaler.get_scale())
 
     def _accum_step_schedulers(self, trainer: Any, optimizers: list[Optimizer], step: int) -> None:
         """Step the step-interval LR schedulers of these optimizers, every ``frequency`` steps."""
@@ -537,11 +526,15 @@ class _MixinDriver(Callback):
 
     @property
     def probe(self) -> NoiseProbe | None:
-        schedule = self.module._accum_config.schedule
-        if not isinstance(schedule, NoiseScale):
+        config = self.module._accum_config
+        if not isinstance(config.schedule, NoiseScale):
             return None
-        if self._probe is None or self._probe.schedule is not schedule:
-            self._probe = NoiseProbe(schedule)
+        if (
+            self._probe is None
+            or self._probe.schedule is not config.schedule
+            or self._probe.normalize != config.normalize
+        ):
+            self._probe = NoiseProbe(config.schedule, config.normalize)
         return self._probe
 
     @property

@@ -22,9 +22,11 @@ ranks): no extra gradient copy is needed.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_accum import sync
+from lightning_accum.gradients import squared_norm
 from lightning_accum.schedules import Progress, Schedule, _check_k
 
 
@@ -174,35 +176,33 @@ class NoiseScale(Schedule):
 
 class NoiseProbe:
     """Takes the two squared norms of one window for a :class:`NoiseScale`: after the first
-    micro-batch's backward and at the window's end, with no gradient copy."""
+    micro-batch's backward and at the window's end, with no gradient copy. Batch sizes are in
+    samples for ``normalize="mean"`` and in items for ``"items"``."""
 
-    def __init__(self, schedule: NoiseScale) -> None:
+    def __init__(self, schedule: NoiseScale, normalize: str) -> None:
         self.schedule = schedule
+        self.normalize = normalize
         self._small: tuple[Any, float] | None = None
 
-    def first_microbatch(self, grads: Any, loss_divisor: float, units: float, loss_scale: float = 1.0) -> None:
-        """Squared norm of the first micro-batch's mean gradient over its ``units`` (samples or
-        items): the raw gradient was divided by ``loss_divisor``, multiplied by the AMP
-        ``loss_scale``, and, for items, summed over ``units`` items."""
-        from lightning_accum.gradients import squared_norm
+    def first_microbatch(self, grads: Any, window: Any, loss_scale: float = 1.0) -> None:
+        """Squared norm of the window's first micro-batch's mean gradient: the raw gradient was
+        divided by the window's loss divisor, multiplied by the AMP ``loss_scale`` and, for
+        items, summed over the micro-batch's items."""
+        units = window.samples if self.normalize == "mean" else window.local_items()
+        small_sq = squared_norm(grads) * (window.divisor / loss_scale) ** 2
+        if self.normalize == "items" and units:
+            small_sq = small_sq / units**2
+        self._small = (small_sq, units)
 
-        self._small = (squared_norm(grads) * (loss_divisor / loss_scale) ** 2, units)
-
-    def window_end(
-        self, strategy: Any, grads: Any, units: float, microbatch_steps: float, summed: bool, factor: float = 1.0
-    ) -> None:
-        """Feed the schedule: ``grads * factor`` is the window's final gradient, ``units`` its
-        global samples (or items), ``microbatch_steps`` micro-batches per rank; ``summed``: the
-        first micro-batch's loss was a sum over its units (``normalize="items"``)."""
+    def window_end(self, strategy: Any, grads: Any, counts: Sequence[int], factor: float = 1.0) -> None:
+        """Feed the schedule: ``grads * factor`` is the window's final gradient and ``counts`` its
+        global (micro-batches, samples, items)."""
         if self._small is None:
             return
-        from lightning_accum import sync
-        from lightning_accum.gradients import squared_norm
-
         small_sq, small_units = self._small
         self._small = None
-        if summed and small_units:
-            small_sq = small_sq / small_units**2
+        units = counts[1] if self.normalize == "mean" else counts[2]
+        steps = counts[0] / sync.world_size(strategy)  # micro-batches per rank
         stats = sync.mean_over_ranks(strategy, [small_sq, squared_norm(grads) * factor**2])
-        if microbatch_steps:
-            self.schedule.observe(stats[0], small_units, stats[1], units, units / microbatch_steps)
+        if steps:
+            self.schedule.observe(stats[0], small_units, stats[1], units, units / steps)

@@ -11,7 +11,14 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accum import _seam, gradients, sync
-from lightning_accum._lightning import Callback, gradient_accumulation_schedulers, log_window, pl, rank_zero_warn
+from lightning_accum._lightning import (
+    Callback,
+    gradient_accumulation_schedulers,
+    log_window,
+    loss_scale,
+    pl,
+    rank_zero_warn,
+)
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule, as_schedule
@@ -90,7 +97,7 @@ class AccumulationScheduler(Callback):
         self._log = log  # not `self.log`: Lightning binds `log` on callbacks
 
         self.progress = Progress()
-        self._probe = NoiseProbe(self.schedule) if isinstance(self.schedule, NoiseScale) else None
+        self._probe = NoiseProbe(self.schedule, normalize) if isinstance(self.schedule, NoiseScale) else None
         self._window: Window | None = None
         self._first_k: int | None = None
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
@@ -204,10 +211,8 @@ class AccumulationScheduler(Callback):
             return
         if window.k == 1 or _seam.epoch_ends_after_this_batch(trainer):
             return  # this micro-batch closes the window: its gradient is already the window's (and synced)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        units = window.samples if self.normalize == "mean" else window.local_items()
         grads = gradients.grads_of(gradients.optimizer_params(self._optimizer))
-        self._probe.first_microbatch(grads, window.divisor, units, 1.0 if scaler is None else scaler.get_scale())
+        self._probe.first_microbatch(grads, window, loss_scale(trainer))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
@@ -225,9 +230,7 @@ class AccumulationScheduler(Callback):
         grads = gradients.grads_of(gradients.optimizer_params(optimizer))
         gradients.scale_(grads, scale)
         if self._probe is not None:
-            units = counts[1] if self.normalize == "mean" else counts[2]
-            world = sync.world_size(trainer.strategy)
-            self._probe.window_end(trainer.strategy, grads, units, counts[0] / world, self.normalize == "items")
+            self._probe.window_end(trainer.strategy, grads, counts)
         self._stepped = counts
         self._scale_lrs(optimizer, window.k)
         step = self.progress.step + 1
