@@ -25,6 +25,11 @@ def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
+def optimizer_grads(optimizer: Optimizer) -> list[Tensor]:
+    """The existing ``.grad`` tensors of an optimizer's parameters."""
+    return grads_of(optimizer_params(optimizer))
+
+
 def _groups(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
     by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:

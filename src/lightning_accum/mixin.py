@@ -458,7 +458,7 @@ class AccumulationMixin(_ModuleBase):
             if config.reset == "none":
                 optimizer.zero_grad(set_to_none=True)
             elif config.reset == "zero":
-                gradients.zero_(gradients.grads_of(gradients.optimizer_params(optimizer.optimizer)))
+                gradients.zero_(gradients.optimizer_grads(optimizer.optimizer))
         group.progress = Progress(
             epoch=trainer.current_epoch,
             step=step,
@@ -548,7 +548,7 @@ class _MixinDriver(Callback):
         scale = self.pending.pop(id(optimizer), None)
         if scale is None:
             return
-        gradients.scale_(gradients.grads_of(gradients.optimizer_params(optimizer)), scale)
+        gradients.scale_(gradients.optimizer_grads(optimizer), scale)
         if self.decay is not None:
             self.decay.combine(optimizer)
         config = self.module._accum_config

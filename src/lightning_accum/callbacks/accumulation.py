@@ -211,7 +211,7 @@ class AccumulationScheduler(Callback):
             return
         if window.k == 1 or _seam.epoch_ends_after_this_batch(trainer):
             return  # this micro-batch closes the window: its gradient is already the window's (and synced)
-        grads = gradients.grads_of(gradients.optimizer_params(self._optimizer))
+        grads = gradients.optimizer_grads(self._optimizer)
         self._probe.first_microbatch(grads, window, loss_scale(trainer))
 
     def on_before_optimizer_step(
@@ -227,7 +227,7 @@ class AccumulationScheduler(Callback):
             global_microbatches=counts[0],
             global_items=counts[2],
         )
-        grads = gradients.grads_of(gradients.optimizer_params(optimizer))
+        grads = gradients.optimizer_grads(optimizer)
         gradients.scale_(grads, scale)
         if self._probe is not None:
             self._probe.window_end(trainer.strategy, grads, counts)
