@@ -166,6 +166,7 @@ class Reference:
     seed: int = 0
     short_window: str = "own"  # "own": divide by its real size; "full": by k, as Lightning's built-in
     decay: tuple[float, str, bool] | None = None  # (factor, "sum" | "ema", bias_correction)
+    skipped: tuple[int, ...] = ()  # windows (0-based, over the run) whose step AMP skips (inf/nan): no update
 
     def run(self, epochs: list[list[list[Batch]]]) -> tuple[list[Tensor], list[int]]:
         net = make_net(seed=self.seed)
@@ -206,8 +207,9 @@ class Reference:
                     ratio = k / first_k
                     for g in opt.param_groups:
                         g["lr"] *= ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
-                opt.step()
-                if self.decay is not None:
+                if progress.step not in self.skipped:
+                    opt.step()
+                if self.decay is not None and progress.step not in self.skipped:
                     f, _, bias = self.decay
                     correction = 1 - f ** (progress.step + 1) if bias else 1.0
                     residual = [p.grad.clone() * correction for p in net.parameters()]
@@ -320,3 +322,32 @@ class ManualTokenModel(AccumulationMixin, pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return optimizer_config(self)
+
+
+class Float32TokenModel(TokenModel):
+    """TokenModel in float32 (for mixed precision); ``inf_at=(epoch, batch_idx)`` makes that
+    micro-batch's loss infinite, so that a GradScaler skips its window's step."""
+
+    def __init__(self, inf_at: tuple[int, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net.float()
+        self.inf_at = inf_at
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss = super().training_step({k: v.float() for k, v in batch.items()}, batch_idx)
+        return loss * float("inf") if (self.current_epoch, batch_idx) == self.inf_at else loss
+
+
+class Float32ManualTokenModel(ManualTokenModel):
+    """ManualTokenModel in float32, with ``inf_at`` as in :class:`Float32TokenModel`."""
+
+    def __init__(self, inf_at: tuple[int, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net.float()
+        self.inf_at = inf_at
+
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        batch = {k: v.float() for k, v in batch.items()}
+        if (self.current_epoch, batch_idx) == self.inf_at:
+            batch["y"] = batch["y"] * float("inf")
+        super().training_step(batch, batch_idx)

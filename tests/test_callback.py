@@ -248,7 +248,7 @@ def test_deepspeed_is_refused_early() -> None:
         accumulate_grad_batches = 1
         callbacks: list[Any] = []
 
-    with pytest.raises(RuntimeError, match="does not support `FakeDeepSpeed` yet"):
+    with pytest.raises(RuntimeError, match="cannot run under `FakeDeepSpeed`: DeepSpeed owns gradient accumulation"):
         AccumulationScheduler(2).on_fit_start(FakeTrainer(), TokenModel())  # type: ignore[arg-type]
 
 

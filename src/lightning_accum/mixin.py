@@ -22,8 +22,9 @@ from torch.optim import Optimizer
 from lightning_accum import _seam, gradients, microbatch, multitask, sync
 from lightning_accum._lightning import Callback, log_window, loss_scale, pl
 from lightning_accum.callbacks.decay import GradientDecay
-from lightning_accum.noise import NoiseProbe, NoiseScale
+from lightning_accum.noise import NoiseProbe, NoiseScale, check_noise_under
 from lightning_accum.schedules import Progress, Schedule, as_schedule
+from lightning_accum.sync import SyncMode, check_sync_mode, partial_window_lost
 from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size, lr_factor
 
 if TYPE_CHECKING:  # the mixin is only ever used in front of a LightningModule
@@ -47,6 +48,7 @@ class AccumulationConfig:
     gradient_clip_algorithm: str = "norm"
     lr_scaling: str | None = None
     log: bool = True
+    sync: SyncMode = "auto"
 
 
 @dataclasses.dataclass
@@ -106,9 +108,9 @@ class Accumulator:
             )
 
     def _backward(self, loss: Tensor) -> None:
-        """``manual_backward(loss / divisor)`` with DDP's sync skipped (the window syncs at its end)."""
+        """``manual_backward(loss / divisor)`` with gradient sync skipped as the plan says."""
         module = self._module
-        with sync.no_backward_sync(module.trainer.strategy):
+        with module._accum_no_sync(self.last):
             module.manual_backward(loss / self._window.divisor)
         self.passes += 1
 
@@ -206,7 +208,7 @@ class Accumulator:
         self._check_open()
 
         def trunk_backward(features: Tensor, grad: Tensor) -> None:
-            with sync.no_backward_sync(self._module.trainer.strategy):
+            with self._module._accum_no_sync(self.last):
                 multitask._autograd_backward(features, grad)
             self.passes += 1
 
@@ -258,6 +260,7 @@ class AccumulationMixin(_ModuleBase):
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         lr_scaling: Literal["linear", "sqrt"] | None = None,
         log: bool = True,
+        sync: SyncMode = "auto",
     ) -> None:
         """Set the schedule and the window-end policy.
 
@@ -273,6 +276,10 @@ class AccumulationMixin(_ModuleBase):
             gradient_clip_algorithm: ``"norm"`` or ``"value"``.
             lr_scaling: ``"linear"`` or ``"sqrt"``: LR times ``k / k_first`` (or its root) for each step.
             log: log ``accum/k``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``.
+            sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
+                window; FSDP: every micro-batch, as Lightning), ``"skip"`` (once per window; FSDP
+                and FSDP2 then hold unsharded gradients until its end) or ``"every"``. DDP
+                always syncs once per window.
         """
         if normalize not in NORMALIZE:
             raise ValueError(f"`normalize` must be 'mean' or 'items'; got {normalize!r}.")
@@ -286,11 +293,12 @@ class AccumulationMixin(_ModuleBase):
             raise ValueError(f"`gradient_clip_algorithm` must be 'norm' or 'value'; got {gradient_clip_algorithm!r}.")
         if lr_scaling not in (None, "linear", "sqrt"):
             raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
+        check_sync_mode(sync)
         schedule = as_schedule(schedule)
         if schedule.unit == "items" and count is None:
             raise ValueError(f"The schedule {schedule!r} counts items, so `count` is needed (count(batch) -> int).")
         self._accum_config = AccumulationConfig(
-            schedule, normalize, count, reset, gradient_clip_val, gradient_clip_algorithm, lr_scaling, log
+            schedule, normalize, count, reset, gradient_clip_val, gradient_clip_algorithm, lr_scaling, log, sync
         )
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -347,6 +355,14 @@ class AccumulationMixin(_ModuleBase):
             probe.first_microbatch(gradients.grads_of(self._accum_params(key)), window, loss_scale(trainer))
         if last:
             self._accum_close(trainer, key, group)
+
+    def _accum_no_sync(self, final: bool) -> contextlib.AbstractContextManager[None]:
+        """Context of one backward pass. DDP: always no-sync, the window is all-reduced explicitly
+        at its end. FSDP, FSDP2: sync skipped before the window's last micro-batch if planned."""
+        plan, strategy = self._accum_driver.sync_plan, self.trainer.strategy  # type: ignore[attr-defined]
+        if plan.family == "ddp":
+            return sync.ddp_no_sync(strategy)
+        return sync.skip_sync(plan, strategy, final)
 
     def _accum_check(self, trainer: Any) -> None:
         if self.automatic_optimization:
@@ -420,11 +436,11 @@ class AccumulationMixin(_ModuleBase):
         params = self._accum_params(key)
         local = [window.microbatches, window.samples, window.local_items()]
         world = sync.world_size(strategy)
-        if world > 1:
+        if world > 1 and self._accum_driver.sync_plan.family == "ddp":
             counts = sync.sum_over_ranks(strategy, local + [int(p.grad is not None) for p in params])
             sync.all_reduce_gradients(strategy, params, counts[3:])
-        else:
-            counts = local
+        else:  # single device, or FSDP's own (reduce-)scatter on the last micro-batch made the gradient global
+            counts = sync.sum_over_ranks(strategy, local)
         scale = window.gradient_scale(
             config.normalize, world_size=world, global_microbatches=counts[0], global_items=counts[2]
         )
@@ -495,6 +511,7 @@ class _MixinDriver(Callback):
     def __init__(self, module: AccumulationMixin) -> None:
         self.module = module
         self.pending: dict[int, float] = {}
+        self.sync_plan = sync.SyncPlan()
         self._saved_grads: list[Tensor | None] | None = None
         self._probe: NoiseProbe | None = None
 
@@ -504,11 +521,10 @@ class _MixinDriver(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.module._accum_check(trainer)
-        if sync.is_deepspeed(trainer.strategy):
-            raise RuntimeError(
-                f"`AccumulationMixin` does not support `{type(trainer.strategy).__name__}` yet: DeepSpeed owns "
-                "gradient accumulation. Use DDP or FSDP."
-            )
+        sync.refuse_deepspeed(trainer.strategy, "AccumulationMixin")
+        config = self.module._accum_config
+        self.sync_plan = sync.plan(trainer.strategy, config.sync)
+        check_noise_under(self.sync_plan, config.schedule)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._saved_grads is not None:
@@ -561,6 +577,8 @@ class _MixinDriver(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         groups = self.module._accum_groups
+        if any(partial_window_lost(self.sync_plan, g.window) for g in groups.values()):
+            groups = {key: dataclasses.replace(g, window=None) for key, g in groups.items()}
         state: dict[str, Any] = {"groups": {",".join(map(str, key)): g.state_dict() for key, g in groups.items()}}
         if any(g.window is not None and g.window.microbatches for g in groups.values()):
             state["grads"] = gradients.snapshot(self.module._accum_params())

@@ -206,3 +206,14 @@ class NoiseProbe:
         stats = sync.mean_over_ranks(strategy, [small_sq, squared_norm(grads) * factor**2])
         if steps:
             self.schedule.observe(stats[0], small_units, stats[1], units, units / steps)
+
+
+def check_noise_under(plan: sync.SyncPlan, schedule: Schedule) -> None:
+    """A :class:`NoiseScale` needs each rank's whole gradient after the window's first
+    micro-batch; FSDP and FSDP2 keep it sharded (or in their own unsharded buffers)."""
+    if isinstance(schedule, NoiseScale) and plan.sharded:
+        raise RuntimeError(
+            f"`NoiseScale` cannot measure the gradient noise under {plan.family.upper()}: the gradient after a "
+            "window's first micro-batch is sharded or held in FSDP's own buffers. Use DDP, or a `Ramp`/"
+            "`Piecewise` schedule with FSDP."
+        )

@@ -1,25 +1,42 @@
-"""Strategy integration: skipping gradient sync inside a window, and making it global at its end.
+"""Strategy integration: where gradient sync is skipped inside a window, and made global at its end.
+
+One function per strategy family decides how a window's non-final micro-batches skip the
+gradient collective; :func:`skip_sync` picks it from a :class:`SyncPlan`:
+
+* DDP: ``strategy.block_backward_sync()`` (DDP's ``no_sync``). Lightning's automatic loop
+  already applies it to the batches it accumulates, which ``_seam`` aligns with the windows;
+  the mixin runs every pass under it and all-reduces the window once, explicitly, at its end
+  (:func:`all_reduce_gradients`): one collective round per optimizer step whatever the number
+  of backward passes, and no dependence on ``find_unused_parameters``.
+* FSDP (``FSDPStrategy``): the outermost wrapped modules' ``no_sync()``, opt-in
+  (``sync="skip"``): full unsharded gradients are then held until the window's last
+  micro-batch. By default FSDP reduce-scatters every micro-batch, as Lightning does.
+* FSDP2 (``ModelParallelStrategy``, ``fully_shard``): ``set_requires_gradient_sync(False)`` on
+  the sharded modules, back to ``True`` for the window's last micro-batch.
+* DeepSpeed owns accumulation and gradient storage (refused by the package); single device:
+  nothing to skip.
 
 Every rank must normalise its window by the same global counts, so the local counts are
 summed over ranks once per window, in a single all-reduce of one small integer tensor.
-
-In automatic optimization Lightning itself skips DDP's sync on the non-final micro-batches.
-In manual optimization (the mixin) every backward pass runs under DDP's ``no_sync`` and the
-window's gradients are all-reduced once, explicitly, when it closes: one collective round per
-optimizer step whatever the number of backward passes per micro-batch, and no dependence on
-``find_unused_parameters``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_accum._lightning import rank_zero_warn
+
+Family = Literal["single", "ddp", "fsdp", "fsdp2", "deepspeed"]
+SyncMode = Literal["auto", "skip", "every"]
+SYNC_MODES = ("auto", "skip", "every")
 BUCKET_BYTES = 25 * 2**20  # like DDP's default bucket: bounds the transient flat buffer
 
 
@@ -50,15 +67,160 @@ def is_deepspeed(strategy: Any) -> bool:
     return bool(getattr(strategy, "handles_gradient_accumulation", False))
 
 
+def refuse_deepspeed(strategy: Any, who: str) -> None:
+    """Raise, before any step, if ``strategy`` is DeepSpeed: what cannot work there and what to use."""
+    if not is_deepspeed(strategy):
+        return
+    raise RuntimeError(
+        f"`{who}` cannot run under `{type(strategy).__name__}`: DeepSpeed owns gradient accumulation (its "
+        "`gradient_accumulation_steps` is fixed when the engine is built) and the gradient storage (under "
+        "ZeRO-2/3 `.grad` is not the gradient), so a window's gradient cannot be normalised, decayed or "
+        "measured after backward. For a constant k use `Trainer(accumulate_grad_batches=k)`; for schedules, "
+        "exact normalisation or decay use DDP, FSDP (`strategy='fsdp'`) or FSDP2 (`ModelParallelStrategy`)."
+    )
+
+
+def check_sync_mode(sync: Any) -> None:
+    """Clear error for a ``sync=`` argument that is not one of :data:`SYNC_MODES`."""
+    if sync not in SYNC_MODES:
+        raise ValueError(
+            f"`sync` must be 'auto', 'skip' or 'every'; got {sync!r}. 'skip' reduces gradients once per window "
+            "(sharded strategies then hold unsharded gradients until its end), 'every' reduce-scatters sharded "
+            "gradients after every micro-batch."
+        )
+
+
+# ---------------------------------------------------------------------- which family
+def _fsdp_type() -> type[nn.Module] | None:
+    """FSDP (1)'s wrapper class, ``None`` where torch has no distributed package."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    return FullyShardedDataParallel
+
+
+def fsdp_roots(module: nn.Module) -> list[nn.Module]:
+    """The outermost FSDP (1) instances in ``module``: the ones whose ``no_sync()`` may be called."""
+    fsdp = _fsdp_type()
+    if fsdp is None:
+        return []
+    roots: list[nn.Module] = []
+    inner: set[int] = set()
+    for m in module.modules():
+        if isinstance(m, fsdp) and id(m) not in inner:
+            roots.append(m)
+            inner.update(id(d) for d in m.modules() if d is not m)
+    return roots
+
+
+def fsdp2_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` was applied to (FSDP2): they have ``set_requires_gradient_sync``."""
+    return [m for m in module.modules() if callable(getattr(type(m), "set_requires_gradient_sync", None))]
+
+
+def family(strategy: Any) -> Family:
+    """The strategy family, read off the wrapped model (``strategy.model``) after setup."""
+    if is_deepspeed(strategy):
+        return "deepspeed"
+    model = getattr(strategy, "model", None)
+    if isinstance(model, nn.Module):
+        if fsdp2_modules(model):
+            return "fsdp2"
+        if fsdp_roots(model):
+            return "fsdp"
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            return "ddp"
+    return "single"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPlan:
+    """How a run makes gradients global: the strategy family, and whether a window's micro-batches
+    before its last skip the gradient collective."""
+
+    family: Family = "single"
+    skip: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the strategy reduces gradients itself into shards (FSDP, FSDP2)."""
+        return self.family in ("fsdp", "fsdp2")
+
+
+def plan(strategy: Any, mode: SyncMode = "auto") -> SyncPlan:
+    """The :class:`SyncPlan` for ``strategy`` (after setup) under ``sync=mode``.
+
+    ``"auto"`` skips on DDP and FSDP2 and keeps Lightning's per-micro-batch reduce-scatter on FSDP;
+    ``"skip"`` skips wherever the strategy can; ``"every"`` reduce-scatters sharded gradients after
+    every micro-batch. DDP's gradients are whole on every rank, so DDP syncs once per window in all modes.
+    """
+    check_sync_mode(mode)
+    kind = family(strategy)
+    skip = {"ddp": True, "fsdp": mode == "skip", "fsdp2": mode != "every"}.get(kind, False)
+    return SyncPlan(kind, skip)
+
+
+def partial_window_lost(sync_plan: SyncPlan, window: Any) -> bool:
+    """Whether a checkpoint saved now must leave out the open ``window``: under FSDP and FSDP2 its
+    partial gradient is sharded or in FSDP's own buffers, which the package cannot save. Warns;
+    the resumed run then opens a new window at its first batch."""
+    if window is None or not window.microbatches or not sync_plan.sharded:
+        return False
+    rank_zero_warn(
+        f"A checkpoint was saved inside an accumulation window under {sync_plan.family.upper()}: the window's "
+        f"{window.microbatches} micro-batch(es) so far are not in it, and a run resumed from it opens a new window. "
+        "Save at window boundaries (e.g. `ModelCheckpoint(every_n_train_steps=...)`) to resume exactly."
+    )
+    return True
+
+
+# ---------------------------------------------------------------------- one function per family
 @contextlib.contextmanager
-def no_backward_sync(strategy: Any, enabled: bool = True) -> Iterator[None]:
+def ddp_no_sync(strategy: Any) -> Iterator[None]:
     """Backward passes inside skip DDP's gradient all-reduce (nothing to skip on one device)."""
     block = getattr(strategy, "block_backward_sync", None)
-    if not enabled or block is None or world_size(strategy) == 1:
+    if block is None or world_size(strategy) == 1:
         yield
         return
     with block():
         yield
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(module: nn.Module) -> Iterator[None]:
+    """Backward passes inside keep FSDP's unsharded gradients instead of reduce-scattering them."""
+    with contextlib.ExitStack() as stack:
+        for root in fsdp_roots(module):
+            stack.enter_context(root.no_sync())  # type: ignore[operator]
+        yield
+
+
+@contextlib.contextmanager
+def fsdp2_no_sync(module: nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate FSDP2's unsharded gradients; sync is back on after."""
+    shards = fsdp2_modules(module)
+    for m in shards:
+        m.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for m in shards:
+            m.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+
+
+def skip_sync(sync_plan: SyncPlan, strategy: Any, final: bool) -> AbstractContextManager[None]:
+    """The context for the backward passes of one micro-batch: the gradient collective is skipped
+    unless ``final`` (the window's last micro-batch) or the plan does not skip."""
+    if final or not sync_plan.skip:
+        return contextlib.nullcontext()
+    if sync_plan.family == "ddp":
+        return ddp_no_sync(strategy)
+    if sync_plan.family == "fsdp":
+        return fsdp_no_sync(strategy.model)
+    if sync_plan.family == "fsdp2":
+        return fsdp2_no_sync(strategy.model)
+    return contextlib.nullcontext()
 
 
 def all_reduce_gradients(strategy: Any, params: Sequence[Tensor], present_anywhere: Sequence[int]) -> int:

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 from helpers import (
-    ManualTokenModel,
+    Float32ManualTokenModel,
+    Float32TokenModel,
     Reference,
     TokenData,
-    TokenModel,
     loader,
     max_diff,
     params_of,
@@ -58,27 +58,9 @@ def data32() -> Any:
     return loader(DATA, 4)
 
 
-class Float32Model(TokenModel):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net.float()
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return super().training_step({k: v.float() for k, v in batch.items()}, batch_idx)
-
-
-class Float32Manual(ManualTokenModel):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(schedule=SCHEDULE, **kwargs)
-        self.net.float()
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        super().training_step({k: v.float() for k, v in batch.items()}, batch_idx)
-
-
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_callback(precision: str) -> None:
-    model = Float32Model()
+    model = Float32TokenModel()
     gpu_trainer(precision, callbacks=[AccumulationScheduler(SCHEDULE)], max_epochs=2).fit(model, data32())
     check(model)
 
@@ -86,14 +68,14 @@ def test_callback(precision: str) -> None:
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 @pytest.mark.parametrize("mode", ["backward", "heads"])
 def test_mixin(precision: str, mode: str) -> None:
-    model = Float32Manual(mode=mode)
+    model = Float32ManualTokenModel(schedule=SCHEDULE, mode=mode)
     gpu_trainer(precision, max_epochs=2).fit(model, data32())
     check(model)
 
 
 def test_decay_with_grad_scaler() -> None:
     """The residual is combined after unscaling: it never carries the loss scale."""
-    model = Float32Model()
+    model = Float32TokenModel()
     callbacks = [AccumulationScheduler(SCHEDULE), GradientDecay(0.8)]
     gpu_trainer("16-mixed", callbacks=callbacks, max_epochs=2).fit(model, data32())
     check(model, decay=(0.8, "sum", False), tol=2e-2)  # the residual carries earlier rounding forward

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -20,8 +21,9 @@ from lightning_accum._lightning import (
     rank_zero_warn,
 )
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
-from lightning_accum.noise import NoiseProbe, NoiseScale
+from lightning_accum.noise import NoiseProbe, NoiseScale, check_noise_under
 from lightning_accum.schedules import Progress, Schedule, as_schedule
+from lightning_accum.sync import SyncMode, SyncPlan, check_sync_mode, partial_window_lost
 from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size, lightning_divisor, lr_factor
 
 LRScaling = Literal["linear", "sqrt"]
@@ -56,6 +58,10 @@ class AccumulationScheduler(Callback):
         log: log ``accum/k`` (also in the progress bar), ``accum/effective_batch``,
             ``accum/samples`` and ``accum/items`` every ``Trainer(log_every_n_steps)`` optimizer
             steps (when the loggers are written) and at the first.
+        sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
+            window; FSDP: every micro-batch, as Lightning), ``"skip"`` (once per window; FSDP and
+            FSDP2 then hold unsharded gradients until its end) or ``"every"``. DDP always syncs
+            once per window.
 
     Example::
 
@@ -73,6 +79,7 @@ class AccumulationScheduler(Callback):
         count: Callable[[Any], int | Tensor] | None = None,
         lr_scaling: LRScaling | None = None,
         log: bool = True,
+        sync: SyncMode = "auto",
     ) -> None:
         self.schedule = as_schedule(schedule)
         if normalize not in NORMALIZE:
@@ -86,6 +93,7 @@ class AccumulationScheduler(Callback):
             )
         if lr_scaling not in (None, "linear", "sqrt"):
             raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
+        check_sync_mode(sync)
         if self.schedule.unit == "items" and count is None:
             raise ValueError(
                 f"The schedule {self.schedule!r} counts items, so `AccumulationScheduler` needs `count`, "
@@ -95,6 +103,7 @@ class AccumulationScheduler(Callback):
         self.count = count
         self.lr_scaling = lr_scaling
         self._log = log  # not `self.log`: Lightning binds `log` on callbacks
+        self.sync = sync
 
         self.progress = Progress()
         self._probe = NoiseProbe(self.schedule, normalize) if isinstance(self.schedule, NoiseScale) else None
@@ -110,6 +119,8 @@ class AccumulationScheduler(Callback):
         self._lr_frequencies: list[tuple[Any, int]] = []
         self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
         self._lr_hook: RemovableHandle | None = None
+        self._sync = SyncPlan()
+        self._no_sync = contextlib.ExitStack()  # open from on_before_backward to on_after_backward
 
     # ------------------------------------------------------------------ checks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -135,11 +146,9 @@ class AccumulationScheduler(Callback):
                 f"Only one accumulation callback can drive the Trainer; found {', '.join(others)} besides this "
                 "`AccumulationScheduler`. Keep one (a dict schedule replaces `GradientAccumulationScheduler`)."
             )
-        if sync.is_deepspeed(trainer.strategy):
-            raise RuntimeError(
-                f"`AccumulationScheduler` does not support `{type(trainer.strategy).__name__}` yet: DeepSpeed owns "
-                "gradient accumulation. Use DDP or FSDP, or DeepSpeed's own fixed `gradient_accumulation_steps`."
-            )
+        sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler")
+        self._sync = sync.plan(trainer.strategy, self.sync)
+        check_noise_under(self._sync, self.schedule)
 
     # ------------------------------------------------------------------ fit lifetime
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -164,7 +173,8 @@ class AccumulationScheduler(Callback):
         self._teardown(trainer)
 
     def _teardown(self, trainer: pl.Trainer) -> None:
-        """Leave the Trainer and the LR scheduler configs as the user made them."""
+        """Leave the Trainer, the model's sync flags and the LR scheduler configs as the user made them."""
+        self._no_sync.close()
         set_divisor(trainer, 1)
         for config, frequency in self._lr_frequencies:
             config.frequency = frequency
@@ -202,10 +212,16 @@ class AccumulationScheduler(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._window is None:
             return
+        if self._sync.sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
+            final = self._batch_idx + 1 >= self._window.start + self._window.k or _seam.epoch_ends_after_this_batch(
+                trainer
+            )
+            self._no_sync.enter_context(sync.skip_sync(self._sync, trainer.strategy, final))
         samples = batch_size(self._batch)
         self._window.add(samples, samples if self.count is None else self.count(self._batch))
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._no_sync.close()
         window = self._window
         if self._probe is None or window is None or window.microbatches != 1 or self._optimizer is None:
             return
@@ -286,7 +302,7 @@ class AccumulationScheduler(Callback):
             "divisor": self._divisor,
             "window": None,
         }
-        if self._window is not None and self._stepped is None:
+        if self._window is not None and self._stepped is None and not partial_window_lost(self._sync, self._window):
             state["window"] = self._window.state_dict()
             if self._window.microbatches and self._optimizer is not None:
                 # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient

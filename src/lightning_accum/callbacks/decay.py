@@ -80,11 +80,7 @@ class GradientDecay(Callback):
 
     # ------------------------------------------------------------------ lifetime
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if sync.is_deepspeed(trainer.strategy):
-            raise RuntimeError(
-                "`GradientDecay` does not support DeepSpeed: its engine owns the gradient buffers (and under "
-                "ZeRO-2/3 `.grad` is not the gradient). Use DDP or FSDP, or zero the gradients."
-            )
+        sync.refuse_deepspeed(trainer.strategy, "GradientDecay")
         if not pl_module.automatic_optimization:
             raise RuntimeError(
                 "In manual optimization give `GradientDecay` to the mixin, `configure_accumulation(reset="
