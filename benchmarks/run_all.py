@@ -21,6 +21,7 @@ QUICK = {
     "multitask_memory.py": ["--repeats", "1"],
     "decay.py": ["--rounds", "1", "--steps", "2"],
     "noise_scale.py": ["--rounds", "0", "--batches", "24"],
+    "comm_calls.py": [],
 }
 
 
@@ -48,6 +49,9 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
             (f"noise scale, k={row['k']}", "probe / window fwd+bwd", f"{row['probe_fraction']:.4f}", "<= 0.03")
         )
         table.append((f"noise scale, k={row['k']}", "loop time vs constant k", f"{row['ratio']:.3f}", "(noisy)"))
+    for row in results["comm_calls.py"]["rows"]:
+        what = f"comm, k=4, {row['world']} {row['device']} ranks: {row['run']}"
+        table.append((what, "gradient collectives / step", f"{row['gradient_per_step']:g}", "1 round if skipped"))
     return table
 
 

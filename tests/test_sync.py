@@ -226,6 +226,21 @@ def test_mixin_skips_sync_before_the_last_micro_batch(mode: str) -> None:
     assert max_diff(params_of(model), expected) <= 1e-12
 
 
+def test_mixin_refuses_skip_when_fsdp_wraps_the_whole_module() -> None:
+    """Lightning runs `training_step` inside the root FSDP's forward, where `no_sync()` raises."""
+    model = ManualTokenModel(schedule=SCHEDULE, sync="skip")
+
+    class FakeTrainer:
+        callbacks = [model._accum_driver]
+        strategy = Strategy(FakeFSDP(model.net))
+
+    with pytest.raises(ValueError, match="`sync='skip'` cannot work with the mixin when `FSDPStrategy` wraps"):
+        model._accum_driver.on_fit_start(FakeTrainer(), model)  # type: ignore[arg-type]
+    FakeTrainer.strategy = Strategy(nn.Sequential(FakeFSDP(model.net)))  # submodules wrapped: fine
+    model._accum_driver.on_fit_start(FakeTrainer(), model)  # type: ignore[arg-type]
+    assert model._accum_driver.sync_plan == sync.SyncPlan("fsdp", skip=True)
+
+
 def test_noise_scale_is_refused_under_fsdp_before_any_step() -> None:
     model = WrappedTokenModel(lambda net: FakeFSDP2(*net))
     before = params_of(model)

@@ -525,6 +525,19 @@ class _MixinDriver(Callback):
         config = self.module._accum_config
         self.sync_plan = sync.plan(trainer.strategy, config.sync)
         check_noise_under(self.sync_plan, config.schedule)
+        model = trainer.strategy.model
+        if (
+            self.sync_plan.family == "fsdp"
+            and self.sync_plan.skip
+            and model is not None
+            and sync.fsdp_roots(model) == [model]
+        ):
+            raise ValueError(
+                "`sync='skip'` cannot work with the mixin when `FSDPStrategy` wraps the whole LightningModule: "
+                "Lightning runs `training_step` inside FSDP's forward, where FSDP refuses `no_sync()`. Use "
+                "`sync='auto'` (reduce-scatter every micro-batch), wrap submodules in `configure_model`, or use "
+                "FSDP2 (`ModelParallelStrategy`)."
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._saved_grads is not None:

@@ -49,8 +49,11 @@ class ForkLauncher(_MultiProcessingLauncher):
 
 
 class ForkedModelParallel(ModelParallelStrategy):
-    """Lightning launches this strategy by re-running the script (which would re-run pytest);
-    fork instead, as the DDP tests do."""
+    """Plain FSDP2 over the ranks (a 1-D data-parallel mesh). Lightning launches this strategy by
+    re-running the script (which would re-run pytest); fork instead, as the DDP tests do."""
+
+    def __init__(self) -> None:
+        super().__init__(data_parallel_size=WORLD, tensor_parallel_size=1)
 
     def _configure_launcher(self) -> None:
         self._launcher = ForkLauncher(self, start_method="fork")
@@ -65,12 +68,12 @@ def shard(net: torch.nn.Module, mesh: Any) -> None:
 
 class ShardedTokenModel(TokenModel):
     def configure_model(self) -> None:
-        shard(self.net, self.device_mesh)
+        shard(self.net, self.device_mesh["data_parallel"])
 
 
 class ShardedManualTokenModel(ManualTokenModel):
     def configure_model(self) -> None:
-        shard(self.net, self.device_mesh)
+        shard(self.net, self.device_mesh["data_parallel"])
 
 
 class Report(pl.Callback):

@@ -1,0 +1,179 @@
+"""FSDP (``FSDPStrategy``), FSDP2 (``ModelParallelStrategy`` + ``fully_shard``) and DeepSpeed on
+one GPU: world size 1 still runs FSDP's wrappers, its no-sync switches and its collectives.
+
+The callback and the mixin are checked against the float64 reference at float32 rounding
+(1e-5: a float32 model with well-scaled gradients over two epochs stays near 1e-6), with the
+gradient collectives FSDP issues counted per optimizer step. DeepSpeed must be refused before
+any step (see ``sync.refuse_deepspeed``). Skipped without CUDA; run with ``bash tests/gpu/run.sh``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import (
+    Float32ManualTokenModel,
+    Float32TokenModel,
+    KRecorder,
+    Reference,
+    TokenData,
+    loader,
+    max_diff,
+    rank_batches,
+    trainer,
+)
+
+from lightning_accum import AccumulationScheduler, Piecewise
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SCHEDULE = Piecewise({0: 3, 4: 2}, unit="step")
+DATA = TokenData(50)  # 13 batches of 4: short last windows
+ONE_RANK = {"use_distributed_sampler": False}  # Lightning's sampler would shuffle; the reference takes batches in order
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base")
+
+
+class Collectives(pl.Callback):
+    """Names of the collectives called during backward passes (Lightning's own, e.g. for its
+    loop decisions, happen outside them); FSDP looks its collectives up on `torch.distributed`."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.in_backward = False
+
+    def on_before_backward(self, *args: Any) -> None:
+        self.in_backward = True
+
+    def on_after_backward(self, *args: Any) -> None:
+        self.in_backward = False
+
+
+@pytest.fixture
+def collectives(monkeypatch: pytest.MonkeyPatch) -> Collectives:
+    counter = Collectives()
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counting(*args: Any, __name: str = name, __original: Any = original, **kwargs: Any) -> Any:
+            if counter.in_backward:
+                counter.calls.append(__name)
+            return __original(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counting)
+    return counter
+
+
+def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().cpu() for p in model.net.parameters()
+    ]
+
+
+def check(model: torch.nn.Module, recorder: KRecorder | None = None) -> list[int]:
+    expected, sizes = Reference(SCHEDULE).run([rank_batches(DATA, 4)] * 2)
+    assert max_diff(full_params(model), expected) < 1e-5
+    if recorder is not None:
+        assert recorder.windows == sizes
+    return sizes
+
+
+def per_step(collectives: Collectives, steps: int, microbatches: int, skip: bool) -> None:
+    """With sync skipped, the gradient collectives come in one round per optimizer step; with it
+    on, in one round per micro-batch (world size 1 may issue none at all: then nothing to count)."""
+    calls = collectives.calls
+    print(f"{len(calls)} gradient collectives in backward, {steps} steps, {microbatches} micro-batches: {set(calls)}")
+    if not calls:
+        return
+    rounds = steps if skip else microbatches
+    assert len(calls) % rounds == 0, (len(calls), rounds)
+
+
+# ---------------------------------------------------------------------- FSDP (1)
+def fsdp_trainer(**kwargs: Any) -> Any:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return trainer(accelerator="gpu", devices=1, strategy=FSDPStrategy(), precision="32-true", **ONE_RANK, **kwargs)
+
+
+@pytest.mark.parametrize("sync", ["auto", "skip"])
+def test_fsdp_callback(sync: str, collectives: Collectives) -> None:
+    model, recorder = Float32TokenModel(), KRecorder()
+    callbacks = [AccumulationScheduler(SCHEDULE, sync=sync), recorder, collectives]  # type: ignore[arg-type]
+    fsdp_trainer(callbacks=callbacks).fit(model, loader(DATA, 4))
+    sizes = check(model, recorder)
+    per_step(collectives, len(sizes), sum(sizes), skip=sync == "skip")
+
+
+def test_fsdp_mixin(collectives: Collectives) -> None:
+    model = Float32ManualTokenModel(schedule=SCHEDULE)
+    fsdp_trainer(callbacks=[collectives]).fit(model, loader(DATA, 4))
+    sizes = check(model)
+    per_step(collectives, len(sizes), sum(sizes), skip=False)
+
+
+def test_fsdp_mixin_refuses_skip_before_any_step() -> None:
+    """Lightning wraps the whole module: `training_step` runs inside FSDP's forward (no `no_sync()`)."""
+    model = Float32ManualTokenModel(schedule=SCHEDULE, sync="skip")
+    with pytest.raises(ValueError, match="`sync='skip'` cannot work with the mixin"):
+        fsdp_trainer().fit(model, loader(DATA, 4))
+    expected, _ = Reference(SCHEDULE).run([])
+    assert max_diff(full_params(model), expected) < 1e-6  # the initial parameters: no step was taken
+
+
+# ---------------------------------------------------------------------- FSDP2
+class Sharded(Float32TokenModel):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+class ShardedManual(Float32ManualTokenModel):
+    configure_model = Sharded.configure_model
+
+
+def fsdp2_trainer(**kwargs: Any) -> Any:
+    pytest.importorskip("torch.distributed.fsdp").fully_shard  # noqa: B018  (torch >= 2.6)
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    return trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", **ONE_RANK, **kwargs)
+
+
+@pytest.mark.parametrize("sync", ["auto", "every"])
+def test_fsdp2_callback(sync: str, collectives: Collectives) -> None:
+    model, recorder = Sharded(), KRecorder()
+    callbacks = [AccumulationScheduler(SCHEDULE, sync=sync), recorder, collectives]  # type: ignore[arg-type]
+    fsdp2_trainer(callbacks=callbacks).fit(model, loader(DATA, 4))
+    sizes = check(model, recorder)
+    per_step(collectives, len(sizes), sum(sizes), skip=sync == "auto")
+
+
+@pytest.mark.parametrize(("sync", "mode"), [("auto", "backward"), ("every", "heads")])
+def test_fsdp2_mixin(sync: str, mode: str) -> None:
+    model = ShardedManual(schedule=SCHEDULE, sync=sync, mode=mode)
+    fsdp2_trainer().fit(model, loader(DATA, 4))
+    check(model)
+
+
+# ---------------------------------------------------------------------- DeepSpeed
+def test_deepspeed_stage_2_is_refused_before_any_step() -> None:
+    pytest.importorskip("deepspeed")
+    model = Float32TokenModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    callbacks = [AccumulationScheduler(SCHEDULE)]
+    strategy = "deepspeed_stage_2"
+    t = trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", callbacks=callbacks, **ONE_RANK)
+    with pytest.raises(RuntimeError, match="DeepSpeed owns gradient accumulation"):
+        t.fit(model, loader(DATA, 4))
+    after = [p.detach().float().cpu() for p in model.parameters()]
+    assert max_diff(after, [p.cpu() for p in before]) == 0.0
