@@ -27,7 +27,7 @@ from helpers import (
     trainer,
 )
 
-from lightning_accum import AccumulationScheduler, Piecewise
+from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -75,8 +75,8 @@ def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
     ]
 
 
-def check(model: torch.nn.Module, recorder: KRecorder | None = None) -> list[int]:
-    expected, sizes = Reference(SCHEDULE).run([rank_batches(DATA, 4)] * 2)
+def check(model: torch.nn.Module, recorder: KRecorder | None = None, decay: Any = None) -> list[int]:
+    expected, sizes = Reference(SCHEDULE, decay=decay).run([rank_batches(DATA, 4)] * 2)
     assert max_diff(full_params(model), expected) < 1e-5
     if recorder is not None:
         assert recorder.windows == sizes
@@ -108,6 +108,15 @@ def test_fsdp_callback(sync: str, collectives: Collectives) -> None:
     fsdp_trainer(callbacks=callbacks).fit(model, loader(DATA, 4))
     sizes = check(model, recorder)
     per_step(collectives, len(sizes), sum(sizes), skip=sync == "skip")
+
+
+@pytest.mark.parametrize("sync", ["auto", "skip"])
+def test_fsdp_gradient_decay(sync: str) -> None:
+    """The residual is moved off the (orig-param views of the) flat gradient after each step."""
+    model = Float32TokenModel()
+    callbacks = [AccumulationScheduler(SCHEDULE, sync=sync), GradientDecay(0.8, mode="ema")]  # type: ignore[arg-type]
+    fsdp_trainer(callbacks=callbacks).fit(model, loader(DATA, 4))
+    check(model, decay=(0.8, "ema", False))
 
 
 def test_fsdp_mixin(collectives: Collectives) -> None:

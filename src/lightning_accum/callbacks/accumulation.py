@@ -213,10 +213,7 @@ class AccumulationScheduler(Callback):
         if self._window is None:
             return
         if self._sync.sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
-            final = self._batch_idx + 1 >= self._window.start + self._window.k or _seam.epoch_ends_after_this_batch(
-                trainer
-            )
-            self._no_sync.enter_context(sync.skip_sync(self._sync, trainer.strategy, final))
+            self._no_sync.enter_context(sync.skip_sync(self._sync, trainer.strategy, self._closes_window(trainer)))
         samples = batch_size(self._batch)
         self._window.add(samples, samples if self.count is None else self.count(self._batch))
 
@@ -225,10 +222,16 @@ class AccumulationScheduler(Callback):
         window = self._window
         if self._probe is None or window is None or window.microbatches != 1 or self._optimizer is None:
             return
-        if window.k == 1 or _seam.epoch_ends_after_this_batch(trainer):
+        if self._closes_window(trainer):
             return  # this micro-batch closes the window: its gradient is already the window's (and synced)
         grads = gradients.optimizer_grads(self._optimizer)
         self._probe.first_microbatch(grads, window, loss_scale(trainer))
+
+    def _closes_window(self, trainer: pl.Trainer) -> bool:
+        """Whether Lightning steps after the batch being trained (the seam aligns its step points)."""
+        assert self._window is not None
+        last = self._window.start + self._window.k - 1
+        return self._batch_idx >= last or _seam.epoch_ends_after_this_batch(trainer)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
