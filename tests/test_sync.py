@@ -207,6 +207,37 @@ def test_callback_skips_sync_on_non_final_micro_batches(wrap: Any, mode: str) ->
     assert max_diff(params_of(model), expected) <= 1e-12  # the fakes change no maths
 
 
+class SkipsLastBackward(WrappedTokenModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 2 else loss  # batch 2 closes the first window (k = 3)
+
+
+def test_window_whose_last_micro_batch_skips_backward_is_refused_under_skipped_sync() -> None:
+    """Its gradient would stay in FSDP's unsharded buffers: stepping on it would be silently wrong."""
+    with pytest.raises(RuntimeError, match="last micro-batch ran no backward pass"):
+        trainer(callbacks=[AccumulationScheduler(SCHEDULE)]).fit(
+            SkipsLastBackward(lambda net: FakeFSDP2(*net)), loader(TokenData(32), 4)
+        )
+    model = SkipsLastBackward(lambda net: FakeFSDP2(*net))  # reducing every micro-batch: fine
+    trainer(callbacks=[AccumulationScheduler(SCHEDULE, sync="every")]).fit(model, loader(TokenData(32), 4))
+
+
+class ManualSkipsLastBackward(ManualTokenModel):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 2:
+            with self.accumulate(batch):
+                return
+        super().training_step(batch, batch_idx)
+
+
+def test_mixin_window_whose_last_micro_batch_skips_backward_is_refused_under_skipped_sync() -> None:
+    model = ManualSkipsLastBackward(schedule=SCHEDULE)
+    model.net = FakeFSDP2(*model.net)
+    with pytest.raises(RuntimeError, match="last micro-batch ran no backward pass"):
+        trainer().fit(model, loader(TokenData(32), 4))
+
+
 def test_callback_keeps_fsdp_sync_by_default() -> None:
     model = WrappedTokenModel(FakeFSDP)
     trainer(callbacks=[AccumulationScheduler(SCHEDULE)]).fit(model, loader(TokenData(32), 4))

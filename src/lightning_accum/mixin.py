@@ -350,6 +350,7 @@ class AccumulationMixin(_ModuleBase):
             acc._open = False
         if acc.passes:  # a micro-batch that back-propagated nothing does not count
             window.add(batch_size(batch), self._accum_items(acc, batch))
+            window.synced = last
         probe = self._accum_driver.probe
         if probe is not None and acc.passes and acc.index == 0 and not last:
             probe.first_microbatch(gradients.grads_of(self._accum_params(key)), window, loss_scale(trainer))
@@ -433,6 +434,7 @@ class AccumulationMixin(_ModuleBase):
         if not window.microbatches and sync.world_size(strategy) == 1:  # nothing went in: nothing to step
             group.window = None
             return
+        sync.check_window_synced(self._accum_driver.sync_plan, window)
         params = self._accum_params(key)
         local = [window.microbatches, window.samples, window.local_items()]
         world = sync.world_size(strategy)

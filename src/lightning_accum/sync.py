@@ -175,6 +175,18 @@ def partial_window_lost(sync_plan: SyncPlan, window: Any) -> bool:
     return True
 
 
+def check_window_synced(sync_plan: SyncPlan, window: Any) -> None:
+    """Under FSDP/FSDP2 with sync skipped, only a backward pass of the window's last micro-batch
+    reduces the gradients held so far: a window whose last micro-batch back-propagated nothing
+    would step on a partial gradient."""
+    if sync_plan.sharded and sync_plan.skip and window.microbatches and not window.synced:
+        raise RuntimeError(
+            f"The accumulation window's last micro-batch ran no backward pass, so under {sync_plan.family.upper()} "
+            "with the gradient sync skipped inside windows the window's gradient was never reduced. Back-propagate "
+            "(a zero loss will do) on every micro-batch, or pass `sync='every'`."
+        )
+
+
 # ---------------------------------------------------------------------- one function per family
 @contextlib.contextmanager
 def ddp_no_sync(strategy: Any) -> Iterator[None]:

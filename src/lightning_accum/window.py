@@ -33,6 +33,8 @@ class Window:
         samples: samples in those micro-batches.
         items: items in those micro-batches; device tensors are kept unsynchronised until the
             window ends, so counting costs no host-device round trip per micro-batch.
+        synced: whether the latest backward pass ran with the gradient sync on (FSDP and FSDP2
+            with sync skipped reduce only in the window's last micro-batch).
     """
 
     k: int
@@ -42,6 +44,7 @@ class Window:
     samples: int = 0
     items: int = 0
     pending_items: list[Tensor] = field(default_factory=list)
+    synced: bool = False
 
     def add(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch."""

@@ -94,48 +94,22 @@ def per_step(collectives: Collectives, steps: int, microbatches: int, skip: bool
     assert len(calls) % rounds == 0, (len(calls), rounds)
 
 
-# ---------------------------------------------------------------------- FSDP (1)
+# ---------------------------------------------------------------------- trainers and models
 def fsdp_trainer(**kwargs: Any) -> Any:
     from lightning.pytorch.strategies import FSDPStrategy
 
     return trainer(accelerator="gpu", devices=1, strategy=FSDPStrategy(), precision="32-true", **ONE_RANK, **kwargs)
 
 
-@pytest.mark.parametrize("sync", ["auto", "skip"])
-def test_fsdp_callback(sync: str, collectives: Collectives) -> None:
-    model, recorder = Float32TokenModel(), KRecorder()
-    callbacks = [AccumulationScheduler(SCHEDULE, sync=sync), recorder, collectives]  # type: ignore[arg-type]
-    fsdp_trainer(callbacks=callbacks).fit(model, loader(DATA, 4))
-    sizes = check(model, recorder)
-    per_step(collectives, len(sizes), sum(sizes), skip=sync == "skip")
+def fsdp2_trainer(**kwargs: Any) -> Any:
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("FSDP2 (`fully_shard`) needs torch >= 2.6")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    return trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", **ONE_RANK, **kwargs)
 
 
-@pytest.mark.parametrize("sync", ["auto", "skip"])
-def test_fsdp_gradient_decay(sync: str) -> None:
-    """The residual is moved off the (orig-param views of the) flat gradient after each step."""
-    model = Float32TokenModel()
-    callbacks = [AccumulationScheduler(SCHEDULE, sync=sync), GradientDecay(0.8, mode="ema")]  # type: ignore[arg-type]
-    fsdp_trainer(callbacks=callbacks).fit(model, loader(DATA, 4))
-    check(model, decay=(0.8, "ema", False))
-
-
-def test_fsdp_mixin(collectives: Collectives) -> None:
-    model = Float32ManualTokenModel(schedule=SCHEDULE)
-    fsdp_trainer(callbacks=[collectives]).fit(model, loader(DATA, 4))
-    sizes = check(model)
-    per_step(collectives, len(sizes), sum(sizes), skip=False)
-
-
-def test_fsdp_mixin_refuses_skip_before_any_step() -> None:
-    """Lightning wraps the whole module: `training_step` runs inside FSDP's forward (no `no_sync()`)."""
-    model = Float32ManualTokenModel(schedule=SCHEDULE, sync="skip")
-    with pytest.raises(ValueError, match="`sync='skip'` cannot work with the mixin"):
-        fsdp_trainer().fit(model, loader(DATA, 4))
-    expected, _ = Reference(SCHEDULE).run([])
-    assert max_diff(full_params(model), expected) < 1e-6  # the initial parameters: no step was taken
-
-
-# ---------------------------------------------------------------------- FSDP2
 class Sharded(Float32TokenModel):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -150,21 +124,43 @@ class ShardedManual(Float32ManualTokenModel):
     configure_model = Sharded.configure_model
 
 
-def fsdp2_trainer(**kwargs: Any) -> Any:
-    pytest.importorskip("torch.distributed.fsdp").fully_shard  # noqa: B018  (torch >= 2.6)
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
-    return trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", **ONE_RANK, **kwargs)
-
-
-@pytest.mark.parametrize("sync", ["auto", "every"])
-def test_fsdp2_callback(sync: str, collectives: Collectives) -> None:
-    model, recorder = Sharded(), KRecorder()
+# ---------------------------------------------------------------------- the callback
+@pytest.mark.parametrize(
+    ("family", "sync", "skipped"),
+    [("fsdp", "auto", False), ("fsdp", "skip", True), ("fsdp2", "auto", True), ("fsdp2", "every", False)],
+)
+def test_callback(family: str, sync: str, skipped: bool, collectives: Collectives) -> None:
+    model, recorder = (Float32TokenModel() if family == "fsdp" else Sharded()), KRecorder()
     callbacks = [AccumulationScheduler(SCHEDULE, sync=sync), recorder, collectives]  # type: ignore[arg-type]
-    fsdp2_trainer(callbacks=callbacks).fit(model, loader(DATA, 4))
+    (fsdp_trainer if family == "fsdp" else fsdp2_trainer)(callbacks=callbacks).fit(model, loader(DATA, 4))
     sizes = check(model, recorder)
-    per_step(collectives, len(sizes), sum(sizes), skip=sync == "auto")
+    per_step(collectives, len(sizes), sum(sizes), skip=skipped)
+
+
+@pytest.mark.parametrize("sync", ["auto", "skip"])
+def test_fsdp_gradient_decay(sync: str) -> None:
+    """The residual is moved off the (orig-param views of the) flat gradient after each step."""
+    model = Float32TokenModel()
+    callbacks = [AccumulationScheduler(SCHEDULE, sync=sync), GradientDecay(0.8, mode="ema")]  # type: ignore[arg-type]
+    fsdp_trainer(callbacks=callbacks).fit(model, loader(DATA, 4))
+    check(model, decay=(0.8, "ema", False))
+
+
+# ---------------------------------------------------------------------- the mixin
+def test_fsdp_mixin(collectives: Collectives) -> None:
+    model = Float32ManualTokenModel(schedule=SCHEDULE)
+    fsdp_trainer(callbacks=[collectives]).fit(model, loader(DATA, 4))
+    sizes = check(model)
+    per_step(collectives, len(sizes), sum(sizes), skip=False)
+
+
+def test_fsdp_mixin_refuses_skip_before_any_step() -> None:
+    """Lightning wraps the whole module: `training_step` runs inside FSDP's forward (no `no_sync()`)."""
+    model = Float32ManualTokenModel(schedule=SCHEDULE, sync="skip")
+    with pytest.raises(ValueError, match="`sync='skip'` cannot work with the mixin"):
+        fsdp_trainer().fit(model, loader(DATA, 4))
+    expected, _ = Reference(SCHEDULE).run([])
+    assert max_diff(full_params(model), expected) < 1e-6  # the initial parameters: no step was taken
 
 
 @pytest.mark.parametrize(("sync", "mode"), [("auto", "backward"), ("every", "heads")])

@@ -213,7 +213,9 @@ class AccumulationScheduler(Callback):
         if self._window is None:
             return
         if self._sync.sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
-            self._no_sync.enter_context(sync.skip_sync(self._sync, trainer.strategy, self._closes_window(trainer)))
+            final = self._closes_window(trainer)
+            self._no_sync.enter_context(sync.skip_sync(self._sync, trainer.strategy, final))
+            self._window.synced = final
         samples = batch_size(self._batch)
         self._window.add(samples, samples if self.count is None else self.count(self._batch))
 
@@ -239,6 +241,7 @@ class AccumulationScheduler(Callback):
         window = self._window
         if window is None:
             return
+        sync.check_window_synced(self._sync, window)
         counts = sync.sum_over_ranks(trainer.strategy, [window.microbatches, window.samples, window.local_items()])
         scale = window.gradient_scale(
             self.normalize,
