@@ -8,12 +8,16 @@ shares code with the package except the schedule objects (which have their own t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -351,3 +355,72 @@ class Float32ManualTokenModel(ManualTokenModel):
         if (self.current_epoch, batch_idx) == self.inf_at:
             batch["y"] = batch["y"] * float("inf")
         super().training_step(batch, batch_idx)
+
+
+class ForkLauncher(_MultiProcessingLauncher):
+    """Fork (or spawn) the ranks: strategies that Lightning launches by re-running the script
+    would re-run pytest. The ranks report through files; nothing is loaded back here."""
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
+        pass
+
+
+class CPUDeepSpeed(DeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy with its CUDA-only checks lifted (test-only: private
+    overrides), so that DeepSpeed's engine runs on its CPU accelerator with gloo. The ranks are
+    spawned (fresh interpreters): forked DeepSpeed ranks hang in their first parallel kernel once
+    the parent has used its OpenMP pool, and DeepSpeed keeps process-wide state that a second run
+    in one process cannot re-initialise."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = ForkLauncher(self, start_method="spawn")
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)  # skips DeepSpeedStrategy's "CUDA only" check
+
+    def setup_distributed(self) -> None:
+        import deepspeed.comm.torch
+
+        # DeepSpeed would JIT-compile a shared-memory all-reduce for CPUs; plain gloo is enough here
+        deepspeed.comm.torch.build_shm_op = lambda: None
+        reset_seed()  # as DeepSpeedStrategy, without its CUDA device-index validation
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu", self.local_rank)  # DeepSpeed wants a device index
+
+
+def deepspeed_config(stage: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,  # the test models' torch SGD
+        "gradient_clipping": 0.0,
+    }
+
+
+class FileReport(pl.Callback):
+    """For runs in forked ranks: each rank writes its parameters, the accumulation progress and
+    the DeepSpeed engine's step count to ``out/rank{r}.json``; ``out/started`` marks a first batch."""
+
+    def __init__(self, out: Any, accumulation: Any = None) -> None:
+        self.out, self.accumulation = out, accumulation
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        (self.out / "started").touch()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = {
+            "params": [p.detach().double().tolist() for p in pl_module.parameters()],
+            "progress": None if self.accumulation is None else dataclasses.asdict(self.accumulation.progress),
+            "engine_steps": getattr(trainer.strategy.model, "global_steps", None),
+        }
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+    def read(self, world: int = 1) -> list[dict[str, Any]]:
+        reports = [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(world)]
+        for report in reports:
+            report["params"] = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+        return reports

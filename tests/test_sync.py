@@ -165,9 +165,9 @@ def test_ddp_no_sync_uses_the_strategys_block() -> None:
 
 
 def test_deepspeed_error_names_the_reason_and_the_alternatives() -> None:
-    with pytest.raises(RuntimeError, match=r"DeepSpeed owns gradient accumulation.*accumulate_grad_batches=k"):
-        sync.refuse_deepspeed(Strategy(handles_gradient_accumulation=True), "AccumulationScheduler")
-    sync.refuse_deepspeed(Strategy(), "AccumulationScheduler")  # anything else passes
+    with pytest.raises(RuntimeError, match=r"DeepSpeed keeps the gradient in its own buffers.*normalize='mean'"):
+        sync.refuse_deepspeed(Strategy(handles_gradient_accumulation=True), "GradientDecay")
+    sync.refuse_deepspeed(Strategy(), "GradientDecay")  # anything else passes
 
 
 def test_partial_window_under_fsdp_is_left_out_of_checkpoints_with_a_warning() -> None:

@@ -210,10 +210,11 @@ class NoiseProbe:
 
 def check_noise_under(plan: sync.SyncPlan, schedule: Schedule) -> None:
     """A :class:`NoiseScale` needs each rank's whole gradient after the window's first
-    micro-batch; FSDP and FSDP2 keep it sharded (or in their own unsharded buffers)."""
-    if isinstance(schedule, NoiseScale) and plan.sharded:
+    micro-batch; FSDP and FSDP2 keep it sharded (or in their own unsharded buffers), DeepSpeed in
+    its own."""
+    if isinstance(schedule, NoiseScale) and plan.buffers_partial_window:
         raise RuntimeError(
             f"`NoiseScale` cannot measure the gradient noise under {plan.family.upper()}: the gradient after a "
-            "window's first micro-batch is sharded or held in FSDP's own buffers. Use DDP, or a `Ramp`/"
-            "`Piecewise` schedule with FSDP."
+            "window's first micro-batch is sharded or held in the strategy's own buffers. Use DDP, or a `Ramp`/"
+            "`Piecewise` schedule with this strategy."
         )

@@ -13,8 +13,12 @@ gradient collective; :func:`skip_sync` picks it from a :class:`SyncPlan`:
   micro-batch. By default FSDP reduce-scatters every micro-batch, as Lightning does.
 * FSDP2 (``ModelParallelStrategy``, ``fully_shard``): ``set_requires_gradient_sync(False)`` on
   the sharded modules, back to ``True`` for the window's last micro-batch.
-* DeepSpeed owns accumulation and gradient storage (refused by the package); single device:
-  nothing to skip.
+* DeepSpeed (``AccumulationScheduler`` only): the engine is built with
+  ``gradient_accumulation_steps=1`` and told at each micro-batch whether it ends the window
+  (``set_gradient_accumulation_boundary``): it reduces (ZeRO 0/1) and steps only then. Its
+  gradients live in its own buffers, so each micro-batch's share of the window mean is set on
+  the loss's gradient before backward (:func:`scale_backward`), not on ``.grad`` after it.
+* Single device: nothing to skip.
 
 Every rank must normalise its window by the same global counts, so the local counts are
 summed over ranks once per window, in a single all-reduce of one small integer tensor.
@@ -67,16 +71,16 @@ def is_deepspeed(strategy: Any) -> bool:
     return bool(getattr(strategy, "handles_gradient_accumulation", False))
 
 
-def refuse_deepspeed(strategy: Any, who: str) -> None:
-    """Raise, before any step, if ``strategy`` is DeepSpeed: what cannot work there and what to use."""
+def refuse_deepspeed(strategy: Any, who: str, what: str = "") -> None:
+    """Raise, before any step, if ``strategy`` is DeepSpeed and ``who`` (with ``what``) needs the
+    window's gradient after backward, which DeepSpeed keeps in its own buffers."""
     if not is_deepspeed(strategy):
         return
     raise RuntimeError(
-        f"`{who}` cannot run under `{type(strategy).__name__}`: DeepSpeed owns gradient accumulation (its "
-        "`gradient_accumulation_steps` is fixed when the engine is built) and the gradient storage (under "
-        "ZeRO-2/3 `.grad` is not the gradient), so a window's gradient cannot be normalised, decayed or "
-        "measured after backward. For a constant k use `Trainer(accumulate_grad_batches=k)`; for schedules, "
-        "exact normalisation or decay use DDP, FSDP (`strategy='fsdp'`) or FSDP2 (`ModelParallelStrategy`)."
+        f"`{who}`{what} cannot run under `{type(strategy).__name__}`: DeepSpeed keeps the gradient in its own "
+        "buffers (under ZeRO-2/3 `.grad` is not the gradient), so a window's gradient cannot be normalised, "
+        "decayed or measured after backward. Under DeepSpeed use `AccumulationScheduler` with "
+        "`normalize='mean'` (it weights each micro-batch before backward), or DDP, FSDP or FSDP2."
     )
 
 
@@ -147,6 +151,12 @@ class SyncPlan:
         """Whether the strategy reduces gradients itself into shards (FSDP, FSDP2)."""
         return self.family in ("fsdp", "fsdp2")
 
+    @property
+    def buffers_partial_window(self) -> bool:
+        """Whether a window's partial gradient lives where a checkpoint cannot reach it (FSDP's
+        or DeepSpeed's own buffers, or sharded)."""
+        return self.sharded or self.family == "deepspeed"
+
 
 def plan(strategy: Any, mode: SyncMode = "auto") -> SyncPlan:
     """The :class:`SyncPlan` for ``strategy`` (after setup) under ``sync=mode``.
@@ -157,15 +167,16 @@ def plan(strategy: Any, mode: SyncMode = "auto") -> SyncPlan:
     """
     check_sync_mode(mode)
     kind = family(strategy)
-    skip = {"ddp": True, "fsdp": mode == "skip", "fsdp2": mode != "every"}.get(kind, False)
+    skip = {"ddp": True, "fsdp": mode == "skip", "fsdp2": mode != "every", "deepspeed": True}.get(kind, False)
     return SyncPlan(kind, skip)
 
 
 def partial_window_lost(sync_plan: SyncPlan, window: Any) -> bool:
-    """Whether a checkpoint saved now must leave out the open ``window``: under FSDP and FSDP2 its
-    partial gradient is sharded or in FSDP's own buffers, which the package cannot save. Warns;
+    """Whether a checkpoint saved now must leave out the open ``window``: under FSDP, FSDP2 and
+    DeepSpeed its partial gradient is sharded or in the strategy's buffers, which the package
+    cannot save. Warns;
     the resumed run then opens a new window at its first batch."""
-    if window is None or not window.microbatches or not sync_plan.sharded:
+    if window is None or not window.microbatches or not sync_plan.buffers_partial_window:
         return False
     rank_zero_warn(
         f"A checkpoint was saved inside an accumulation window under {sync_plan.family.upper()}: the window's "
@@ -219,6 +230,20 @@ def fsdp2_no_sync(module: nn.Module) -> Iterator[None]:
     finally:
         for m in shards:
             m.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+
+
+def deepspeed_boundary(strategy: Any, final: bool) -> None:
+    """Tell DeepSpeed's engine whether the coming micro-batch ends the window: it reduces the
+    gradients (ZeRO 0/1) and steps the optimizer only then, whatever its accumulation steps."""
+    strategy.model.set_gradient_accumulation_boundary(final)
+
+
+def scale_backward(loss: Tensor, factor: float) -> None:
+    """Multiply the gradient that ``loss``'s backward pass produces by ``factor``, before it
+    reaches any parameter (a hook on the loss: loss scaling and DeepSpeed's own division apply
+    around it unchanged)."""
+    if factor != 1.0 and loss.requires_grad:
+        loss.register_hook(lambda grad: grad * factor)  # type: ignore[no-untyped-call]
 
 
 def skip_sync(sync_plan: SyncPlan, strategy: Any, final: bool) -> AbstractContextManager[None]:

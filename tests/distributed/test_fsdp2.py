@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import (
+    ForkLauncher,
     KRecorder,
     ManualTokenModel,
     Reference,
@@ -34,18 +35,12 @@ if not hasattr(torch.distributed.fsdp, "fully_shard"):  # torch < 2.6
     pytest.skip("FSDP2 (`fully_shard`) needs torch >= 2.6", allow_module_level=True)
 
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.distributed.fsdp import fully_shard
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 SCATTERS = [0]  # per process: FSDP2's gradient reduce-scatters
-
-
-class ForkLauncher(_MultiProcessingLauncher):
-    def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
-        pass  # the ranks report through files; the sharded weights cannot be loaded back with a map_location
 
 
 class ForkedModelParallel(ModelParallelStrategy):

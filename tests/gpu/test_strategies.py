@@ -3,8 +3,8 @@ one GPU: world size 1 still runs FSDP's wrappers, its no-sync switches and its c
 
 The callback and the mixin are checked against the float64 reference at float32 rounding
 (1e-5: a float32 model with well-scaled gradients over two epochs stays near 1e-6), with the
-gradient collectives FSDP issues counted per optimizer step. DeepSpeed must be refused before
-any step (see ``sync.refuse_deepspeed``). Skipped without CUDA; run with ``bash tests/gpu/run.sh``.
+gradient collectives FSDP issues counted per optimizer step; DeepSpeed (ZeRO 1 and 2) against
+the same reference. Skipped without CUDA; run with ``bash tests/gpu/run.sh``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from helpers import (
     KRecorder,
     Reference,
     TokenData,
+    deepspeed_config,
     loader,
     max_diff,
     rank_batches,
@@ -171,14 +172,18 @@ def test_fsdp2_mixin(sync: str, mode: str) -> None:
 
 
 # ---------------------------------------------------------------------- DeepSpeed
-def test_deepspeed_stage_2_is_refused_before_any_step() -> None:
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed(stage: int) -> None:
+    """Windows by the engine's boundary, each micro-batch weighted before backward (CPU twin:
+    tests/test_deepspeed.py)."""
     pytest.importorskip("deepspeed")
-    model = Float32TokenModel()
-    before = [p.detach().clone() for p in model.parameters()]
-    callbacks = [AccumulationScheduler(SCHEDULE)]
-    strategy = "deepspeed_stage_2"
-    t = trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", callbacks=callbacks, **ONE_RANK)
-    with pytest.raises(RuntimeError, match="DeepSpeed owns gradient accumulation"):
-        t.fit(model, loader(DATA, 4))
-    after = [p.detach().float().cpu() for p in model.parameters()]
-    assert max_diff(after, [p.cpu() for p in before]) == 0.0
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    model = Float32TokenModel(optimizer="plain-sgd")
+    callback = AccumulationScheduler(SCHEDULE)
+    strategy = DeepSpeedStrategy(config=deepspeed_config(stage))
+    t = trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", callbacks=[callback], **ONE_RANK)
+    t.fit(model, loader(DATA, 4))
+    expected, sizes = Reference(SCHEDULE, optimizer="plain-sgd").run([rank_batches(DATA, 4)] * 2)
+    assert max_diff(full_params(model), expected) < 1e-5
+    assert callback.progress.step == t.strategy.model.global_steps == len(sizes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -121,6 +122,7 @@ class AccumulationScheduler(Callback):
         self._lr_hook: RemovableHandle | None = None
         self._sync = SyncPlan()
         self._no_sync = contextlib.ExitStack()  # open from on_before_backward to on_after_backward
+        self._loss_factor = 1.0  # DeepSpeed: each micro-batch's weight, applied before its backward
 
     # ------------------------------------------------------------------ checks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -146,7 +148,10 @@ class AccumulationScheduler(Callback):
                 f"Only one accumulation callback can drive the Trainer; found {', '.join(others)} besides this "
                 "`AccumulationScheduler`. Keep one (a dict schedule replaces `GradientAccumulationScheduler`)."
             )
-        sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler")
+        if self.normalize == "items":
+            sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", "(normalize='items')")
+        if self.lr_scaling is not None:
+            sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", f"(lr_scaling={self.lr_scaling!r})")
         self._sync = sync.plan(trainer.strategy, self.sync)
         check_noise_under(self._sync, self.schedule)
 
@@ -194,6 +199,8 @@ class AccumulationScheduler(Callback):
             self._open(trainer, pl_module, batch_idx)
         self._batch = batch
         self._batch_idx = batch_idx
+        if self._sync.family == "deepspeed":
+            sync.deepspeed_boundary(trainer.strategy, self._closes_window(trainer))
 
     def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         epoch = trainer.current_epoch
@@ -208,10 +215,25 @@ class AccumulationScheduler(Callback):
             assert self._optimizer is not None
             zero_grad_like_lightning(trainer, pl_module, batch_idx, self._optimizer)
         self._window = Window(k=k, start=batch_idx, divisor=self._divisor)
+        if self._sync.family == "deepspeed":
+            self._loss_factor = self._divisor / self._window_length(trainer, batch_idx, k)
+
+    @staticmethod
+    def _window_length(trainer: pl.Trainer, start: int, k: int) -> int:
+        """Micro-batches the window opening at ``start`` will hold: ``k``, or fewer at the epoch's end."""
+        batches = trainer.num_training_batches
+        if math.isinf(batches):
+            raise RuntimeError(
+                "Under DeepSpeed, `AccumulationScheduler` weights each micro-batch before backward, so it must know "
+                "when the epoch ends: give the Trainer a dataloader with a length, or set `limit_train_batches`."
+            )
+        return min(k, int(batches) - start)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._window is None:
             return
+        if self._sync.family == "deepspeed":  # the engine holds the gradient: weight this micro-batch now
+            sync.scale_backward(loss, self._loss_factor)
         if self._sync.sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._no_sync.enter_context(sync.skip_sync(self._sync, trainer.strategy, final))
@@ -241,18 +263,22 @@ class AccumulationScheduler(Callback):
         window = self._window
         if window is None:
             return
+        deepspeed = self._sync.family == "deepspeed"
+        if deepspeed and not self._closes_window(trainer):
+            return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
         sync.check_window_synced(self._sync, window)
         counts = sync.sum_over_ranks(trainer.strategy, [window.microbatches, window.samples, window.local_items()])
-        scale = window.gradient_scale(
-            self.normalize,
-            world_size=sync.world_size(trainer.strategy),
-            global_microbatches=counts[0],
-            global_items=counts[2],
-        )
-        grads = gradients.optimizer_grads(optimizer)
-        gradients.scale_(grads, scale)
-        if self._probe is not None:
-            self._probe.window_end(trainer.strategy, grads, counts)
+        if not deepspeed:  # (under DeepSpeed each micro-batch was weighted before its backward)
+            scale = window.gradient_scale(
+                self.normalize,
+                world_size=sync.world_size(trainer.strategy),
+                global_microbatches=counts[0],
+                global_items=counts[2],
+            )
+            grads = gradients.optimizer_grads(optimizer)
+            gradients.scale_(grads, scale)
+            if self._probe is not None:
+                self._probe.window_end(trainer.strategy, grads, counts)
         self._stepped = counts
         self._scale_lrs(optimizer, window.k)
         step = self.progress.step + 1
