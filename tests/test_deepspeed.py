@@ -45,7 +45,7 @@ def fit(tmp_path: Path, stage: int, callbacks: list[Any]) -> FileReport:
     return report
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize(
     "schedule",
     [Piecewise({0: 3, 4: 2}, unit="step"), Ramp(1, 4, over=60, unit="samples")],

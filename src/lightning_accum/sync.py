@@ -15,7 +15,7 @@ gradient collective; :func:`skip_sync` picks it from a :class:`SyncPlan`:
   the sharded modules, back to ``True`` for the window's last micro-batch.
 * DeepSpeed (``AccumulationScheduler`` only): the engine is built with
   ``gradient_accumulation_steps=1`` and told at each micro-batch whether it ends the window
-  (``set_gradient_accumulation_boundary``): it reduces (ZeRO 0/1) and steps only then. Its
+  (``set_gradient_accumulation_boundary``): it reduces (ZeRO 0/1) and steps only then (ZeRO 0-3). Its
   gradients live in its own buffers, so each micro-batch's share of the window mean is set on
   the loss's gradient before backward (:func:`scale_backward`), not on ``.grad`` after it.
 * Single device: nothing to skip.
