@@ -357,7 +357,7 @@ class Float32ManualTokenModel(ManualTokenModel):
         super().training_step(batch, batch_idx)
 
 
-class ForkLauncher(_MultiProcessingLauncher):
+class ChildLauncher(_MultiProcessingLauncher):
     """Fork (or spawn) the ranks: strategies that Lightning launches by re-running the script
     would re-run pytest. The ranks report through files; nothing is loaded back here."""
 
@@ -373,7 +373,7 @@ class CPUDeepSpeed(DeepSpeedStrategy):
     in one process cannot re-initialise."""
 
     def _configure_launcher(self) -> None:
-        self._launcher = ForkLauncher(self, start_method="spawn")
+        self._launcher = ChildLauncher(self, start_method="spawn")
 
     def setup_environment(self) -> None:
         DDPStrategy.setup_environment(self)  # skips DeepSpeedStrategy's "CUDA only" check

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import (
-    ForkLauncher,
+    ChildLauncher,
     KRecorder,
     ManualTokenModel,
     Reference,
@@ -51,7 +51,7 @@ class ForkedModelParallel(ModelParallelStrategy):
         super().__init__(data_parallel_size=WORLD, tensor_parallel_size=1)
 
     def _configure_launcher(self) -> None:
-        self._launcher = ForkLauncher(self, start_method="fork")
+        self._launcher = ChildLauncher(self, start_method="fork")
 
 
 def shard(net: torch.nn.Module, mesh: Any) -> None:
