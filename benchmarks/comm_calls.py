@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accum import AccumulationMixin, AccumulationScheduler, sync
+from lightning_accum import AccumulationMixin, AccumulationScheduler, collectives, sync
 
 K, MICROBATCHES, BATCH = 4, 16, 8
 GRADIENT_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")
@@ -122,19 +122,19 @@ def _install_counters() -> None:
                 DEPTH[0] -= 1
 
         setattr(dist, name, counting)
-    explicit, counts = sync._all_reduce_sum, sync.sum_over_ranks
+    explicit, counts = collectives._all_reduce_sum, collectives.sum_over_ranks
 
     def counting_explicit(flat: torch.Tensor) -> None:
         COUNTS["gradient"] += 1
         explicit(flat)
 
     def counting_counts(strategy: Any, values: Any) -> list[int]:
-        if sync.world_size(strategy) > 1:
+        if collectives.world_size(strategy) > 1:
             COUNTS["package_counts"] += 1
         return counts(strategy, values)
 
-    sync._all_reduce_sum = counting_explicit  # type: ignore[assignment]
-    sync.sum_over_ranks = counting_counts  # type: ignore[assignment]
+    collectives._all_reduce_sum = counting_explicit  # type: ignore[assignment]
+    collectives.sum_over_ranks = counting_counts  # type: ignore[assignment]
 
 
 class _ForkLauncher(_MultiProcessingLauncher):

@@ -52,6 +52,8 @@ class EmptyCallback(pl.Callback):
 
     def on_before_backward(self, *args: Any) -> None: ...
 
+    def on_after_backward(self, *args: Any) -> None: ...
+
     def on_before_optimizer_step(self, *args: Any) -> None: ...
 
     def on_train_batch_end(self, *args: Any) -> None: ...
@@ -72,6 +74,9 @@ class TimedAccumulationScheduler(AccumulationScheduler):
 
     def on_before_backward(self, *args: Any) -> None:
         self._timed(super().on_before_backward, *args)
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._timed(super().on_after_backward, *args)
 
     def on_before_optimizer_step(self, *args: Any) -> None:
         self._timed(super().on_before_optimizer_step, *args)

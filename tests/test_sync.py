@@ -262,14 +262,14 @@ def test_mixin_refuses_skip_when_fsdp_wraps_the_whole_module() -> None:
     model = ManualTokenModel(schedule=SCHEDULE, sync="skip")
 
     class FakeTrainer:
-        callbacks = [model._accum_driver]
+        callbacks = [model._accumulation]
         strategy = Strategy(FakeFSDP(model.net))
 
     with pytest.raises(ValueError, match="`sync='skip'` cannot work with the mixin when `FSDPStrategy` wraps"):
-        model._accum_driver.on_fit_start(FakeTrainer(), model)  # type: ignore[arg-type]
+        model._accumulation.on_fit_start(FakeTrainer(), model)  # type: ignore[arg-type]
     FakeTrainer.strategy = Strategy(nn.Sequential(FakeFSDP(model.net)))  # submodules wrapped: fine
-    model._accum_driver.on_fit_start(FakeTrainer(), model)  # type: ignore[arg-type]
-    assert model._accum_driver.sync_plan == sync.SyncPlan("fsdp", skip=True)
+    model._accumulation.on_fit_start(FakeTrainer(), model)  # type: ignore[arg-type]
+    assert model._accumulation.plan == sync.SyncPlan("fsdp", skip=True)
 
 
 def test_noise_scale_is_refused_under_fsdp_before_any_step() -> None:

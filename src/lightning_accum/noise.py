@@ -25,7 +25,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_accum import sync
+from lightning_accum import collectives, sync
 from lightning_accum.gradients import squared_norm
 from lightning_accum.schedules import Progress, Schedule, _check_k
 
@@ -202,8 +202,8 @@ class NoiseProbe:
         small_sq, small_units = self._small
         self._small = None
         units = counts[1] if self.normalize == "mean" else counts[2]
-        steps = counts[0] / sync.world_size(strategy)  # micro-batches per rank
-        stats = sync.mean_over_ranks(strategy, [small_sq, squared_norm(grads) * factor**2])
+        steps = counts[0] / collectives.world_size(strategy)  # micro-batches per rank
+        stats = collectives.mean_over_ranks(strategy, [small_sq, squared_norm(grads) * factor**2])
         if steps:
             self.schedule.observe(stats[0], small_units, stats[1], units, units / steps)
 

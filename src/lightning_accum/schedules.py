@@ -87,6 +87,8 @@ class Schedule:
 
     def __call__(self, progress: Progress) -> int:
         value = self.k(progress)
+        if type(value) is int and value >= 1:  # the common case, without the slower ABC checks below
+            return value
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
             raise ValueError(f"{self!r} returned k={value!r} at {progress}; a schedule must return an int >= 1.")
         return int(value)

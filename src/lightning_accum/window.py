@@ -107,12 +107,12 @@ class Window:
 def batch_size(batch: Any) -> int:
     """Samples in a micro-batch: dim 0 of its first tensor (fast path), else Lightning's search."""
     first = batch
-    while isinstance(first, list | tuple) and first:
+    while isinstance(first, (list, tuple)) and first:  # (a tuple of types: faster than a union on the hot path)
         first = first[0]
     if isinstance(first, dict) and first:
         first = next(iter(first.values()))
     if isinstance(first, Tensor) and first.ndim:
-        return len(first)
+        return int(first.shape[0])
     from lightning_accum._lightning import extract_batch_size
 
     return extract_batch_size(batch)

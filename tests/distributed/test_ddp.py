@@ -30,7 +30,7 @@ from helpers import (
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule, sync
+from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule, collectives
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ class Report(pl.Callback):
             "explicit": EXPLICIT[0],
             "progress": progress.__dict__,
             "steps": trainer.global_step,
-            "auto_size": getattr(pl_module, "_accum_auto_size", None),
+            "auto_size": getattr(getattr(pl_module, "_accumulation", None), "auto_size", None),
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
@@ -134,7 +134,7 @@ def test_ddp_gradient_decay_keeps_ranks_identical(tmp_path: Path) -> None:
     assert reports[0]["params"] == reports[1]["params"]
 
 
-def counting_explicit(flat: torch.Tensor, original: Any = sync._all_reduce_sum) -> None:
+def counting_explicit(flat: torch.Tensor, original: Any = collectives._all_reduce_sum) -> None:
     EXPLICIT[0] += 1
     original(flat)
 
@@ -142,7 +142,7 @@ def counting_explicit(flat: torch.Tensor, original: Any = sync._all_reduce_sum) 
 def run_ddp_mixin(
     tmp_path: Path, schedule: Schedule, normalize: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> list[dict[str, Any]]:
-    monkeypatch.setattr(sync, "_all_reduce_sum", counting_explicit)  # before the fork: the ranks inherit it
+    monkeypatch.setattr(collectives, "_all_reduce_sum", counting_explicit)  # before the fork: the ranks inherit it
     reduction = "sum" if normalize == "items" else "mean"
     model = ManualTokenModel(mode=mode, reduction=reduction, schedule=schedule, normalize=normalize, count=count_tokens)
     return fit_ddp(tmp_path, model, find_unused_parameters=False)
@@ -175,7 +175,7 @@ def test_ddp_backward_each_disjoint_tasks(tmp_path: Path, monkeypatch: pytest.Mo
     parameters untouched, which DDP's reducer (find_unused_parameters=False) cannot sync."""
     from test_mixin import TwoNets, reference_net
 
-    monkeypatch.setattr(sync, "_all_reduce_sum", counting_explicit)
+    monkeypatch.setattr(collectives, "_all_reduce_sum", counting_explicit)
     schedule = Piecewise({0: 3, 3: 2}, unit="step")
     reports = fit_ddp(tmp_path, TwoNets(shared=True, schedule=schedule), find_unused_parameters=False)
     epochs = [rank_batches(TokenData(64), 4, world=WORLD)] * 2

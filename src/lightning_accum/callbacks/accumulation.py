@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -22,12 +21,12 @@ from lightning_accum._lightning import (
     rank_zero_warn,
 )
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
-from lightning_accum.noise import NoiseProbe, NoiseScale, check_noise_under
-from lightning_accum.schedules import Progress, Schedule, as_schedule
-from lightning_accum.sync import SyncMode, SyncPlan, check_sync_mode, partial_window_lost
-from lightning_accum.window import NORMALIZE, Normalize, Window, batch_size, lightning_divisor, lr_factor
-
-LRScaling = Literal["linear", "sqrt"]
+from lightning_accum.engine import WindowEngine
+from lightning_accum.noise import check_noise_under
+from lightning_accum.options import Count, LRScaling, check_common
+from lightning_accum.schedules import Progress, Schedule
+from lightning_accum.sync import SyncMode
+from lightning_accum.window import Normalize, batch_size, lightning_divisor
 
 
 class AccumulationScheduler(Callback):
@@ -77,52 +76,39 @@ class AccumulationScheduler(Callback):
         schedule: Schedule | int | Mapping[int, int] = 1,
         *,
         normalize: Normalize = "mean",
-        count: Callable[[Any], int | Tensor] | None = None,
+        count: Count | None = None,
         lr_scaling: LRScaling | None = None,
         log: bool = True,
         sync: SyncMode = "auto",
     ) -> None:
-        self.schedule = as_schedule(schedule)
-        if normalize not in NORMALIZE:
-            raise ValueError(f"`normalize` must be 'mean' or 'items'; got {normalize!r}.")
-        if count is not None and not callable(count):
-            raise TypeError(f"`count` must be a function count(batch) -> int; got {count!r}.")
+        self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync)
         if normalize == "items" and count is None:
             raise ValueError(
                 "`normalize='items'` needs `count`: a function giving each micro-batch's number of items, "
                 "e.g. `count=lambda batch: int(batch['mask'].sum())`."
-            )
-        if lr_scaling not in (None, "linear", "sqrt"):
-            raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
-        check_sync_mode(sync)
-        if self.schedule.unit == "items" and count is None:
-            raise ValueError(
-                f"The schedule {self.schedule!r} counts items, so `AccumulationScheduler` needs `count`, "
-                "a function giving each micro-batch's number of items."
             )
         self.normalize = normalize
         self.count = count
         self.lr_scaling = lr_scaling
         self._log = log  # not `self.log`: Lightning binds `log` on callbacks
         self.sync = sync
-
-        self.progress = Progress()
-        self._probe = NoiseProbe(self.schedule, normalize) if isinstance(self.schedule, NoiseScale) else None
-        self._window: Window | None = None
-        self._first_k: int | None = None
+        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, divisor=lightning_divisor)
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
         self._saved_grads: list[Tensor | None] | None = None
         # per fit
         self._optimizer: Optimizer | None = None
         self._batch: Any = None
         self._batch_idx = 0
-        self._stepped: list[int] | None = None  # global (microbatches, samples, items) of a stepped window
         self._lr_frequencies: list[tuple[Any, int]] = []
-        self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
         self._lr_hook: RemovableHandle | None = None
-        self._sync = SyncPlan()
         self._no_sync = contextlib.ExitStack()  # open from on_before_backward to on_after_backward
         self._loss_factor = 1.0  # DeepSpeed: each micro-batch's weight, applied before its backward
+        self._deepspeed = self._sharded = False  # the plan's family, read once per fit for the hot path
+
+    @property
+    def progress(self) -> Progress:
+        """How far training has come: optimizer steps, samples and items over all ranks, epoch."""
+        return self._engine.progress
 
     # ------------------------------------------------------------------ checks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -152,8 +138,9 @@ class AccumulationScheduler(Callback):
             sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", "(normalize='items')")
         if self.lr_scaling is not None:
             sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", f"(lr_scaling={self.lr_scaling!r})")
-        self._sync = sync.plan(trainer.strategy, self.sync)
-        check_noise_under(self._sync, self.schedule)
+        plan = self._engine.plan = sync.plan(trainer.strategy, self.sync)
+        self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
+        check_noise_under(plan, self.schedule)
 
     # ------------------------------------------------------------------ fit lifetime
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -169,7 +156,7 @@ class AccumulationScheduler(Callback):
             if config.interval == "step" and config.frequency > 1
         ]
         if self.lr_scaling is not None:
-            self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._restore_lrs())
+            self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._teardown(trainer)
@@ -184,7 +171,7 @@ class AccumulationScheduler(Callback):
         for config, frequency in self._lr_frequencies:
             config.frequency = frequency
         self._lr_frequencies = []
-        self._restore_lrs()
+        self._engine.restore_lr()
         if self._lr_hook is not None:
             self._lr_hook.remove()
             self._lr_hook = None
@@ -195,28 +182,22 @@ class AccumulationScheduler(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._window is None:
+        if self._engine.window is None:
             self._open(trainer, pl_module, batch_idx)
         self._batch = batch
         self._batch_idx = batch_idx
-        if self._sync.family == "deepspeed":
+        if self._deepspeed:
             sync.deepspeed_boundary(trainer.strategy, self._closes_window(trainer))
 
     def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        epoch = trainer.current_epoch
-        if self.progress.epoch != epoch:
-            self.progress = dataclasses.replace(self.progress, epoch=epoch)
-        k = self.schedule(self.progress)
-        if self._first_k is None:
-            self._first_k = k
-        self._divisor = lightning_divisor(batch_idx, k)
+        window = self._engine.open(trainer.current_epoch, batch_idx)
+        self._divisor = window.divisor
         set_divisor(trainer, self._divisor)
         if batch_idx % self._divisor:  # Lightning will not zero this window's first batch: do it
             assert self._optimizer is not None
             zero_grad_like_lightning(trainer, pl_module, batch_idx, self._optimizer)
-        self._window = Window(k=k, start=batch_idx, divisor=self._divisor)
-        if self._sync.family == "deepspeed":
-            self._loss_factor = self._divisor / self._window_length(trainer, batch_idx, k)
+        if self._deepspeed:
+            self._loss_factor = self._divisor / self._window_length(trainer, batch_idx, window.k)
 
     @staticmethod
     def _window_length(trainer: pl.Trainer, start: int, k: int) -> int:
@@ -230,58 +211,51 @@ class AccumulationScheduler(Callback):
         return min(k, int(batches) - start)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._window is None:
+        window = self._engine.window
+        if window is None:
             return
-        if self._sync.family == "deepspeed":  # the engine holds the gradient: weight this micro-batch now
+        if self._deepspeed:  # the engine holds the gradient: weight this micro-batch now
             sync.scale_backward(loss, self._loss_factor)
-        if self._sync.sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
+        if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
-            self._no_sync.enter_context(sync.skip_sync(self._sync, trainer.strategy, final))
-            self._window.synced = final
+            self._no_sync.enter_context(sync.skip_sync(self._engine.plan, trainer.strategy, final))
+            window.synced = final
         samples = batch_size(self._batch)
-        self._window.add(samples, samples if self.count is None else self.count(self._batch))
+        window.add(samples, samples if self.count is None else self.count(self._batch))
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._no_sync.close()
-        window = self._window
-        if self._probe is None or window is None or window.microbatches != 1 or self._optimizer is None:
+        if self._sharded:
+            self._no_sync.close()
+        engine, window = self._engine, self._engine.window
+        if engine.probe is None or window is None or window.microbatches != 1 or self._optimizer is None:
             return
         if self._closes_window(trainer):
             return  # this micro-batch closes the window: its gradient is already the window's (and synced)
-        grads = gradients.optimizer_grads(self._optimizer)
-        self._probe.first_microbatch(grads, window, loss_scale(trainer))
+        engine.measure_first(gradients.optimizer_grads(self._optimizer), loss_scale(trainer))
 
     def _closes_window(self, trainer: pl.Trainer) -> bool:
         """Whether Lightning steps after the batch being trained (the seam aligns its step points)."""
-        assert self._window is not None
-        last = self._window.start + self._window.k - 1
-        return self._batch_idx >= last or _seam.epoch_ends_after_this_batch(trainer)
+        window = self._engine.window
+        assert window is not None
+        return self._batch_idx >= window.start + window.k - 1 or _seam.epoch_ends_after_this_batch(trainer)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        window = self._window
-        if window is None:
+        engine = self._engine
+        if engine.window is None:
             return
-        deepspeed = self._sync.family == "deepspeed"
+        deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
-        sync.check_window_synced(self._sync, window)
-        counts = sync.sum_over_ranks(trainer.strategy, [window.microbatches, window.samples, window.local_items()])
-        if not deepspeed:  # (under DeepSpeed each micro-batch was weighted before its backward)
-            scale = window.gradient_scale(
-                self.normalize,
-                world_size=sync.world_size(trainer.strategy),
-                global_microbatches=counts[0],
-                global_items=counts[2],
-            )
+        closing = engine.close(trainer.strategy)
+        # (under DeepSpeed each micro-batch was weighted before its backward)
+        if not deepspeed and (closing.scale != 1.0 or engine.probe is not None):
             grads = gradients.optimizer_grads(optimizer)
-            gradients.scale_(grads, scale)
-            if self._probe is not None:
-                self._probe.window_end(trainer.strategy, grads, counts)
-        self._stepped = counts
-        self._scale_lrs(optimizer, window.k)
-        step = self.progress.step + 1
+            gradients.scale_(grads, closing.scale)
+            engine.measure_window(trainer.strategy, grads)
+        engine.scale_lr(optimizer)
+        step = engine.progress.step + 1
         for config, frequency in self._lr_frequencies:
             # Lightning tests (batch_idx + 1) % frequency; make that true exactly every `frequency` steps
             config.frequency = 1 if step % frequency == 0 else self._batch_idx + 2
@@ -289,65 +263,34 @@ class AccumulationScheduler(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._window is None or self._stepped is None:
+        engine = self._engine
+        if engine.closing is None:
             return
-        self._restore_lrs()  # normally done by the optimizer's post-step hook already
-        window, (_, samples, items) = self._window, self._stepped
-        self.progress = Progress(
-            epoch=trainer.current_epoch,
-            step=self.progress.step + 1,
-            samples=self.progress.samples + samples,
-            items=self.progress.items + items,
-            microbatches=self.progress.microbatches + window.microbatches,
-        )
-        self._window, self._stepped = None, None
+        engine.restore_lr()  # normally done by the optimizer's post-step hook already
+        closing = engine.advance(trainer.current_epoch)
         if self._log:
-            noise = None if self._probe is None else self._probe.schedule.noise_scale
             every = trainer.log_every_n_steps  # type: ignore[attr-defined]
-            log_window(pl_module, self.progress.step, every, "accum/", window.k, samples, self.progress, noise)
+            log_window(pl_module, "accum/", every, closing, engine.progress, engine.noise_scale)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._window is not None and self._stepped is None:
+        if self._engine.window is not None and self._engine.closing is None:
             # the loop was stopped inside a window (e.g. `trainer.should_stop`): nothing was stepped
-            self._window = None
-
-    # ------------------------------------------------------------------ learning rate
-    def _scale_lrs(self, optimizer: Optimizer, k: int) -> None:
-        factor = lr_factor(self.lr_scaling, k, self._first_k)
-        if factor == 1.0:
-            return
-        for group in optimizer.param_groups:
-            self._scaled_lrs.append((group, group["lr"]))
-            group["lr"] = group["lr"] * factor
-
-    def _restore_lrs(self) -> None:
-        for group, lr in self._scaled_lrs:
-            group["lr"] = lr
-        self._scaled_lrs = []
+            self._engine.discard()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
-            "progress": dataclasses.asdict(self.progress),
-            "schedule": self.schedule.state_dict(),
-            "first_k": self._first_k,
-            "divisor": self._divisor,
-            "window": None,
-        }
-        if self._window is not None and self._stepped is None and not partial_window_lost(self._sync, self._window):
-            state["window"] = self._window.state_dict()
-            if self._window.microbatches and self._optimizer is not None:
-                # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
-                state["grads"] = gradients.snapshot(gradients.optimizer_params(self._optimizer))
+        state = self._engine.state_dict()
+        state.update(schedule=self.schedule.state_dict(), divisor=self._divisor)
+        if state["window"] is not None and state["window"]["microbatches"] and self._optimizer is not None:
+            # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
+            state["grads"] = gradients.snapshot(gradients.optimizer_params(self._optimizer))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.progress = Progress(**state_dict["progress"])
+        self._engine.load_state_dict(state_dict)
         self.schedule.load_state_dict(state_dict.get("schedule", {}))
-        self._first_k = state_dict.get("first_k")
         self._divisor = int(state_dict.get("divisor", 1))
-        window = state_dict.get("window")
-        self._window = None if window is None else Window.from_state_dict(window)
         self._saved_grads = state_dict.get("grads")
-        if self._window is not None and self._window.microbatches and self._saved_grads is None:
+        window = self._engine.window
+        if window is not None and window.microbatches and self._saved_grads is None:
             rank_zero_warn("The checkpoint was saved inside an accumulation window without its gradients.")

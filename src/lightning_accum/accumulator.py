@@ -1,0 +1,148 @@
+"""``Accumulator``: the backward passes of one micro-batch into the open window.
+
+What ``with self.accumulate(batch) as acc`` gives. Each pass is divided by the window's
+divisor and runs under the driver's sync plan; the accumulator counts its passes and the
+items they declare, which the driver adds to the window when the block exits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_accum import microbatch, multitask
+from lightning_accum.driver import GroupKey, MixinDriver
+from lightning_accum.window import Window
+
+
+class Accumulator:
+    """What ``with self.accumulate(batch) as acc`` gives: backward passes into the open window.
+
+    Attributes:
+        k: micro-batches of the window.
+        index: this micro-batch's position in the window (0-based).
+        last: whether the window closes after this micro-batch (``k`` reached or epoch end).
+    """
+
+    def __init__(self, driver: MixinDriver, key: GroupKey, window: Window, batch: Any, last: bool) -> None:
+        self._driver, self._key, self._window, self._batch = driver, key, window, batch
+        self.k = window.k
+        self.index = window.microbatches
+        self.last = last
+        self.items: int | Tensor | None = None
+        self.passes = 0
+        self._open = True
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise RuntimeError(
+                "`acc.backward*` was called outside its `with self.accumulate(batch) as acc:` block; "
+                "call it inside the block, which closes the window on exit."
+            )
+
+    def _backward(self, loss: Tensor) -> None:
+        """``manual_backward(loss / divisor)`` with gradient sync skipped as the plan says."""
+        self._driver.backward(loss / self._window.divisor, self.last)
+        self.passes += 1
+
+    def _add_items(self, items: int | Tensor | None) -> None:
+        if items is not None:
+            self.items = items if self.items is None else self.items + items
+
+    def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
+        """Back-propagate one loss into the window.
+
+        With ``normalize="items"``, ``loss`` is a sum over the micro-batch's items; or pass a mean
+        loss with ``items=n`` and it is weighted by ``n``.
+        """
+        self._check_open()
+        loss = multitask.check_loss(loss, "the loss passed to `acc.backward`")
+        self._backward(loss if items is None else loss * items)
+        self._add_items(items)
+
+    def backward_each(
+        self,
+        closures: Sequence[Callable[[], Tensor]],
+        weights: Sequence[float] | None = None,
+        *,
+        grad_norms: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Run each closure's forward and backward in turn: one task graph alive at a time.
+
+        Returns the detached per-task losses, and with ``grad_norms=True`` also the L2 norm of
+        each task's weighted gradient (one gradient copy per task).
+        """
+        self._check_open()
+        params = self._driver.params() if grad_norms else None
+        losses, norms = multitask.backward_each(self._backward, closures, weights, grad_norms_of=params)
+        return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
+
+    def backward_microbatches(self, loss_fn: Callable[[Any], Tensor], size: int | Literal["auto"] = "auto") -> Tensor:
+        """Split this micro-batch's ``batch`` along dim 0 and back-propagate ``loss_fn(part)`` for
+        each part, weighted so that the result equals the whole batch's (sample-weighted for
+        ``"mean"``, plain sums for ``"items"``). Returns the detached per-part losses.
+
+        ``size="auto"`` starts with the whole batch and, on CUDA out-of-memory, frees the
+        window's gradient, halves the size, and redoes the window from its first micro-batch
+        (its batches are kept by reference): no sample is lost or counted twice. The size is kept
+        for later batches and agreed on by all ranks (their minimum) at each window's end.
+        """
+        self._check_open()
+        driver = self._driver
+        if size != "auto":
+            return self._run_parts(self._batch, loss_fn, size)
+        redo: list[tuple[Any, Callable[[Any], Tensor]]] = []
+        while True:
+            size = driver.auto_size or microbatch.batch_length(self._batch)
+            try:
+                for past_batch, past_fn in redo:
+                    self._run_parts(past_batch, past_fn, size)
+                losses = self._run_parts(self._batch, loss_fn, size)
+                break
+            except Exception as error:
+                if not microbatch.is_oom(error):
+                    raise
+                if size == 1:
+                    raise RuntimeError(
+                        "Out of memory with micro-batches of a single sample: one sample does not fit. Reduce the "
+                        "model or sequence size, or use a strategy that shards it (FSDP)."
+                    ) from error
+            # outside the `except` block, so that the error's frames (and their tensors) are freed
+            for p in driver.params(self._key):
+                p.grad = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            driver.auto_size = max(1, size // 2)
+            redo = list(driver.replay.get(self._key, []))
+        driver.replay.setdefault(self._key, []).append((self._batch, loss_fn))
+        return losses
+
+    def _run_parts(self, batch: Any, loss_fn: Callable[[Any], Tensor], size: int) -> Tensor:
+        n = microbatch.batch_length(batch)
+        mean = self._driver.config.normalize == "mean"
+        losses = []
+        for part in microbatch.split(batch, size):
+            loss = multitask.check_loss(loss_fn(part), "the loss returned by `loss_fn`")
+            self._backward(loss * (microbatch.batch_length(part) / n) if mean and size < n else loss)
+            losses.append(loss.detach())
+        return torch.stack(losses)
+
+    def backward_heads(
+        self,
+        features: Tensor,
+        heads: Sequence[Callable[[Tensor], Tensor]],
+        weights: Sequence[float] | None = None,
+    ) -> Tensor:
+        """Shared trunk: each head back-propagates into a detached copy of ``features`` in turn,
+        then the trunk back-propagates once with the summed feature gradient. Peak memory is the
+        trunk's graph plus the largest head's. Returns the detached per-head losses."""
+        self._check_open()
+
+        def trunk_backward(features: Tensor, grad: Tensor) -> None:
+            self._driver.trunk_backward(features, grad, self.last)
+            self.passes += 1
+
+        return multitask.backward_heads(self._backward, features, heads, weights, trunk_backward=trunk_backward)

@@ -1,0 +1,201 @@
+"""The window lifecycle, shared by :class:`AccumulationScheduler` and :class:`AccumulationMixin`.
+
+One :class:`WindowEngine` drives one window group (the optimizers that step together) through
+schedule -> :class:`~lightning_accum.window.Window` -> local counts -> global counts (one
+all-reduce, through the strategy) -> gradient scale -> LR factor -> :class:`Progress`, and
+holds that state for checkpoints. It imports no Lightning: the callback and the mixin translate
+Lightning's hooks (or the ``accumulate`` block) into calls of :meth:`open`, :meth:`count`,
+:meth:`close` and :meth:`advance`, and act on the gradient themselves where Lightning lets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_accum import collectives, sync
+from lightning_accum.noise import NoiseProbe, NoiseScale
+from lightning_accum.schedules import Progress, Schedule
+from lightning_accum.window import Window, lr_factor
+
+
+def own_divisor(start: int, k: int) -> int:
+    """Each loss divided by the window's ``k`` (where nothing else divides it)."""
+    return k
+
+
+class Closing(NamedTuple):
+    """A window being stepped: its global counts and the factors for its step.
+
+    Attributes:
+        k: micro-batches the schedule gave the window.
+        microbatches: micro-batches back-propagated, over all ranks.
+        samples: samples, over all ranks.
+        items: items, over all ranks.
+        extra: the caller's extra integers, summed over ranks in the same collective.
+        scale: the factor that turns the accumulated gradient into the window's normalised one.
+        lr_factor: the learning-rate multiplier for this step (``lr_scaling``).
+    """
+
+    k: int
+    microbatches: int
+    samples: int
+    items: int
+    extra: tuple[int, ...]
+    scale: float
+    lr_factor: float
+
+
+class WindowEngine:
+    """One window group's lifecycle and state.
+
+    Args:
+        schedule: gives ``k`` when a window opens.
+        normalize: ``"mean"`` or ``"items"`` (see :meth:`Window.gradient_scale`).
+        lr_scaling: ``None``, ``"linear"`` or ``"sqrt"``.
+        divisor: ``divisor(start, k)``: what each loss of a window of ``k`` opening at batch
+            ``start`` is divided by before backward (Lightning's automatic loop has its own).
+
+    Example::
+
+        >>> from lightning_accum import Constant
+        >>> engine = WindowEngine(Constant(2))
+        >>> window = engine.open(epoch=0, start=0)
+        >>> engine.count(samples=4, items=4); engine.count(samples=4, items=4)
+        >>> engine.close(strategy=None).scale  # each loss was divided by k = 2: nothing left to do
+        1.0
+        >>> engine.advance(epoch=0).samples
+        8
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        normalize: str = "mean",
+        lr_scaling: str | None = None,
+        divisor: Callable[[int, int], int] = own_divisor,
+    ) -> None:
+        self.divisor = divisor
+        self.plan = sync.SyncPlan()
+        self.progress = Progress()
+        self.window: Window | None = None
+        self.first_k: int | None = None
+        self.closing: Closing | None = None  # set between `close` and `advance`
+        self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
+        self.configure(schedule, normalize, lr_scaling)
+
+    def configure(self, schedule: Schedule, normalize: str, lr_scaling: str | None) -> None:
+        """Set (or change, keeping progress and the open window) what the engine computes with."""
+        self.schedule, self.normalize, self.lr_scaling = schedule, normalize, lr_scaling
+        self.probe = NoiseProbe(schedule, normalize) if isinstance(schedule, NoiseScale) else None
+
+    # ------------------------------------------------------------------ one window
+    def open(self, epoch: int, start: int) -> Window:
+        """Open a window at batch index ``start`` of ``epoch``, with the ``k`` the schedule gives now."""
+        if self.progress.epoch != epoch:
+            self.progress = dataclasses.replace(self.progress, epoch=epoch)
+        k = self.schedule(self.progress)
+        if self.first_k is None:
+            self.first_k = k
+        self.window = Window(k=k, start=start, divisor=self.divisor(start, k))
+        self.closing = None
+        return self.window
+
+    def count(self, samples: int, items: int | Tensor) -> None:
+        """Count one back-propagated micro-batch into the open window."""
+        assert self.window is not None
+        self.window.add(samples, items)
+
+    def measure_first(self, grads: Sequence[Tensor], loss_scale: float = 1.0) -> None:
+        """Noise probe: the gradient after the window's first micro-batch (when it is not the last)."""
+        if self.probe is not None and self.window is not None and self.window.microbatches == 1:
+            self.probe.first_microbatch(grads, self.window, loss_scale)
+
+    def close(self, strategy: Any, extra: Sequence[int] = ()) -> Closing:
+        """The window's global counts (with ``extra``, in one all-reduce) and its step's factors."""
+        window = self.window
+        assert window is not None
+        sync.check_window_synced(self.plan, window)
+        local = [window.microbatches, window.samples, window.local_items(), *extra]
+        counts = collectives.sum_over_ranks(strategy, local)
+        scale = window.gradient_scale(
+            self.normalize,
+            world_size=collectives.world_size(strategy),
+            global_microbatches=counts[0],
+            global_items=counts[2],
+        )
+        factor = lr_factor(self.lr_scaling, window.k, self.first_k)
+        self.closing = Closing(window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor)
+        return self.closing
+
+    def measure_window(self, strategy: Any, grads: Sequence[Tensor], factor: float = 1.0) -> None:
+        """Noise probe: ``grads * factor`` is the closing window's normalised gradient."""
+        if self.probe is not None and self.closing is not None:
+            c = self.closing
+            self.probe.window_end(strategy, grads, [c.microbatches, c.samples, c.items], factor)
+
+    def advance(self, epoch: int) -> Closing:
+        """After the step: add the closed window to :attr:`progress` and forget it."""
+        closing, window = self.closing, self.window
+        assert closing is not None and window is not None
+        self.progress = Progress(
+            epoch=epoch,
+            step=self.progress.step + 1,
+            samples=self.progress.samples + closing.samples,
+            items=self.progress.items + closing.items,
+            microbatches=self.progress.microbatches + window.microbatches,
+        )
+        self.window, self.closing = None, None
+        return closing
+
+    def discard(self) -> None:
+        """Forget the open window without stepping (nothing went in, or the loop stopped inside it)."""
+        self.window, self.closing = None, None
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The :class:`NoiseScale` schedule's current estimate, ``None`` for other schedules."""
+        return None if self.probe is None else self.probe.schedule.noise_scale
+
+    # ------------------------------------------------------------------ learning rate
+    def scale_lr(self, optimizer: Optimizer) -> None:
+        """Multiply every group's learning rate by the closing window's factor, for its step only."""
+        factor = 1.0 if self.closing is None else self.closing.lr_factor
+        if factor == 1.0:
+            return
+        for group in optimizer.param_groups:
+            self._scaled_lrs.append((group, group["lr"]))
+            group["lr"] = group["lr"] * factor
+
+    def restore_lr(self) -> None:
+        """Put back the learning rates :meth:`scale_lr` changed."""
+        for group, lr in self._scaled_lrs:
+            group["lr"] = lr
+        self._scaled_lrs = []
+
+    # ------------------------------------------------------------------ checkpoints
+    def holds_partial_window(self) -> bool:
+        """Whether a checkpoint now holds an open, not yet stepped window (warns if the strategy
+        keeps its partial gradient where a checkpoint cannot reach it, and leaves it out)."""
+        if self.window is None or self.closing is not None:
+            return False
+        return not sync.partial_window_lost(self.plan, self.window)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress, the first window's ``k`` and the open window (if a checkpoint can hold it)."""
+        return {
+            "progress": dataclasses.asdict(self.progress),
+            "window": self.window.state_dict() if self.window is not None and self.holds_partial_window() else None,
+            "first_k": self.first_k,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.progress = Progress(**state["progress"])
+        window = state.get("window")
+        self.window = None if window is None else Window.from_state_dict(window)
+        self.first_k = state.get("first_k")
+        self.closing = None

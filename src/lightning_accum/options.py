@@ -1,0 +1,76 @@
+"""The arguments the callback and the mixin share, checked in one place, and the mixin's config."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from torch import Tensor
+
+from lightning_accum.callbacks.decay import GradientDecay
+from lightning_accum.schedules import Schedule, as_schedule
+from lightning_accum.sync import SyncMode, check_sync_mode
+from lightning_accum.window import NORMALIZE
+
+LRScaling = Literal["linear", "sqrt"]
+Reset = Literal["zero", "none"] | GradientDecay
+Count = Callable[[Any], int | Tensor]
+
+
+def check_common(
+    who: str,
+    schedule: Schedule | int | Mapping[int, int],
+    normalize: object,
+    count: object,
+    lr_scaling: object,
+    sync: object,
+) -> Schedule:
+    """Refuse a bad ``normalize``, ``count``, ``lr_scaling`` or ``sync`` (and a schedule that
+    counts items without ``count``) with a message naming the argument; returns the schedule."""
+    resolved = as_schedule(schedule)
+    if normalize not in NORMALIZE:
+        raise ValueError(f"`normalize` must be 'mean' or 'items'; got {normalize!r}.")
+    if count is not None and not callable(count):
+        raise TypeError(f"`count` must be a function count(batch) -> int; got {count!r}.")
+    if lr_scaling not in (None, "linear", "sqrt"):
+        raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
+    check_sync_mode(sync)
+    if resolved.unit == "items" and count is None:
+        raise ValueError(
+            f"The schedule {resolved!r} counts items, so `count` is needed: `{who}` needs `count`, a function "
+            "giving each micro-batch's number of items (count(batch) -> int)."
+        )
+    return resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationConfig:
+    """What :meth:`AccumulationMixin.configure_accumulation` was given, validated."""
+
+    schedule: Schedule
+    normalize: str = "mean"
+    count: Count | None = None
+    reset: Reset = "zero"
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    lr_scaling: str | None = None
+    log: bool = True
+    sync: SyncMode = "auto"
+
+    def __post_init__(self) -> None:
+        check_common("configure_accumulation", self.schedule, self.normalize, self.count, self.lr_scaling, self.sync)
+        reset, clip = self.reset, self.gradient_clip_val
+        if not (isinstance(reset, GradientDecay) or reset in ("zero", "none")):
+            raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")
+        if clip is not None and (not isinstance(clip, int | float) or clip <= 0):
+            raise ValueError(f"`gradient_clip_val` must be a number > 0 or None; got {clip!r}.")
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(
+                f"`gradient_clip_algorithm` must be 'norm' or 'value'; got {self.gradient_clip_algorithm!r}."
+            )
+
+    @property
+    def decay(self) -> GradientDecay | None:
+        """The reset policy when it is a :class:`GradientDecay`."""
+        return self.reset if isinstance(self.reset, GradientDecay) else None
