@@ -22,6 +22,7 @@ QUICK = {
     "decay.py": ["--rounds", "1", "--steps", "2"],
     "noise_scale.py": ["--rounds", "0", "--batches", "24"],
     "comm_calls.py": [],
+    "rank_check.py": ["--calls", "200"],
 }
 
 
@@ -55,6 +56,11 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
         if row["run"].startswith("DDP"):
             target = "1"
         table.append((what, "gradient collective rounds / step", f"{row['rounds_per_step']:g}", target))
+    check = results["rank_check.py"]
+    table.append(
+        ("rank check on k (Lambda), 2 gloo ranks", "us / step vs the count all-reduce", f"{check['check']:.0f} us, "
+         f"{check['check'] / check['counts']:.2f}", "(reported; 0 for built-in schedules)")
+    )  # fmt: skip
     return table
 
 

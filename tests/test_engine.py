@@ -94,9 +94,10 @@ def test_schedule_is_asked_when_a_window_opens_with_the_progress_so_far() -> Non
     assert [p.samples for p in seen] == [0, 2, 6]
 
 
-def test_lightning_divisor_and_lr_factor() -> None:
-    engine = WindowEngine(Piecewise({0: 2, 1: 8}, unit="step"), lr_scaling="linear", divisor=lightning_divisor)
-    assert engine.open(0, 3).divisor == 5  # unaligned: Lightning's loop divides by start + k
+def test_divisor_and_lr_factor() -> None:
+    engine = WindowEngine(Piecewise({0: 2, 1: 8}, unit="step"), lr_scaling="linear")
+    assert engine.open(0, 3).divisor == 2  # unaligned too: each loss reaches backward divided by k
+    assert lightning_divisor(3, 2) == 5  # (Lightning's loop divides by start + k; the callback undoes the rest)
     engine.count(1, 1)
     engine.count(1, 1)
     assert engine.close(None).lr_factor == 1.0
@@ -104,7 +105,7 @@ def test_lightning_divisor_and_lr_factor() -> None:
     engine.open(0, 5)
     engine.count(1, 1)
     closing = engine.close(None)
-    assert closing.lr_factor == 4.0 and closing.scale == 13.0  # 8 / 2; divided by 5 + 8, one micro-batch
+    assert closing.lr_factor == 4.0 and closing.scale == 8.0  # 8 / 2; divided by 8, one micro-batch
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
     engine.scale_lr(optimizer)
     assert optimizer.param_groups[0]["lr"] == 2.0

@@ -1,4 +1,4 @@
-"""Fails if Lightning changes the loop arithmetic that `lightning_accum/_seam.py` relies on."""
+"""Fails if Lightning changes the loop arithmetic and internals that `lightning_accum/_seam.py` relies on."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from helpers import TokenData, TokenModel, loader, trainer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_accum._seam import set_divisor
+from lightning_accum._seam import backward_skipped, batch_processed, set_divisor, zero_grad_like_lightning
 from lightning_accum.window import lightning_divisor
 
 
@@ -64,3 +64,37 @@ def test_lightning_loop_arithmetic() -> None:
     assert steps == [1, 4, 9, 10]
     assert zeros == [0, 10]  # Lightning zeroes only at multiples of the value; the package zeroes 2 and 5
     assert divided == [2, 2, 5, 5, 5, 10, 10, 10, 10, 10, 10]
+
+
+class Seams(pl.Callback):
+    """Reads the other seams at the points the package reads them."""
+
+    def __init__(self) -> None:
+        self.processed: list[tuple[str, bool]] = []
+        self.skipped: list[bool] = []
+
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.processed.append(("backward", batch_processed(trainer)))
+        self.skipped.append(backward_skipped(trainer))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.processed.append(("batch_end", batch_processed(trainer)))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1:  # an unaligned zeroing, as the package makes it: Lightning's counters follow
+            optimizer = trainer.optimizers[0]
+            before = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad.total
+            count = before.completed
+            zero_grad_like_lightning(trainer, batch_idx, optimizer)
+            assert before.completed == count + 1 and before.ready == before.started == before.completed
+            assert all(p.grad is None for p in pl_module.parameters())
+
+
+def test_progress_skip_and_zero_grad_seams() -> None:
+    seams = Seams()
+    trainer(callbacks=[seams], max_epochs=1).fit(RawLossModel(), loader(TokenData(12), 4))
+    assert seams.processed == [("backward", False), ("batch_end", True)] * 3
+    assert seams.skipped == [False] * 3
+    loop = pl.Trainer(logger=False).fit_loop
+    loop._skip_backward = True  # what StochasticWeightAveraging sets for its BatchNorm epoch
+    assert backward_skipped(type("T", (), {"fit_loop": loop})())

@@ -5,6 +5,7 @@ Trainer of either namespace; this module only decides what to import from.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,15 +24,11 @@ else:
 
 
 def gradient_accumulation_schedulers() -> tuple[type, ...]:
-    """Lightning's own ``GradientAccumulationScheduler`` classes, from every installed namespace."""
-    classes: list[type] = []
-    for name in ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks"):
-        try:
-            module = __import__(name, fromlist=["GradientAccumulationScheduler"])
-        except ImportError:
-            continue
-        classes.append(module.GradientAccumulationScheduler)
-    return tuple(classes)
+    """Lightning's own ``GradientAccumulationScheduler`` classes, from the namespaces already
+    imported: importing one the user did not import (``pytorch_lightning``) would re-route
+    Lightning's rank-zero logger, and a callback of a namespace not imported cannot be in use."""
+    modules = (sys.modules.get(name) for name in ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks"))
+    return tuple(m.GradientAccumulationScheduler for m in modules if m is not None)
 
 
 def loss_scale(trainer: Any) -> float:

@@ -5,8 +5,9 @@ Lightning 2.x (read off 2.6) steps the optimizer after the batch where
 gradients before the backward of the batch where ``batch_idx % trainer.accumulate_grad_batches
 == 0`` and divides every loss by ``trainer.accumulate_grad_batches``. Setting that attribute
 at a window's first batch, to :func:`lightning_accum.window.lightning_divisor`, makes the loop
-close the window exactly where the schedule says. ``tests/test_lightning_seam.py`` fails if
-Lightning changes this arithmetic.
+close the window exactly where the schedule says. It also reads the loop's batch progress
+(which part of a batch had run when an exception came) and calls the loop's zero-grad path.
+``tests/test_lightning_seam.py`` fails if Lightning changes any of these.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ def set_divisor(trainer: Any, value: int) -> None:
     trainer.accumulate_grad_batches = value
 
 
-def zero_grad_like_lightning(trainer: Any, pl_module: Any, batch_idx: int, optimizer: Optimizer) -> None:
-    """Zero gradients through the same hooks Lightning's loop uses, so that user overrides of
-    ``optimizer_zero_grad`` and ``on_before_zero_grad`` (and :class:`GradientDecay`) still apply."""
-    for callback in trainer.callbacks:
-        callback.on_before_zero_grad(trainer, pl_module, optimizer)
-    pl_module.on_before_zero_grad(optimizer)
-    pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+def zero_grad_like_lightning(trainer: Any, batch_idx: int, optimizer: Optimizer) -> None:
+    """Zero gradients through Lightning's own zeroing path: the ``on_before_zero_grad`` hooks, the
+    module's ``optimizer_zero_grad`` (user overrides and :class:`GradientDecay` still apply) and the
+    loop's zero-grad progress counters."""
+    loop = trainer.fit_loop.epoch_loop.automatic_optimization
+    loop._on_before_zero_grad(optimizer)
+    loop._optimizer_zero_grad(batch_idx, optimizer)
 
 
 def epoch_ends_after_this_batch(trainer: Any) -> bool:
@@ -38,3 +39,17 @@ def epoch_ends_after_this_batch(trainer: Any) -> bool:
     """
     batch_idx = trainer.fit_loop.epoch_loop.batch_idx
     return bool(trainer.is_last_batch) or batch_idx + 1 >= trainer.num_training_batches
+
+
+def batch_processed(trainer: Any) -> bool:
+    """Whether the batch being trained got past its optimization (Lightning's ``processed``
+    counter): after an exception from here on (``on_train_batch_end``), a resumed run does not
+    train this batch again; before it, the batch is trained again from its start."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return bool(progress.processed > progress.completed)
+
+
+def backward_skipped(trainer: Any) -> bool:
+    """Whether Lightning skips backward and the optimizer step for this epoch's batches (what
+    ``StochasticWeightAveraging`` does for its BatchNorm-update epoch)."""
+    return bool(getattr(trainer.fit_loop, "_skip_backward", False))

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from lightning_accum import microbatch, multitask
-from lightning_accum.driver import GroupKey, MixinDriver
+from lightning_accum.driver import MixinDriver
+from lightning_accum.groups import GroupKey
 from lightning_accum.window import Window
 
 
@@ -60,6 +61,8 @@ class Accumulator:
         """
         self._check_open()
         loss = multitask.check_loss(loss, "the loss passed to `acc.backward`")
+        if items is not None:
+            _check_items(items)
         self._backward(loss if items is None else loss * items)
         self._add_items(items)
 
@@ -146,3 +149,19 @@ class Accumulator:
             self.passes += 1
 
         return multitask.backward_heads(self._backward, features, heads, weights, trunk_backward=trunk_backward)
+
+
+def _check_items(items: object) -> None:
+    """``items=`` of ``acc.backward``: an int >= 0 or a one-element tensor (checked on the host at the window's end)."""
+    if isinstance(items, Tensor):
+        if items.numel() == 1:
+            return
+        what = f"a tensor of shape {tuple(items.shape)}"
+    elif isinstance(items, int) and not isinstance(items, bool) and items >= 0:
+        return
+    else:
+        what = repr(items)
+    raise ValueError(
+        f"`acc.backward(loss, items=...)` got {what}; `items` must be the micro-batch's number of items (tokens, ...): "
+        "an int >= 0 or a one-element tensor."
+    )

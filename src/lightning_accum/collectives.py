@@ -31,6 +31,23 @@ def sum_over_ranks(strategy: Any, values: Sequence[int]) -> list[int]:
     return [int(v) for v in strategy.reduce(tensor, reduce_op="sum").tolist()]
 
 
+def check_same_k(strategy: Any, k: int, schedule: object) -> None:
+    """Raise on every rank, in the window's first collective, if the ranks' ``k`` differ (they would
+    otherwise step at different batches and hang in the next gradient collective)."""
+    if world_size(strategy) == 1:
+        return
+    sums = strategy.reduce(torch.tensor([k, k * k], dtype=torch.int64, device=strategy.root_device), reduce_op="sum")
+    total, squares = (int(v) for v in sums.tolist())
+    if world_size(strategy) * squares == total * total:  # equality of the sums holds only if all k are equal
+        return
+    ks = [int(v) for v in strategy.all_gather(torch.tensor(k, device=strategy.root_device)).reshape(-1).tolist()]
+    raise RuntimeError(
+        f"The ranks disagree on the window's size: the schedule {schedule!r} gave k = {ks} on ranks 0..{len(ks) - 1}. "
+        "Every rank must get the same k: compute it from the `Progress` it is given (summed over ranks), not from "
+        "rank-local state such as the local batch or a rank-local random generator."
+    )
+
+
 def mean_over_ranks(strategy: Any, values: Sequence[Tensor | float]) -> list[float]:
     """Float values (scalars or 0-d tensors) averaged over ranks in one collective, as floats."""
     device = getattr(strategy, "root_device", None)
@@ -87,3 +104,32 @@ def _buckets(grads: Sequence[Tensor]) -> Iterator[list[Tensor]]:
             size += g.numel() * g.element_size()
         if bucket:
             yield bucket
+
+
+def gather_partial(
+    strategy: Any, numbers: Sequence[float], params: Sequence[Tensor], grads: Sequence[Tensor | None]
+) -> list[tuple[list[float], list[Tensor | None]]]:
+    """Every rank's ``numbers`` and partial gradient (``grads`` of ``params``, ``None`` where a rank
+    has none), on every rank, on the CPU: what a checkpoint inside a window must hold under DDP,
+    where each rank's partial gradient and counts are its own until the window's end. Exact
+    (through float64); a checkpoint-time cost of ``world_size`` gradients."""
+    device = strategy.root_device
+    present = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=device)
+    pieces = [
+        torch.zeros(p.numel(), dtype=torch.float64, device=device) if g is None else g
+        for p, g in zip(params, grads, strict=True)
+    ]
+    flat = torch.cat(
+        [torch.zeros(0, dtype=torch.float64, device=device)] + [g.reshape(-1).to(device, torch.float64) for g in pieces]
+    )
+    values = torch.tensor(list(numbers), dtype=torch.float64, device=device)
+    all_present, all_flat, all_values = (strategy.all_gather(t).cpu() for t in (present, flat, values))
+    out = []
+    for rank in range(world_size(strategy)):
+        split = torch.split(all_flat[rank], [p.numel() for p in params])
+        rank_grads = [
+            piece.view(p.shape).to(p.dtype) if all_present[rank][i] else None
+            for i, (p, piece) in enumerate(zip(params, split, strict=True))
+        ]
+        out.append(([float(v) for v in all_values[rank]], rank_grads))
+    return out

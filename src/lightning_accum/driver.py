@@ -15,19 +15,20 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum import _seam, collectives, gradients, multitask, sync
-from lightning_accum._lightning import Callback, log_window, loss_scale, pl
+from lightning_accum import _seam, gradients, groups, multitask, recovery, sync, window_step
+from lightning_accum._lightning import Callback, loss_scale, pl
+from lightning_accum.checkpoint import load_partial, save_partial
 from lightning_accum.engine import WindowEngine
+from lightning_accum.groups import GroupKey
+from lightning_accum.guards import MixinGuards
 from lightning_accum.noise import check_noise_under
 from lightning_accum.options import AccumulationConfig
 from lightning_accum.schedules import as_schedule
-from lightning_accum.window import Window, batch_size
+from lightning_accum.window import Window, sample_count
 
-GroupKey = tuple[int, ...]
 Replay = list[tuple[Any, Callable[[Any], Tensor]]]
 
 
@@ -42,15 +43,24 @@ class MixinDriver(Callback):
         self.replay: dict[GroupKey, Replay] = {}
         self.auto_size: int | None = None  # samples per micro-batch found by `backward_microbatches`
         self.plan = sync.SyncPlan()
-        self._pending: dict[int, float] = {}  # id(optimizer) -> the window's gradient scale, during its step
+        self.pending: dict[int, float] = {}  # id(optimizer) -> the window's gradient scale, during its step
         self._saved_grads: list[Tensor | None] | None = None
+        self._partial: dict[str, Any] | None = None  # a resumed window's checkpoint state, until train start
+        self.configured = False  # whether `configure_accumulation` was called
+        self._batch_counts: tuple[Any, int, int | Tensor | None] | None = None  # the training batch, counted early
+        self._block_counts: tuple[int, int | Tensor | None] = (0, None)  # the open block's (samples, items)
+        self.guards = MixinGuards()
+        self._open_block: GroupKey | None = None  # the group of the `accumulate` block under way
+        self._block_passes = 0
+        self._redoing = False  # the block's micro-batch is one a checkpoint already holds
+        self.rescaled = False  # whether the closing window's gradient was rescaled for its step yet
 
     @property
     def state_key(self) -> str:
         return "AccumulationMixin"
 
     def configure(self, config: AccumulationConfig) -> None:
-        self.config = config
+        self.config, self.configured = config, True
         for engine in self.engines.values():
             engine.configure(config.schedule, config.normalize, config.lr_scaling)
 
@@ -64,30 +74,13 @@ class MixinDriver(Callback):
 
     # ------------------------------------------------------------------ the module's optimizers
     def optimizers(self) -> list[Any]:
-        optimizers = self.module.optimizers()
-        return list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
+        return groups.optimizers(self.module)
 
     def key(self, optimizer: Any) -> GroupKey:
-        """The window group of ``optimizer``: ``None`` (all), an optimizer, its index, or a list of them."""
-        optimizers = self.optimizers() if getattr(self.module, "_trainer", None) is not None else []
-        if optimizer is None:
-            return tuple(range(len(optimizers)))
-        key = []
-        for o in optimizer if isinstance(optimizer, list | tuple) else [optimizer]:
-            if isinstance(o, int) and 0 <= o < len(optimizers):
-                key.append(o)
-                continue
-            raw = getattr(o, "optimizer", o)
-            matches = [i for i, lo in enumerate(optimizers) if lo is o or lo.optimizer is raw]
-            if not matches:
-                raise ValueError(f"`optimizer` must be one of `self.optimizers()` or its index; got {o!r}.")
-            key.append(matches[0])
-        return tuple(sorted(set(key)))
+        return groups.key(self.module, optimizer)
 
     def params(self, key: GroupKey | None = None) -> list[Tensor]:
-        optimizers = self.optimizers()
-        chosen = range(len(optimizers)) if key is None else key
-        return [p for i in chosen for p in gradients.optimizer_params(optimizers[i].optimizer)]
+        return groups.params(self.module, key)
 
     def window_open(self) -> bool:
         """Whether some window holds gradient that is not stepped yet."""
@@ -95,19 +88,10 @@ class MixinDriver(Callback):
 
     # ------------------------------------------------------------------ checks and fit lifetime
     def check(self, trainer: Any) -> None:
-        if self.module.automatic_optimization:
-            raise RuntimeError(
-                "`AccumulationMixin` drives manual optimization, but `automatic_optimization` is True: remove "
-                "`self.automatic_optimization = True`, or use the `AccumulationScheduler` callback instead."
-            )
-        if self not in trainer.callbacks:
-            raise RuntimeError(
-                "The AccumulationMixin's callback is not attached: an override of `configure_callbacks` must "
-                "include `super().configure_callbacks()` in what it returns."
-            )
+        self.guards.check_fit(self.module, trainer, self, configured=True)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.check(trainer)
+        self.guards.check_fit(self.module, trainer, self, self.configured)
         sync.refuse_deepspeed(trainer.strategy, "AccumulationMixin")
         self.plan = sync.plan(trainer.strategy, self.config.sync)
         for engine in self.engines.values():
@@ -115,19 +99,47 @@ class MixinDriver(Callback):
         check_noise_under(self.plan, self.config.schedule)
         sync.refuse_fsdp_root_skip(self.plan, trainer.strategy.model)
 
+    def _open_engines(self) -> list[WindowEngine]:
+        return [self.engines[key] for key in sorted(self.engines) if self.engines[key].window is not None]
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._partial is not None:  # resumed inside a window: this rank's own part of it
+            numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
+            for i, engine in enumerate(self._open_engines() if numbers is not None else []):
+                engine.load_local_numbers(numbers[5 * i : 5 * i + 5])  # type: ignore[index]
+            self._partial = None
         if self._saved_grads is not None:
             gradients.restore(self.params(), self._saved_grads)
             self._saved_grads = None
         if self.config.decay is not None:
             self.config.decay.attach(trainer.optimizers)
+        self.guards.attach(trainer.optimizers)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.config.decay is not None:
             self.config.decay.detach()
+        self.guards.detach()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.on_fit_end(trainer, pl_module)
+        # before the checkpoint callbacks' `on_exception`: the state a checkpoint written now must hold
+        processed, in_backward = recovery.where(trainer, exception)
+        batch, rescaled = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx), self.rescaled
+        for key, engine in self.engines.items():
+            open_pass = key == self._open_block and self._block_passes > 0
+            recovery.settle(
+                engine, batch, processed=processed, in_backward=in_backward, open_pass=open_pass, rescaled=rescaled
+            )
+        self._open_block = None
+        if self.config.decay is not None:
+            self.config.decay.settle(processed)
+            self.config.decay.detach(restore_residual=False)
+        self.guards.detach()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        for engine in self.engines.values():
+            engine.batch_done()
 
     # ------------------------------------------------------------------ backward passes
     def no_sync(self, final: bool) -> contextlib.AbstractContextManager[None]:
@@ -139,111 +151,92 @@ class MixinDriver(Callback):
         return sync.skip_sync(self.plan, strategy, final)
 
     def backward(self, loss: Tensor, final: bool) -> None:
-        with self.no_sync(final):
-            self.module.manual_backward(loss)
+        self._block_passes += 1
+        if self._redoing:  # a checkpoint holds this batch's gradient already: it adds nothing
+            sync.scale_backward(loss, 0.0)
+        self.guards.in_pass = True
+        try:
+            with self.no_sync(final):
+                self.module.manual_backward(loss)
+        finally:
+            self.guards.in_pass = False
 
     def trunk_backward(self, features: Tensor, grad: Tensor, final: bool) -> None:
+        self._block_passes += 1
         with self.no_sync(final):
             multitask._autograd_backward(features, grad)
 
     # ------------------------------------------------------------------ one window
-    def begin(self, trainer: Any, key: GroupKey) -> tuple[Window, bool]:
-        """The group's open window (opened now if none is), and whether this micro-batch is its last."""
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Count the training batch before ``training_step`` can change it (``batch.pop("labels")``)."""
+        self._batch_counts = None
+        if self.config.count is not None:
+            engine = self.engine(self.key(None))
+            self._batch_counts = (batch, sample_count(batch, engine.samples_needed_by), self.config.count(batch))
+
+    def begin(self, trainer: Any, key: GroupKey, batch: Any) -> tuple[Window, bool]:
+        """The group's open window (opened now if none is), and whether this micro-batch is its last;
+        the micro-batch is counted now, before the block's code runs."""
         engine = self.engine(key)
-        window = engine.window or engine.open(trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx)
-        last = window.microbatches + 1 >= window.k or _seam.epoch_ends_after_this_batch(trainer)
+        epoch, batch_idx = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx
+        window = engine.window or engine.open(epoch, batch_idx, trainer.strategy)
+        # a batch whose gradient a checkpoint holds already (saved on an exception after its block) adds nothing
+        self._redoing = engine.redo == (epoch, batch_idx)
+        filled = window.microbatches - self._redoing
+        last = filled + 1 >= window.k or _seam.epoch_ends_after_this_batch(trainer)
+        early = self._batch_counts
+        if early is not None and early[0] is batch:
+            self._block_counts = early[1], early[2]
+        else:
+            count = self.config.count
+            self._block_counts = sample_count(batch, engine.samples_needed_by), None if count is None else count(batch)
+        self.guards.blocks += 1
+        self._open_block, self._block_passes = key, 0
         return window, last
 
-    def finish(
-        self, trainer: Any, key: GroupKey, batch: Any, passes: int, items: int | Tensor | None, last: bool
-    ) -> None:
+    def finish(self, trainer: Any, key: GroupKey, passes: int, items: int | Tensor | None, last: bool) -> None:
         """Count a micro-batch that back-propagated (``passes`` > 0) and close the window at its last."""
+        self._open_block = None
         engine = self.engines[key]
         window = engine.window
         assert window is not None
-        if passes:  # a micro-batch that back-propagated nothing does not count
-            engine.count(batch_size(batch), self._items(items, batch))
+        if self._redoing:
+            self._redoing = False
+        elif passes:  # a micro-batch that back-propagated nothing does not count
+            self.guards.passes += passes
+            samples, counted = self._block_counts
+            engine.count(samples, self._items(items, counted, samples))
+            engine.backward_done()
             window.synced = last
             if engine.probe is not None and not last:
                 engine.measure_first(gradients.grads_of(self.params(key)), loss_scale(trainer))
         if last:
-            self.close(trainer, key)
+            window_step.close(self, trainer, key)
 
-    def _items(self, items: int | Tensor | None, batch: Any) -> int | Tensor:
+    def _items(self, items: int | Tensor | None, counted: int | Tensor | None, samples: int) -> int | Tensor:
         if items is not None:
             return items
-        if self.config.count is not None:
-            return self.config.count(batch)
+        if counted is not None:
+            return counted
         if self.config.normalize == "items":
             raise ValueError(
                 "`normalize='items'` needs the micro-batch's item count: give `count=` to "
                 "`configure_accumulation`, or call `acc.backward(loss, items=n)`."
             )
-        return batch_size(batch)
+        return samples
 
-    def close(self, trainer: Any, key: GroupKey) -> None:
-        """Make the window's gradient global, step its optimizers and schedulers, reset, log."""
-        config, engine, strategy = self.config, self.engines[key], trainer.strategy
-        assert engine.window is not None
-        world = collectives.world_size(strategy)
-        if not engine.window.microbatches and world == 1:  # nothing went in: nothing to step
-            engine.discard()
-            return
-        params = self.params(key)
-        if world > 1 and self.plan.family == "ddp":
-            closing = engine.close(strategy, [int(p.grad is not None) for p in params])
-            collectives.all_reduce_gradients(strategy, params, closing.extra)
-        else:  # single device, or FSDP's own (reduce-)scatter on the last micro-batch made the gradient global
-            closing = engine.close(strategy)
-        # the window's normalised gradient is `.grad * scale / loss scale`
-        engine.measure_window(strategy, gradients.grads_of(params), closing.scale / loss_scale(trainer))
-        stepped = [self.optimizers()[i] for i in key]
-        for optimizer in stepped:
-            self._pending[id(optimizer.optimizer)] = closing.scale
-            engine.scale_lr(optimizer)
-            try:
-                optimizer.step()
-            finally:
-                engine.restore_lr()
-            if self._pending.pop(id(optimizer.optimizer), None) is not None:
-                raise RuntimeError(
-                    "The window's gradient was not normalised: Lightning did not call the callbacks' "
-                    "`on_before_optimizer_step` during `optimizer.step()`."
-                )
-        self._step_schedulers(trainer, [o.optimizer for o in stepped], engine.progress.step + 1)
-        if config.decay is not None:
-            config.decay.after_step()
-        for optimizer in stepped:
-            if config.reset == "none":
-                optimizer.zero_grad(set_to_none=True)
-            elif config.reset == "zero":
-                gradients.zero_(gradients.optimizer_grads(optimizer.optimizer))
-        engine.advance(trainer.current_epoch)
-        if self.replay.pop(key, None) and world > 1:  # auto-sizing ran on every rank: all take the smallest
-            unset = 2**62
-            size = torch.tensor(self.auto_size or unset, device=strategy.root_device)
-            agreed = int(strategy.reduce(size, reduce_op="min"))
-            self.auto_size = None if agreed == unset else agreed
-        if config.log:
-            prefix = "accum/" if len(self.engines) == 1 else f"accum/opt{'_'.join(map(str, key))}/"
-            every = trainer.log_every_n_steps
-            log_window(self.module, prefix, every, closing, engine.progress, engine.noise_scale)
-
-    def _step_schedulers(self, trainer: Any, optimizers: list[Optimizer], step: int) -> None:
-        """Step the step-interval LR schedulers of these optimizers, every ``frequency`` steps."""
-        for config in trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if config.interval != "step" or config.reduce_on_plateau:
-                continue
-            if getattr(scheduler, "optimizer", None) in optimizers and step % config.frequency == 0:
-                self.module.lr_scheduler_step(scheduler, None)
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.guards.epoch_end()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        scale = self._pending.pop(id(optimizer), None)
+        scale = self.pending.pop(id(optimizer), None)
         if scale is None:
             return
+        self.rescaled = True
         gradients.scale_(gradients.optimizer_grads(optimizer), scale)
         config = self.config
         if config.decay is not None:
@@ -260,7 +253,8 @@ class MixinDriver(Callback):
         groups = {",".join(map(str, key)): engine.state_dict() for key, engine in self.engines.items()}
         state: dict[str, Any] = {"groups": groups}
         if any(g["window"] is not None and g["window"]["microbatches"] for g in groups.values()):
-            state["grads"] = gradients.snapshot(self.params())
+            numbers = [v for e in self._open_engines() for v in e.local_numbers()]
+            state.update(save_partial(self.module.trainer.strategy, numbers, self.params(), self._saved_grads))
         if self.config.decay is not None:
             state["decay"] = self.config.decay.state_dict()
         state["schedule"] = self.config.schedule.state_dict()
@@ -270,7 +264,7 @@ class MixinDriver(Callback):
         self.engines = {}
         for name, group in state_dict["groups"].items():
             self.engine(tuple(int(i) for i in name.split(",") if i)).load_state_dict(group)
-        self._saved_grads = state_dict.get("grads")
+        self._partial = state_dict if "grads" in state_dict else None
         self.config.schedule.load_state_dict(state_dict.get("schedule", {}))
         if self.config.decay is not None and "decay" in state_dict:
             self.config.decay.load_state_dict(state_dict["decay"])

@@ -11,7 +11,9 @@ Lightning's hooks (or the ``accumulate`` block) into calls of :meth:`open`, :met
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import math
+import warnings
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor
@@ -23,16 +25,12 @@ from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Window, lr_factor
 
 
-def own_divisor(start: int, k: int) -> int:
-    """Each loss divided by the window's ``k`` (where nothing else divides it)."""
-    return k
-
-
 class Closing(NamedTuple):
     """A window being stepped: its global counts and the factors for its step.
 
     Attributes:
         k: micro-batches the schedule gave the window.
+        empty: nothing went in over all ranks (no micro-batch, or no item with ``"items"``): no step.
         microbatches: micro-batches back-propagated, over all ranks.
         samples: samples, over all ranks.
         items: items, over all ranks.
@@ -48,6 +46,7 @@ class Closing(NamedTuple):
     extra: tuple[int, ...]
     scale: float
     lr_factor: float
+    empty: bool
 
 
 class WindowEngine:
@@ -57,8 +56,6 @@ class WindowEngine:
         schedule: gives ``k`` when a window opens.
         normalize: ``"mean"`` or ``"items"`` (see :meth:`Window.gradient_scale`).
         lr_scaling: ``None``, ``"linear"`` or ``"sqrt"``.
-        divisor: ``divisor(start, k)``: what each loss of a window of ``k`` opening at batch
-            ``start`` is divided by before backward (Lightning's automatic loop has its own).
 
     Example::
 
@@ -77,14 +74,19 @@ class WindowEngine:
         schedule: Schedule,
         normalize: str = "mean",
         lr_scaling: str | None = None,
-        divisor: Callable[[int, int], int] = own_divisor,
     ) -> None:
-        self.divisor = divisor
         self.plan = sync.SyncPlan()
         self.progress = Progress()
         self.window: Window | None = None
         self.first_k: int | None = None
         self.closing: Closing | None = None  # set between `close` and `advance`
+        self._warned_empty = False
+        #: the micro-batch under way: its counts once counted, and whether its backward pass finished
+        self.inflight: tuple[int, int | Tensor] | None = None
+        self.backward_finished = False
+        #: a batch (epoch, index) whose gradient is in the window already, which Lightning trains again
+        #: after a resume from a checkpoint written on an exception: it must then add nothing
+        self.redo: tuple[int, int] | None = None
         self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
         self.configure(schedule, normalize, lr_scaling)
 
@@ -92,23 +94,41 @@ class WindowEngine:
         """Set (or change, keeping progress and the open window) what the engine computes with."""
         self.schedule, self.normalize, self.lr_scaling = schedule, normalize, lr_scaling
         self.probe = NoiseProbe(schedule, normalize) if isinstance(schedule, NoiseScale) else None
+        #: what needs each micro-batch's sample count, if anything (else an unknown count is 0)
+        self.samples_needed_by: str | None = None
+        if schedule.unit == "samples":
+            self.samples_needed_by = f"The schedule {schedule!r}"
+        elif self.probe is not None and normalize == "mean":
+            self.samples_needed_by = f"{schedule!r} (measuring in samples with normalize='mean')"
 
     # ------------------------------------------------------------------ one window
-    def open(self, epoch: int, start: int) -> Window:
-        """Open a window at batch index ``start`` of ``epoch``, with the ``k`` the schedule gives now."""
+    def open(self, epoch: int, start: int, strategy: Any = None) -> Window:
+        """Open a window at batch index ``start`` of ``epoch``, with the ``k`` the schedule gives now
+        (checked to be the same on every rank of ``strategy`` unless the schedule guarantees it)."""
         if self.progress.epoch != epoch:
             self.progress = dataclasses.replace(self.progress, epoch=epoch)
         k = self.schedule(self.progress)
+        if not self.schedule.rank_consistent and strategy is not None:
+            collectives.check_same_k(strategy, k, self.schedule)
         if self.first_k is None:
             self.first_k = k
-        self.window = Window(k=k, start=start, divisor=self.divisor(start, k))
+        self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
         self.closing = None
         return self.window
 
     def count(self, samples: int, items: int | Tensor) -> None:
-        """Count one back-propagated micro-batch into the open window."""
+        """Count one back-propagated micro-batch into the open window (before its backward pass)."""
         assert self.window is not None
         self.window.add(samples, items)
+        self.inflight, self.backward_finished = (samples, items), False
+
+    def backward_done(self) -> None:
+        """The counted micro-batch's backward pass finished: its gradient is in the window."""
+        self.backward_finished = True
+
+    def batch_done(self) -> None:
+        """The batch is over (nothing of it can be trained again)."""
+        self.inflight, self.redo = None, None
 
     def measure_first(self, grads: Sequence[Tensor], loss_scale: float = 1.0) -> None:
         """Noise probe: the gradient after the window's first micro-batch (when it is not the last)."""
@@ -129,7 +149,10 @@ class WindowEngine:
             global_items=counts[2],
         )
         factor = lr_factor(self.lr_scaling, window.k, self.first_k)
-        self.closing = Closing(window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor)
+        empty = not counts[0] or (self.normalize == "items" and not counts[2])
+        self.closing = Closing(window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor, empty)
+        if empty:
+            self._warn_empty(counts[0])
         return self.closing
 
     def measure_window(self, strategy: Any, grads: Sequence[Tensor], factor: float = 1.0) -> None:
@@ -138,13 +161,25 @@ class WindowEngine:
             c = self.closing
             self.probe.window_end(strategy, grads, [c.microbatches, c.samples, c.items], factor)
 
+    def _warn_empty(self, microbatches: int) -> None:
+        if self._warned_empty:
+            return
+        self._warned_empty = True
+        what = "no micro-batch was back-propagated" if not microbatches else "its global item count is 0"
+        warnings.warn(
+            f"An accumulation window was not stepped: {what} (over all ranks). Its gradient would be zero or stale, "
+            "and a step would still move the optimizer's state (Adam's moments); this is only warned once.",
+            stacklevel=3,
+        )
+
     def advance(self, epoch: int) -> Closing:
-        """After the step: add the closed window to :attr:`progress` and forget it."""
+        """After the step: add the closed window to :attr:`progress` and forget it. An empty window
+        (not stepped) adds its samples and items but no step."""
         closing, window = self.closing, self.window
         assert closing is not None and window is not None
         self.progress = Progress(
             epoch=epoch,
-            step=self.progress.step + 1,
+            step=self.progress.step + (not closing.empty),
             samples=self.progress.samples + closing.samples,
             items=self.progress.items + closing.items,
             microbatches=self.progress.microbatches + window.microbatches,
@@ -154,7 +189,7 @@ class WindowEngine:
 
     def discard(self) -> None:
         """Forget the open window without stepping (nothing went in, or the loop stopped inside it)."""
-        self.window, self.closing = None, None
+        self.window, self.closing, self.inflight, self.redo = None, None, None, None
 
     @property
     def noise_scale(self) -> float | None:
@@ -187,15 +222,47 @@ class WindowEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """Progress, the first window's ``k`` and the open window (if a checkpoint can hold it)."""
-        return {
+        window = self.window.state_dict() if self.window is not None and self.holds_partial_window() else None
+        state: dict[str, Any] = {
             "progress": dataclasses.asdict(self.progress),
-            "window": self.window.state_dict() if self.window is not None and self.holds_partial_window() else None,
+            "window": window,
             "first_k": self.first_k,
         }
+        if window is not None and self.probe is not None:
+            state["probe"] = self.probe.state_dict()
+        if window is not None and self.redo is not None:
+            state["redo"] = list(self.redo)
+        return state
+
+    def local_numbers(self) -> list[float]:
+        """This rank's own part of the open window (its counts, the noise probe's measurement): under
+        DDP a checkpoint holds every rank's (:func:`~lightning_accum.collectives.gather_partial`)."""
+        assert self.window is not None
+        probe = {} if self.probe is None else self.probe.state_dict()
+        w = self.window
+        return [
+            w.microbatches,
+            w.samples,
+            w.local_items(),
+            probe.get("small_sq", math.nan),
+            probe.get("small_units", 0),
+        ]
+
+    def load_local_numbers(self, values: list[float]) -> None:
+        """Put back what :meth:`local_numbers` gave on this rank."""
+        assert self.window is not None
+        self.window.microbatches, self.window.samples, self.window.items = (int(v) for v in values[:3])
+        if self.probe is not None:
+            small = {} if math.isnan(values[3]) else {"small_sq": values[3], "small_units": values[4]}
+            self.probe.load_state_dict(small)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.progress = Progress(**state["progress"])
         window = state.get("window")
         self.window = None if window is None else Window.from_state_dict(window)
         self.first_k = state.get("first_k")
-        self.closing = None
+        self.closing, self.inflight = None, None
+        redo = state.get("redo")
+        self.redo = None if redo is None else (int(redo[0]), int(redo[1]))
+        if self.probe is not None:
+            self.probe.load_state_dict(state.get("probe", {}))

@@ -145,10 +145,15 @@ class AccumulationMixin(_ModuleBase):
         trainer, driver = self.trainer, self._accumulation  # type: ignore[attr-defined]
         driver.check(trainer)
         key = driver.key(optimizer)
-        window, last = driver.begin(trainer, key)
+        window, last = driver.begin(trainer, key, batch)
         acc = Accumulator(driver, key, window, batch, last)
         try:
             yield acc
         finally:
             acc._open = False
-        driver.finish(trainer, key, batch, acc.passes, acc.items, last)
+        driver.finish(trainer, key, acc.passes, acc.items, last)
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Refused during training outside the accumulator: use ``acc.backward(loss)`` in the block."""
+        self._accumulation.guards.check_manual_backward(self)
+        super().manual_backward(loss, *args, **kwargs)  # type: ignore[misc]

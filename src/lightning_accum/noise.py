@@ -98,6 +98,7 @@ class NoiseScale(Schedule):
     """
 
     unit = None
+    rank_consistent = True  # fed statistics all-reduced over ranks
 
     def __init__(
         self,
@@ -122,8 +123,8 @@ class NoiseScale(Schedule):
         self.start = self.min_k if start is None else _check_k(start, "start")
         if not self.min_k <= self.start <= self.max_k:
             raise ValueError(f"`start`={start} must lie in [min_k, max_k] = [{min_k}, {max_k}].")
-        self.every = _check_k(every, "every")
-        self.warmup = _check_k(warmup, "warmup")
+        self.every = _check_k(every, "every", what="optimizer steps between changes of k")
+        self.warmup = _check_k(warmup, "warmup", what="windows measured before k may change")
         if not 0.0 <= hysteresis < 1.0:
             raise ValueError(f"`hysteresis` must be in [0, 1); got {hysteresis!r}.")
         self.hysteresis = hysteresis
@@ -193,6 +194,16 @@ class NoiseProbe:
         if self.normalize == "items" and units:
             small_sq = small_sq / units**2
         self._small = (small_sq, units)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The open window's first measurement, so that a checkpoint inside the window keeps it."""
+        if self._small is None:
+            return {}
+        small_sq, units = self._small
+        return {"small_sq": float(small_sq), "small_units": float(units)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._small = None if "small_sq" not in state else (float(state["small_sq"]), float(state["small_units"]))
 
     def window_end(self, strategy: Any, grads: Any, counts: Sequence[int], factor: float = 1.0) -> None:
         """Feed the schedule: ``grads * factor`` is the window's final gradient and ``counts`` its

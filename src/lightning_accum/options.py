@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -63,8 +64,10 @@ class AccumulationConfig:
         reset, clip = self.reset, self.gradient_clip_val
         if not (isinstance(reset, GradientDecay) or reset in ("zero", "none")):
             raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")
-        if clip is not None and (not isinstance(clip, int | float) or clip <= 0):
-            raise ValueError(f"`gradient_clip_val` must be a number > 0 or None; got {clip!r}.")
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, int | float) or not math.isfinite(clip) or clip <= 0
+        ):
+            raise ValueError(f"`gradient_clip_val` must be a finite number > 0, or None for no clipping; got {clip!r}.")
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(
                 f"`gradient_clip_algorithm` must be 'norm' or 'value'; got {self.gradient_clip_algorithm!r}."

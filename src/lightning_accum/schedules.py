@@ -50,10 +50,10 @@ def _check_unit(unit: object, allowed: tuple[str, ...]) -> str:
     return str(unit)
 
 
-def _check_k(value: object, name: str) -> int:
-    """``value`` as an ``int >= 1``, or a ``ValueError`` naming ``name``."""
+def _check_k(value: object, name: str, what: str = "micro-batches per window") -> int:
+    """``value`` as an ``int >= 1``, or a ``ValueError`` naming ``name`` and ``what`` it is."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ValueError(f"`{name}` must be an int >= 1 (micro-batches per window); got {value!r}.")
+        raise ValueError(f"`{name}` must be an int >= 1 ({what}); got {value!r}.")
     return int(value)
 
 
@@ -81,6 +81,10 @@ class Schedule:
 
     #: the progress counter the schedule reads, if it reads just one (used for early checks)
     unit: str | None = None
+    #: whether ``k`` depends on :class:`Progress` (and state shared by all ranks) alone, so that every
+    #: rank computes the same ``k``; if not (``Lambda``, subclasses), the ranks' ``k`` are compared
+    #: at each window's start, which costs one small all-reduce per optimizer step
+    rank_consistent: bool = False
 
     def k(self, progress: Progress) -> int:
         raise NotImplementedError
@@ -115,6 +119,8 @@ class Constant(Schedule):
         4
     """
 
+    rank_consistent = True
+
     def __init__(self, k: int) -> None:
         self._k = _check_k(k, "k")
 
@@ -140,6 +146,8 @@ class Piecewise(Schedule):
         >>> s(Progress(samples=999)), s(Progress(samples=1000)), s(Progress(samples=10**6))
         (1, 4, 8)
     """
+
+    rank_consistent = True
 
     def __init__(self, milestones: Mapping[int, int] | Iterable[tuple[int, int]], unit: Unit = "epoch") -> None:
         self.unit = _check_unit(unit, UNITS)
@@ -173,9 +181,13 @@ class Piecewise(Schedule):
 class Ramp(Schedule):
     """Batch-size warm-up: ``k`` moves from ``start`` to ``end`` over ``over`` units, then stays.
 
-    ``shape="linear"`` interpolates ``k``; ``"exponential"`` interpolates ``log k`` (doubling
-    at even intervals from 1 to a power of two). ``k`` is rounded down to a multiple of
-    ``multiple_of`` and kept between ``start`` and ``end``; ``end`` must be such a multiple.
+    ``over`` is the ramp's length in ``unit`` (samples by default, or items, or optimizer
+    steps). ``shape="linear"`` interpolates ``k``; ``"exponential"`` interpolates ``log k``
+    (doubling at even intervals from 1 to a power of two). ``k`` is rounded down to a multiple
+    of ``multiple_of`` but never leaves ``[start, end]``; ``end`` must be such a multiple. So a
+    ``start`` that is not a multiple is used as it is until the ramp reaches the next multiple:
+    ``Ramp(3, 8, over=8, unit="step", multiple_of=4)`` gives k = 3, 3, 4, 4, 4, 4, 4, 4, then 8.
+    ``start > end`` ramps down (e.g. a shrinking batch for fine-tuning).
 
     Example::
 
@@ -183,6 +195,8 @@ class Ramp(Schedule):
         >>> [ramp(Progress(samples=s)) for s in (0, 10_000, 35_000, 70_000)]
         [1, 2, 4, 8]
     """
+
+    rank_consistent = True
 
     def __init__(
         self,
@@ -195,7 +209,7 @@ class Ramp(Schedule):
     ) -> None:
         self.start = _check_k(start, "start")
         self.end = _check_k(end, "end")
-        self.over = _check_k(over, "over")
+        self.over = _check_k(over, "over", what=f"the ramp's length in `unit`, {unit!r}")
         self.unit = _check_unit(unit, UNITS)
         if shape not in ("linear", "exponential"):
             raise ValueError(f"`shape` must be 'linear' or 'exponential'; got {shape!r}.")

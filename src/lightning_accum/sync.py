@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Literal
@@ -224,6 +225,17 @@ def deepspeed_boundary(strategy: Any, final: bool) -> None:
     """Tell DeepSpeed's engine whether the coming micro-batch ends the window: it reduces the
     gradients (ZeRO 0/1) and steps the optimizer only then, whatever its accumulation steps."""
     strategy.model.set_gradient_accumulation_boundary(final)
+
+
+def deepspeed_window_length(batches: float, start: int, k: int) -> int:
+    """Micro-batches the window opening at ``start`` will hold under DeepSpeed: ``k``, or fewer at
+    the epoch's end (``batches`` per epoch, which must be known: each is weighted before backward)."""
+    if math.isinf(batches):
+        raise RuntimeError(
+            "Under DeepSpeed, `AccumulationScheduler` weights each micro-batch before backward, so it must know "
+            "when the epoch ends: give the Trainer a dataloader with a length, or set `limit_train_batches`."
+        )
+    return min(k, int(batches) - start)
 
 
 def scale_backward(loss: Tensor, factor: float) -> None:

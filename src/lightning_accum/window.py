@@ -47,15 +47,27 @@ class Window:
     synced: bool = False
 
     def add(self, samples: int, items: int | Tensor) -> None:
-        """Count one back-propagated micro-batch."""
+        """Count one back-propagated micro-batch (all or nothing: a bad count changes no counter)."""
+        if isinstance(items, Tensor):
+            if items.numel() != 1:
+                raise ValueError(
+                    f"`count(batch)` returned a tensor of shape {tuple(items.shape)}; it must give the micro-batch's "
+                    "total number of items as one number, e.g. `batch['mask'].sum()` rather than `.sum(1)`."
+                )
+            self.pending_items.append(items.detach().reshape(()))
+        else:
+            self.items += items if type(items) is int and items >= 0 else check_item_count(items)
         self.microbatches += 1
         self.samples += samples
+
+    def remove(self, samples: int, items: int | Tensor) -> None:
+        """Take back the latest :meth:`add` (a micro-batch whose backward never ran)."""
         if isinstance(items, Tensor):
-            self.pending_items.append(items.detach().reshape(()))
-        elif type(items) is int and items >= 0:
-            self.items += items
+            self.pending_items.pop()
         else:
-            self.items += check_item_count(items)
+            self.items -= int(items)
+        self.microbatches -= 1
+        self.samples -= samples
 
     def local_items(self) -> int:
         """This rank's item count; resolves device counts with one host transfer."""
@@ -104,8 +116,9 @@ class Window:
         return window
 
 
-def batch_size(batch: Any) -> int:
-    """Samples in a micro-batch: dim 0 of its first tensor (fast path), else Lightning's search."""
+def batch_size(batch: Any) -> int | None:
+    """Samples in a micro-batch: dim 0 of its first tensor (fast path), else Lightning's search;
+    ``None`` where neither finds one (a batch class of the user's own)."""
     first = batch
     while isinstance(first, (list, tuple)) and first:  # (a tuple of types: faster than a union on the hot path)
         first = first[0]
@@ -115,7 +128,25 @@ def batch_size(batch: Any) -> int:
         return int(first.shape[0])
     from lightning_accum._lightning import extract_batch_size
 
-    return extract_batch_size(batch)
+    try:
+        return extract_batch_size(batch)
+    except Exception:  # Lightning's MisconfigurationException: no tensor it can read a size from
+        return None
+
+
+def sample_count(batch: Any, needed_by: str | None) -> int:
+    """:func:`batch_size`, or 0 where it is unknown and nothing needs it; ``needed_by`` names
+    what needs it (a schedule keyed on samples, the noise scale in samples)."""
+    samples = batch_size(batch)
+    if samples is not None:
+        return samples
+    if needed_by is not None:
+        raise ValueError(
+            f"{needed_by} needs each micro-batch's number of samples, but a batch of type `{type(batch).__name__}` "
+            "holds no tensor to read it from. Give batches as tensors (or dicts, lists, tuples or dataclasses of "
+            "them), or key the schedule on 'step', 'epoch' or 'items' (items are given by `count=`)."
+        )
+    return 0
 
 
 def check_item_count(value: object) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,22 +10,16 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_accum import _seam, gradients, sync
-from lightning_accum._lightning import (
-    Callback,
-    gradient_accumulation_schedulers,
-    log_window,
-    loss_scale,
-    pl,
-    rank_zero_warn,
-)
+from lightning_accum import _seam, fit_checks, gradients, recovery, sync
+from lightning_accum._lightning import Callback, log_window, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
+from lightning_accum.checkpoint import load_partial, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.noise import check_noise_under
 from lightning_accum.options import Count, LRScaling, check_common
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.sync import SyncMode
-from lightning_accum.window import Normalize, batch_size, lightning_divisor
+from lightning_accum.window import Normalize, lightning_divisor, sample_count
 
 
 class AccumulationScheduler(Callback):
@@ -92,18 +85,24 @@ class AccumulationScheduler(Callback):
         self.lr_scaling = lr_scaling
         self._log = log  # not `self.log`: Lightning binds `log` on callbacks
         self.sync = sync
-        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, divisor=lightning_divisor)
+        self._engine = WindowEngine(self.schedule, normalize, lr_scaling)
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
-        self._saved_grads: list[Tensor | None] | None = None
+        self._saved_grads: list[Tensor | None] | None = None  # a resumed window's gradient, until it is put back
+        self._partial: dict[str, Any] | None = None  # a resumed window's checkpoint state, until train start
+        self._strategy: Any = None
         # per fit
         self._optimizer: Optimizer | None = None
-        self._batch: Any = None
+        self._counts: tuple[int, int | Tensor] = (0, 0)  # the batch being trained: (samples, items)
+        self._redoing = False  # the batch being trained is one a checkpoint already holds
         self._batch_idx = 0
         self._lr_frequencies: list[tuple[Any, int]] = []
         self._lr_hook: RemovableHandle | None = None
         self._no_sync = contextlib.ExitStack()  # open from on_before_backward to on_after_backward
-        self._loss_factor = 1.0  # DeepSpeed: each micro-batch's weight, applied before its backward
+        # on each loss's gradient, before any parameter sees it: Lightning's divisor over the window's (k), or
+        # under DeepSpeed each micro-batch's whole weight
+        self._loss_factor = 1.0
         self._deepspeed = self._sharded = False  # the plan's family, read once per fit for the hot path
+        self._user_divisor: int | None = None  # the Trainer's accumulate_grad_batches before this fit
 
     @property
     def progress(self) -> Progress:
@@ -112,32 +111,8 @@ class AccumulationScheduler(Callback):
 
     # ------------------------------------------------------------------ checks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not pl_module.automatic_optimization:
-            raise RuntimeError(
-                "`AccumulationScheduler` drives Lightning's automatic optimization, but this module sets "
-                "`automatic_optimization = False`. For manual optimization use `lightning_accum.AccumulationMixin` "
-                "and `self.configure_accumulation(...)` instead of the callback."
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` and `AccumulationScheduler` "
-                "both set the accumulation: remove `accumulate_grad_batches` from the Trainer and give the "
-                f"callback the schedule, e.g. `AccumulationScheduler({trainer.accumulate_grad_batches})`."
-            )
-        others = [
-            type(cb).__name__
-            for cb in trainer.callbacks  # type: ignore[attr-defined]
-            if cb is not self and isinstance(cb, (AccumulationScheduler, *gradient_accumulation_schedulers()))
-        ]
-        if others:
-            raise ValueError(
-                f"Only one accumulation callback can drive the Trainer; found {', '.join(others)} besides this "
-                "`AccumulationScheduler`. Keep one (a dict schedule replaces `GradientAccumulationScheduler`)."
-            )
-        if self.normalize == "items":
-            sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", "(normalize='items')")
-        if self.lr_scaling is not None:
-            sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", f"(lr_scaling={self.lr_scaling!r})")
+        self._user_divisor = trainer.accumulate_grad_batches  # what teardown gives back
+        fit_checks.refuse_scheduler_misuse(self, trainer, pl_module)
         plan = self._engine.plan = sync.plan(trainer.strategy, self.sync)
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
         check_noise_under(plan, self.schedule)
@@ -146,10 +121,12 @@ class AccumulationScheduler(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after checkpoint restore: put back the divisor Lightning's loop state was saved with
         set_divisor(trainer, self._divisor)
-        self._optimizer = trainer.optimizers[0]
-        if self._saved_grads is not None:
-            gradients.restore(gradients.optimizer_params(self._optimizer), self._saved_grads)
-            self._saved_grads = None
+        self._optimizer, self._strategy = trainer.optimizers[0], trainer.strategy
+        if self._partial is not None:  # resumed inside a window: this rank's own part of it
+            numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
+            if numbers is not None:
+                self._engine.load_local_numbers(numbers)
+            self._partial = None
         self._lr_frequencies = [
             (config, config.frequency)
             for config in trainer.lr_scheduler_configs
@@ -162,12 +139,24 @@ class AccumulationScheduler(Callback):
         self._teardown(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning runs checkpoint callbacks' `on_exception` after this one: leave the state (and the optimizer
+        # whose gradient a checkpoint saves) as a checkpoint written now must hold to resume exactly
+        self._no_sync.close()
+        self._engine.restore_lr()
+        if self._optimizer is not None:
+            processed, in_backward = recovery.where(trainer, exception)
+            batch = (trainer.current_epoch, self._batch_idx)
+            recovery.settle(self._engine, batch, processed=processed, in_backward=in_backward)
+        optimizer = self._optimizer
         self._teardown(trainer)
+        self._optimizer = optimizer
 
     def _teardown(self, trainer: pl.Trainer) -> None:
         """Leave the Trainer, the model's sync flags and the LR scheduler configs as the user made them."""
         self._no_sync.close()
-        set_divisor(trainer, 1)
+        if self._user_divisor is not None:
+            set_divisor(trainer, self._user_divisor)
+            self._user_divisor = None
         for config, frequency in self._lr_frequencies:
             config.frequency = frequency
         self._lr_frequencies = []
@@ -176,58 +165,67 @@ class AccumulationScheduler(Callback):
             self._lr_hook.remove()
             self._lr_hook = None
         self._optimizer = None
-        self._batch = None
 
     # ------------------------------------------------------------------ one window
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._engine.window is None:
-            self._open(trainer, pl_module, batch_idx)
-        self._batch = batch
+        engine = self._engine
+        if engine.window is None:
+            if _seam.backward_skipped(trainer):
+                return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
+            self._open(trainer, batch_idx)
+        # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
+        self._redoing = engine.redo is not None and engine.redo == (trainer.current_epoch, batch_idx)
+        # counted now, before `training_step` can change the batch (e.g. `labels = batch.pop("labels")`)
+        samples = sample_count(batch, self._engine.samples_needed_by)
+        self._counts = (samples, samples if self.count is None else self.count(batch))
         self._batch_idx = batch_idx
         if self._deepspeed:
             sync.deepspeed_boundary(trainer.strategy, self._closes_window(trainer))
 
-    def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        window = self._engine.open(trainer.current_epoch, batch_idx)
-        self._divisor = window.divisor
+    def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        window = self._engine.open(trainer.current_epoch, batch_idx, trainer.strategy)
+        self._divisor = lightning_divisor(batch_idx, window.k)
         set_divisor(trainer, self._divisor)
         if batch_idx % self._divisor:  # Lightning will not zero this window's first batch: do it
             assert self._optimizer is not None
-            zero_grad_like_lightning(trainer, pl_module, batch_idx, self._optimizer)
+            zero_grad_like_lightning(trainer, batch_idx, self._optimizer)
+        # Lightning divides each loss by `_divisor` (start + k on an unaligned window); undone on the loss's gradient
+        # so that no float16 gradient is divided by more than k
         if self._deepspeed:
-            self._loss_factor = self._divisor / self._window_length(trainer, batch_idx, window.k)
-
-    @staticmethod
-    def _window_length(trainer: pl.Trainer, start: int, k: int) -> int:
-        """Micro-batches the window opening at ``start`` will hold: ``k``, or fewer at the epoch's end."""
-        batches = trainer.num_training_batches
-        if math.isinf(batches):
-            raise RuntimeError(
-                "Under DeepSpeed, `AccumulationScheduler` weights each micro-batch before backward, so it must know "
-                "when the epoch ends: give the Trainer a dataloader with a length, or set `limit_train_batches`."
-            )
-        return min(k, int(batches) - start)
+            length = sync.deepspeed_window_length(trainer.num_training_batches, batch_idx, window.k)
+        else:
+            length = window.divisor
+        self._loss_factor = self._divisor / length
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         window = self._engine.window
         if window is None:
             return
-        if self._deepspeed:  # the engine holds the gradient: weight this micro-batch now
+        if self._saved_grads is not None:  # resumed inside a window: its gradient, after any zeroing of this batch
+            assert self._optimizer is not None
+            gradients.restore(gradients.optimizer_params(self._optimizer), self._saved_grads)
+            self._saved_grads = None
+        if self._redoing:
+            sync.scale_backward(loss, 0.0)
+            return
+        if self._loss_factor != 1.0:
             sync.scale_backward(loss, self._loss_factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._no_sync.enter_context(sync.skip_sync(self._engine.plan, trainer.strategy, final))
             window.synced = final
-        samples = batch_size(self._batch)
-        window.add(samples, samples if self.count is None else self.count(self._batch))
+        self._engine.count(*self._counts)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sharded:
             self._no_sync.close()
         engine, window = self._engine, self._engine.window
+        engine.backward_done()
         if engine.probe is None or window is None or window.microbatches != 1 or self._optimizer is None:
+            return
+        if self._redoing:
             return
         if self._closes_window(trainer):
             return  # this micro-batch closes the window: its gradient is already the window's (and synced)
@@ -249,8 +247,11 @@ class AccumulationScheduler(Callback):
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
         closing = engine.close(trainer.strategy)
+        if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
+            for p in gradients.optimizer_params(optimizer):
+                p.grad = None
         # (under DeepSpeed each micro-batch was weighted before its backward)
-        if not deepspeed and (closing.scale != 1.0 or engine.probe is not None):
+        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None):
             grads = gradients.optimizer_grads(optimizer)
             gradients.scale_(grads, closing.scale)
             engine.measure_window(trainer.strategy, grads)
@@ -264,6 +265,7 @@ class AccumulationScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = self._engine
+        engine.batch_done()
         if engine.closing is None:
             return
         engine.restore_lr()  # normally done by the optimizer's post-step hook already
@@ -283,14 +285,16 @@ class AccumulationScheduler(Callback):
         state.update(schedule=self.schedule.state_dict(), divisor=self._divisor)
         if state["window"] is not None and state["window"]["microbatches"] and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
-            state["grads"] = gradients.snapshot(gradients.optimizer_params(self._optimizer))
+            params = gradients.optimizer_params(self._optimizer)
+            state.update(save_partial(self._strategy, self._engine.local_numbers(), params, self._saved_grads))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._engine.load_state_dict(state_dict)
         self.schedule.load_state_dict(state_dict.get("schedule", {}))
         self._divisor = int(state_dict.get("divisor", 1))
-        self._saved_grads = state_dict.get("grads")
+        self._partial = state_dict if "grads" in state_dict else None
         window = self._engine.window
-        if window is not None and window.microbatches and self._saved_grads is None:
+        self._loss_factor = 1.0 if window is None else self._divisor / window.divisor
+        if window is not None and window.microbatches and self._partial is None:
             rank_zero_warn("The checkpoint was saved inside an accumulation window without its gradients.")

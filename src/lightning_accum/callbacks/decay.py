@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_accum import gradients, sync
+from lightning_accum import _seam, gradients, sync
 from lightning_accum._lightning import Callback, pl
 
 Factor = float | Callable[[int], float]
@@ -63,6 +63,12 @@ class GradientDecay(Callback):
             raise ValueError(f"`mode` must be 'sum' or 'ema'; got {mode!r}.")
         if bias_correction and mode != "ema":
             raise ValueError("`bias_correction` applies to `mode='ema'` (a weighted mean); use mode='ema'.")
+        if mode == "ema" and not callable(factor) and float(factor) == 1.0:
+            raise ValueError(
+                "`factor=1` with `mode='ema'` gives every new window the weight 1 - factor = 0, so nothing would ever "
+                "be learned (and bias correction would divide by 1 - 1 = 0). Use a factor < 1, or `mode='sum'` with "
+                "factor=1 for plain accumulation across steps."
+            )
         self.factor = factor
         self.mode = mode
         self.bias_correction = bias_correction
@@ -76,7 +82,13 @@ class GradientDecay(Callback):
 
     def factor_at(self, step: int) -> float:
         """The decay factor for the window that ends with optimizer step ``step + 1``."""
-        return _check_factor(self.factor(step) if callable(self.factor) else self.factor)
+        f = _check_factor(self.factor(step) if callable(self.factor) else self.factor)
+        if f == 1.0 and self.mode == "ema":
+            raise ValueError(
+                f"`factor({step})` returned 1 with `mode='ema'`: the new window would get the weight 1 - 1 = 0. Return "
+                "a factor < 1 in ema mode."
+            )
+        return f
 
     # ------------------------------------------------------------------ lifetime
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -106,7 +118,17 @@ class GradientDecay(Callback):
         self.detach()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.detach()
+        self.settle(_seam.batch_processed(trainer))
+        self.detach(restore_residual=False)
+
+    def settle(self, processed: bool) -> None:
+        """After an exception: a step under way is finished if Lightning counts its batch as done
+        (``processed``), else forgotten (the residual stays G_{t-1}). ``.grad`` is left as it is,
+        for a checkpoint written next."""
+        if self._combined and processed:
+            self.after_step()
+        self._combined.clear()
+        self._stepped.clear()
 
     def attach(self, optimizers: Sequence[Optimizer]) -> None:
         """Start managing these optimizers' gradients (called at train start)."""
@@ -116,10 +138,11 @@ class GradientDecay(Callback):
             if i in self._residual:  # restored from a checkpoint: checked and put on the parameters' devices
                 self._residual[i] = gradients.placed(gradients.optimizer_params(optimizer), self._residual[i])
 
-    def detach(self) -> None:
-        """Stop managing; the residual goes back into ``.grad`` so that it is visible after fit."""
+    def detach(self, restore_residual: bool = True) -> None:
+        """Stop managing; the residual goes back into ``.grad`` (unless the fit failed) so that it is
+        visible after fit."""
         for i, optimizer in enumerate(self._optimizers):
-            residual = self._residual.get(i)
+            residual = self._residual.get(i) if restore_residual else None
             if residual is not None:
                 for p, r in zip(gradients.optimizer_params(optimizer), residual, strict=True):
                     if p.grad is None and r is not None:
@@ -197,6 +220,8 @@ class GradientDecay(Callback):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._combined.clear()  # nothing of a step that was under way when an earlier fit failed
+        self._stepped.clear()
         self.steps = int(state_dict.get("steps", 0))
         self._residual = {int(i): list(r) for i, r in state_dict.get("residual", {}).items()}
 

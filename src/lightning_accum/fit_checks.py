@@ -1,0 +1,48 @@
+"""Fit-start checks of ``AccumulationScheduler``: configurations that cannot work, refused before
+any batch with a message that names the cause and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_accum import sync
+from lightning_accum._lightning import gradient_accumulation_schedulers
+
+
+def refuse_scheduler_misuse(callback: Any, trainer: Any, pl_module: Any) -> None:
+    """A mixin model, manual optimization, ``Trainer(accumulate_grad_batches)``, a second
+    accumulation callback beside ``callback``, or DeepSpeed with what it cannot do."""
+    from lightning_accum.callbacks.accumulation import AccumulationScheduler
+
+    if hasattr(pl_module, "configure_accumulation"):
+        raise RuntimeError(
+            f"`{type(pl_module).__name__}` uses `AccumulationMixin`, which accumulates by itself in manual "
+            "optimization: remove the `AccumulationScheduler` callback and configure the windows with "
+            "`self.configure_accumulation(...)`."
+        )
+    if not pl_module.automatic_optimization:
+        raise RuntimeError(
+            "`AccumulationScheduler` drives Lightning's automatic optimization, but this module sets "
+            "`automatic_optimization = False`. For manual optimization use `lightning_accum.AccumulationMixin` "
+            "and `self.configure_accumulation(...)` instead of the callback."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` and `AccumulationScheduler` "
+            "both set the accumulation: remove `accumulate_grad_batches` from the Trainer and give the "
+            f"callback the schedule, e.g. `AccumulationScheduler({trainer.accumulate_grad_batches})`."
+        )
+    others = [
+        type(cb).__name__
+        for cb in trainer.callbacks  # type: ignore[attr-defined]
+        if cb is not callback and isinstance(cb, (AccumulationScheduler, *gradient_accumulation_schedulers()))
+    ]
+    if others:
+        raise ValueError(
+            f"Only one accumulation callback can drive the Trainer; found {', '.join(others)} besides this "
+            "`AccumulationScheduler`. Keep one (a dict schedule replaces `GradientAccumulationScheduler`)."
+        )
+    if callback.normalize == "items":
+        sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", "(normalize='items')")
+    if callback.lr_scaling is not None:
+        sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", f"(lr_scaling={callback.lr_scaling!r})")

@@ -1,0 +1,74 @@
+"""Misuse of :class:`~lightning_accum.AccumulationMixin`, caught where it happens: a module that is
+not set up for it, an ``optimizer.step()`` or a ``self.manual_backward`` of the user's own inside
+``training_step`` (its gradient would enter no window), an epoch of blocks without a backward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.optim import Optimizer
+
+from lightning_accum._lightning import rank_zero_warn
+
+
+class MixinGuards:
+    """Flags the mixin's driver sets around its own backward passes and steps, and the checks on them."""
+
+    def __init__(self) -> None:
+        self.in_pass = False  # inside the accumulator's own backward pass
+        self.stepping = False  # inside the window-end `optimizer.step()`
+        self.blocks = self.passes = 0  # this epoch's `accumulate` blocks, and their backward passes
+        self._hooks: list[Any] = []
+
+    def check_fit(self, module: Any, trainer: Any, driver: Any, configured: bool) -> None:
+        if module.automatic_optimization:
+            raise RuntimeError(
+                "`AccumulationMixin` drives manual optimization, but `automatic_optimization` is True: remove "
+                "`self.automatic_optimization = True`, or use the `AccumulationScheduler` callback instead."
+            )
+        if driver not in trainer.callbacks:
+            raise RuntimeError(
+                "The AccumulationMixin's callback is not attached: an override of `configure_callbacks` must "
+                "include `super().configure_callbacks()` in what it returns."
+            )
+        if not configured:
+            rank_zero_warn(
+                f"`{type(module).__name__}` uses `AccumulationMixin` but never called `self.configure_accumulation"
+                "(...)`, so every micro-batch is a window of its own (k = 1). Call it in `__init__` to accumulate."
+            )
+
+    def attach(self, optimizers: Sequence[Optimizer]) -> None:
+        self._hooks = [o.register_step_pre_hook(self._refuse_user_step) for o in optimizers]
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.in_pass = self.stepping = False
+
+    def _refuse_user_step(self, *_: Any) -> None:
+        if not self.stepping:
+            raise RuntimeError(
+                "`optimizer.step()` was called inside `training_step`, but `AccumulationMixin` steps the optimizers "
+                "itself when a window closes: remove the `optimizer.step()` (and `zero_grad()`) calls."
+            )
+
+    def check_manual_backward(self, module: Any) -> None:
+        """Refuse a ``self.manual_backward`` the accumulator did not make during training."""
+        if not self.in_pass and getattr(module, "_trainer", None) is not None and module.trainer.training:
+            raise RuntimeError(
+                "`self.manual_backward(loss)` was called directly, but with `AccumulationMixin` the backward passes "
+                "go through the window: inside `with self.accumulate(batch) as acc:` call `acc.backward(loss)` "
+                "(or `acc.backward_each` / `acc.backward_heads`)."
+            )
+
+    def epoch_end(self) -> None:
+        blocks, passes = self.blocks, self.passes
+        self.blocks = self.passes = 0
+        if blocks and not passes:
+            raise RuntimeError(
+                f"A whole epoch of `with self.accumulate(batch) as acc:` blocks ({blocks}) made no backward pass, so "
+                "nothing was trained. Inside the block call `acc.backward(loss)` (or `acc.backward_each` / "
+                "`acc.backward_heads`), not `loss.backward()`."
+            )

@@ -1,0 +1,91 @@
+"""The fault suite's distributed twin: DDP on 2 gloo ranks, an exception on both ranks after a
+backward pass inside a window, resumed from the checkpoint written inside that window and from
+the last one at an optimizer step: both ranks bit-identical to the uninterrupted DDP run.
+
+(Under Lightning's fork and spawn launchers the ranks run in child processes, where Lightning
+calls no ``on_exception``; an ``OnExceptionCheckpoint`` there would save the launching process's
+untrained model. ``docs/failures.md`` says so; the single-process suite covers it.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import FileReport, ManualTokenModel, RankStrided, TokenData, TokenModel, trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from test_faults import Fault, Injected, ProcessedLoader
+
+from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
+
+pytestmark = pytest.mark.slow
+
+WINDOWS = Piecewise({0: 3, 2: 2}, unit="step")  # per rank: windows [0-2] [3-5] [6-7] ...
+DATA = TokenData(64)  # 8 batches of 4 per rank
+
+
+class ShardedLoader(ProcessedLoader):
+    def __init__(self) -> None:
+        torch.utils.data.DataLoader.__init__(self, DATA, batch_size=4, sampler=RankStrided(len(DATA)))
+        self._yielded, self._skip = 0, 0
+
+
+class Bind(pl.Callback):
+    def __init__(self, data: ShardedLoader) -> None:
+        self.data = data
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.data.trainer = trainer
+
+
+class SaveInside(pl.Callback):
+    """A checkpoint inside the window [3-5], after its second micro-batch (every rank calls it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx) == (0, 4):
+            trainer.save_checkpoint(self.path)
+
+
+def fit(kind: str, out: Path, save: Path | None = None, resume: Path | None = None) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    if kind == "callback":
+        model: pl.LightningModule = TokenModel()
+        callbacks: list[pl.Callback] = [AccumulationScheduler(WINDOWS), GradientDecay(0.5)]
+    else:
+        model, callbacks = ManualTokenModel(schedule=WINDOWS, reset=GradientDecay(0.5)), []
+    data = ShardedLoader()
+    report = FileReport(out)
+    callbacks += [Bind(data), report]
+    if save is not None:
+        steps = ModelCheckpoint(save, "{step}", every_n_train_steps=1, save_top_k=-1)
+        callbacks += [SaveInside(save / "inside.ckpt"), steps, Fault("on_after_backward", (0, 5))]
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
+    t = trainer(
+        callbacks=callbacks,
+        max_epochs=2,
+        devices=2,
+        strategy=strategy,
+        use_distributed_sampler=False,
+        enable_checkpointing=save is not None,
+    )
+    t.fit(model, data, ckpt_path=resume)
+    return report.read(world=2)
+
+
+@pytest.mark.parametrize("kind", ["callback", "mixin"])
+def test_ddp_fault_resumes_bit_identically(tmp_path: Path, kind: str) -> None:
+    full = fit(kind, tmp_path / "full")
+    with pytest.raises(Exception, match=Injected.__name__):
+        fit(kind, tmp_path / "failed", save=tmp_path / "ckpt")
+    for source in ("inside.ckpt", "step=1.ckpt"):
+        resumed = fit(kind, tmp_path / source, resume=tmp_path / "ckpt" / source)
+        for rank in range(2):
+            for got, want in zip(resumed[rank]["params"], full[rank]["params"], strict=True):
+                assert torch.equal(got, want), (source, rank)

@@ -1,0 +1,231 @@
+"""Fault injection: an exception at each point of a window, resumed from the checkpoint Lightning left.
+
+Each case runs a fit that fails once (an exception raised by another callback at one hook of a
+window, by the model's ``training_step``, inside a backward pass, during a validation inside a
+window, or a real SIGTERM), then a fit resumed from a checkpoint of the failed one, and
+compares the final parameters with an uninterrupted fit: **bit-identical** (``torch.equal``).
+
+Lightning trains a batch again after a resume when the exception came before the batch was
+*processed* (before ``on_train_batch_end``), and does not when it came later. The loader here
+resumes at the batches Lightning processed, as a loader must for that to work.
+
+Where the exception leaves a partial gradient (inside a backward pass, inside the mixin's block
+after a pass, or after the window's gradient was rescaled for its step), the on-exception
+checkpoint cannot hold the window: the package warns and leaves it out, and the case resumes
+from the last checkpoint saved at an optimizer step instead (also checked to be exact).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import ManualTokenModel, ResumableLoader, TokenData, TokenModel, count_tokens, token_losses, trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise
+
+DATA, VAL = TokenData(50), TokenData(8, seed=1)  # 13 training batches of 4 per epoch, the last of 2
+WINDOWS = Piecewise({0: 3, 4: 2}, unit="step")  # windows [0-2] [3-5] [6-8] [9-11] [12], then of 2
+MID, LAST = (0, 4), (0, 5)  # the second micro-batch of the window [3-5], and its last
+
+
+class Injected(RuntimeError):
+    pass
+
+
+class ProcessedLoader(ResumableLoader):
+    """Saves as consumed the batches Lightning processed: a batch cut short is yielded again."""
+
+    trainer: pl.Trainer | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        assert self.trainer is not None
+        return {"consumed": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+
+class Bind(pl.Callback):
+    def __init__(self, data: ProcessedLoader) -> None:
+        self.data = data
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.data.trainer = trainer
+
+
+class Fault(pl.Callback):
+    """Raises once at ``hook`` of batch ``at`` (epoch, index); ``"sigterm"`` sends the process a real SIGTERM
+    at the end of the batch; ``"in_backward"`` raises from inside the batch's backward pass."""
+
+    def __init__(self, hook: str, at: tuple[int, int]) -> None:
+        self.hook, self.at, self.fired = hook, at, False
+
+    def _fire(self, trainer: pl.Trainer, hook: str, loss: torch.Tensor | None = None) -> None:
+        here = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx)
+        if self.fired or hook != self.hook or here != self.at:
+            return
+        self.fired = True
+        if hook == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif hook == "in_backward":
+            assert loss is not None
+            loss.register_hook(lambda grad: (_ for _ in ()).throw(Injected("in backward")))
+        else:
+            raise Injected(hook)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_train_batch_start")
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        self._fire(trainer, "on_before_backward")
+        self._fire(trainer, "in_backward", loss)
+
+    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_after_backward")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_before_optimizer_step")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_train_batch_end")
+        self._fire(trainer, "sigterm")
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "validation")
+
+
+class Validated(TokenModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val", token_losses(self.net, batch)[0], batch_size=4)
+
+
+class ManualValidated(ManualTokenModel):
+    """The mixin's model, with faults its `training_step` can raise: before the block, inside it after
+    the backward pass, or after it."""
+
+    fault: tuple[str, tuple[int, int]] | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        here = (self.current_epoch, batch_idx)
+        where = None
+        if self.fault is not None and self.fault[1] == here:
+            where, self.fault = self.fault[0], None
+        if where == "before_block":
+            raise Injected(where)
+        with self.accumulate(batch) as acc:
+            total, tokens = token_losses(self.net, batch)
+            acc.backward(total if self.reduction == "sum" else total / tokens)
+            if where == "in_block":
+                raise Injected(where)
+        if where == "after_block":
+            raise Injected(where)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val", token_losses(self.net, batch)[0], batch_size=4)
+
+
+def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
+    """A fresh model and accumulation callbacks: `mean`, `items` with GradientDecay, or NoiseScale."""
+    if kind == "mean":
+        return Validated(), [AccumulationScheduler(WINDOWS)]
+    if kind == "items+decay":
+        callback = AccumulationScheduler(WINDOWS, normalize="items", count=count_tokens)
+        return Validated(reduction="sum"), [callback, GradientDecay(0.5)]
+    if kind == "noise":
+        return Validated(), [AccumulationScheduler(NoiseScale(2, 4, every=1, warmup=1))]
+    if kind == "mixin":
+        return ManualValidated(schedule=WINDOWS), []
+    if kind == "mixin+decay":
+        return ManualValidated(schedule=WINDOWS, normalize="items", count=count_tokens, reduction="sum",
+                               reset=GradientDecay(0.5)), []  # fmt: skip
+    return ManualValidated(schedule=NoiseScale(2, 4, every=1, warmup=1)), []
+
+
+def fit(kind: str, tmp: Path | None = None, fault: Any = None, resume: Path | None = None) -> pl.LightningModule:
+    model, callbacks = setups(kind)
+    data = ProcessedLoader(DATA, 4)
+    callbacks = [*callbacks, Bind(data)]
+    if tmp is not None:
+        callbacks += [ModelCheckpoint(tmp, "{step}", every_n_train_steps=1, save_top_k=-1), OnExceptionCheckpoint(tmp)]
+    if isinstance(fault, Fault):
+        callbacks.insert(0 if fault.hook.endswith(":before") else len(callbacks), fault)
+        fault.hook = fault.hook.removesuffix(":before")
+    elif fault is not None:
+        model.fault = fault  # type: ignore[assignment]
+    saves = tmp is not None
+    t = trainer(
+        callbacks=callbacks, max_epochs=2, val_check_interval=5, limit_val_batches=1, enable_checkpointing=saves
+    )
+    t.fit(model, data, ResumableLoader(VAL, 4), ckpt_path=resume)
+    return model
+
+
+UNINTERRUPTED: dict[str, list[torch.Tensor]] = {}
+
+
+def uninterrupted(kind: str) -> list[torch.Tensor]:
+    if kind not in UNINTERRUPTED:
+        UNINTERRUPTED[kind] = [p.detach().clone() for p in fit(kind).parameters()]
+    return UNINTERRUPTED[kind]
+
+
+def fail_and_resume(kind: str, tmp: Path, fault: Any, source: str) -> list[str]:
+    """Fit until the fault, resume from ``source`` ("exception" or "step"), compare; the warnings seen."""
+    with warnings.catch_warnings(record=True) as seen, pytest.raises((Injected, SystemExit)):
+        warnings.simplefilter("always")
+        fit(kind, tmp, fault)
+    path = tmp / "on_exception.ckpt"
+    if source == "step":
+        steps = sorted(tmp.glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
+        path = steps[-1]
+    assert path.exists()
+    resumed = fit(kind, resume=path)
+    for got, want in zip(resumed.parameters(), uninterrupted(kind), strict=True):
+        assert torch.equal(got.detach(), want), kind
+    return [str(w.message) for w in seen if "accumulation window" in str(w.message)]
+
+
+CALLBACK_FAULTS = [  # (hook, batch, resume from, whether the package warns that the window is left out)
+    ("on_train_batch_start", MID, "exception", False),
+    ("on_before_backward", MID, "exception", False),
+    ("on_after_backward", MID, "exception", False),
+    ("on_before_optimizer_step:before", LAST, "exception", False),  # before the package's rescale
+    ("on_train_batch_end:before", LAST, "exception", False),  # the window was stepped: the batch counts as done
+    ("on_train_batch_end", MID, "exception", False),
+    ("validation", (0, 4), "exception", False),  # validation after batch 4, inside the window [3-5]
+    ("sigterm", MID, "exception", False),
+    ("on_before_optimizer_step", LAST, "step", True),  # after the rescale: left out, with a warning
+    ("in_backward", MID, "step", True),  # a partial gradient: left out, with a warning
+]
+
+
+@pytest.mark.parametrize("kind", ["mean", "items+decay", "noise"])
+@pytest.mark.parametrize(("hook", "at", "source", "warns"), CALLBACK_FAULTS)
+def test_callback_fault(tmp_path: Path, kind: str, hook: str, at: tuple[int, int], source: str, warns: bool) -> None:
+    seen = fail_and_resume(kind, tmp_path, Fault(hook, at), source)
+    assert bool(seen) == warns, seen
+
+
+MIXIN_FAULTS = [
+    (("before_block", MID), "exception", False),
+    (("after_block", MID), "exception", False),  # the batch's gradient is in the window: trained again, adds 0
+    (Fault("on_before_optimizer_step", LAST), "exception", False),  # before the driver's rescale
+    (Fault("on_train_batch_end", LAST), "exception", False),
+    (Fault("validation", (0, 4)), "exception", False),
+    (Fault("sigterm", MID), "exception", False),
+    (("in_block", MID), "step", True),  # inside the block after a pass: left out, with a warning
+    (("after_block", LAST), "step", True),  # the window was stepped, and Lightning trains the batch again
+]
+
+
+@pytest.mark.parametrize("kind", ["mixin", "mixin+decay", "mixin+noise"])
+@pytest.mark.parametrize(("fault", "source", "warns"), MIXIN_FAULTS, ids=lambda v: getattr(v, "hook", str(v)))
+def test_mixin_fault(tmp_path: Path, kind: str, fault: Any, source: str, warns: bool) -> None:
+    fault = Fault(fault.hook, fault.at) if isinstance(fault, Fault) else fault  # a fresh one per case
+    seen = fail_and_resume(kind, tmp_path, fault, source)
+    assert bool(seen) == warns, seen
