@@ -18,7 +18,7 @@ import torch
 from helpers import FileReport, ManualTokenModel, RankStrided, TokenData, TokenModel, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
-from test_faults import Fault, Injected, ProcessedLoader
+from test_faults import Bind, Fault, Injected, ProcessedLoader
 
 from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
 
@@ -32,14 +32,6 @@ class ShardedLoader(ProcessedLoader):
     def __init__(self) -> None:
         torch.utils.data.DataLoader.__init__(self, DATA, batch_size=4, sampler=RankStrided(len(DATA)))
         self._yielded, self._skip = 0, 0
-
-
-class Bind(pl.Callback):
-    def __init__(self, data: ShardedLoader) -> None:
-        self.data = data
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.data.trainer = trainer
 
 
 class SaveInside(pl.Callback):
