@@ -7,10 +7,12 @@ Example::
     4
 """
 
+from lightning_accum import lr
 from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
 from lightning_accum.mixin import AccumulationMixin, Accumulator
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
 from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
+from lightning_accum.steps import estimated_stepping_batches
 
 __version__ = "0.1.0"
 
@@ -28,4 +30,6 @@ __all__ = [
     "Ramp",
     "Schedule",
     "__version__",
+    "estimated_stepping_batches",
+    "lr",
 ]

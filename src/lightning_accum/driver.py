@@ -62,13 +62,13 @@ class MixinDriver(Callback):
     def configure(self, config: AccumulationConfig) -> None:
         self.config, self.configured = config, True
         for engine in self.engines.values():
-            engine.configure(config.schedule, config.normalize, config.lr_scaling)
+            engine.configure(config.schedule, config.normalize, config.lr_scaling, config.lr_schedule)
 
     def engine(self, key: GroupKey) -> WindowEngine:
         engine = self.engines.get(key)
         if engine is None:
             c = self.config
-            engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling)
+            engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
             engine.plan = self.plan
         return engine
 

@@ -13,16 +13,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import collectives, sync
+from lightning_accum.lr import check_multiplier
 from lightning_accum.noise import NoiseProbe, NoiseScale
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Window, lr_factor
+
+LRMultiplier = Callable[[Progress], float]
 
 
 class Closing(NamedTuple):
@@ -56,6 +59,8 @@ class WindowEngine:
         schedule: gives ``k`` when a window opens.
         normalize: ``"mean"`` or ``"items"`` (see :meth:`Window.gradient_scale`).
         lr_scaling: ``None``, ``"linear"`` or ``"sqrt"``.
+        lr_schedule: ``lr_schedule(progress) -> float``, a learning-rate multiplier for the step of
+            the window that opened at ``progress`` (see :mod:`lightning_accum.lr`).
 
     Example::
 
@@ -74,6 +79,7 @@ class WindowEngine:
         schedule: Schedule,
         normalize: str = "mean",
         lr_scaling: str | None = None,
+        lr_schedule: LRMultiplier | None = None,
     ) -> None:
         self.plan = sync.SyncPlan()
         self.progress = Progress()
@@ -88,11 +94,14 @@ class WindowEngine:
         #: after a resume from a checkpoint written on an exception: it must then add nothing
         self.redo: tuple[int, int] | None = None
         self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
-        self.configure(schedule, normalize, lr_scaling)
+        self.configure(schedule, normalize, lr_scaling, lr_schedule)
 
-    def configure(self, schedule: Schedule, normalize: str, lr_scaling: str | None) -> None:
+    def configure(
+        self, schedule: Schedule, normalize: str, lr_scaling: str | None, lr_schedule: LRMultiplier | None = None
+    ) -> None:
         """Set (or change, keeping progress and the open window) what the engine computes with."""
         self.schedule, self.normalize, self.lr_scaling = schedule, normalize, lr_scaling
+        self.lr_schedule = lr_schedule
         self.probe = NoiseProbe(schedule, normalize) if isinstance(schedule, NoiseScale) else None
         #: what needs each micro-batch's sample count, if anything (else an unknown count is 0)
         self.samples_needed_by: str | None = None
@@ -149,6 +158,8 @@ class WindowEngine:
             global_items=counts[2],
         )
         factor = lr_factor(self.lr_scaling, window.k, self.first_k)
+        if self.lr_schedule is not None:  # keyed on the progress the window opened with
+            factor *= check_multiplier(self.lr_schedule(self.progress), self.lr_schedule, self.progress)
         empty = not counts[0] or (self.normalize == "items" and not counts[2])
         self.closing = Closing(window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor, empty)
         if empty:
@@ -227,7 +238,10 @@ class WindowEngine:
             "progress": dataclasses.asdict(self.progress),
             "window": window,
             "first_k": self.first_k,
+            "schedule": self.schedule.state_dict(),
         }
+        if callable(getattr(self.lr_schedule, "state_dict", None)):
+            state["lr_schedule"] = self.lr_schedule.state_dict()  # type: ignore[union-attr]
         if window is not None and self.probe is not None:
             state["probe"] = self.probe.state_dict()
         if window is not None and self.redo is not None:
@@ -258,6 +272,10 @@ class WindowEngine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.progress = Progress(**state["progress"])
+        if "schedule" in state:
+            self.schedule.load_state_dict(state["schedule"])
+        if "lr_schedule" in state:
+            self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
         window = state.get("window")
         self.window = None if window is None else Window.from_state_dict(window)
         self.first_k = state.get("first_k")

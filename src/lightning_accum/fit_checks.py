@@ -44,5 +44,6 @@ def refuse_scheduler_misuse(callback: Any, trainer: Any, pl_module: Any) -> None
         )
     if callback.normalize == "items":
         sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", "(normalize='items')")
-    if callback.lr_scaling is not None:
-        sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", f"(lr_scaling={callback.lr_scaling!r})")
+    for name in ("lr_scaling", "lr_schedule"):  # (the LR is scaled for a window's step, which DeepSpeed takes itself)
+        if getattr(callback, name) is not None:
+            sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", f"({name}={getattr(callback, name)!r})")

@@ -18,7 +18,7 @@ from lightning_accum import microbatch
 from lightning_accum._lightning import Callback, pl
 from lightning_accum.accumulator import Accumulator
 from lightning_accum.driver import MixinDriver
-from lightning_accum.options import AccumulationConfig, Reset
+from lightning_accum.options import AccumulationConfig, LRMultiplier, Reset
 from lightning_accum.schedules import Progress, Schedule, as_schedule
 from lightning_accum.sync import SyncMode
 from lightning_accum.window import Normalize
@@ -72,6 +72,7 @@ class AccumulationMixin(_ModuleBase):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
         lr_scaling: Literal["linear", "sqrt"] | None = None,
+        lr_schedule: LRMultiplier | None = None,
         log: bool = True,
         sync: SyncMode = "auto",
     ) -> None:
@@ -88,6 +89,8 @@ class AccumulationMixin(_ModuleBase):
             gradient_clip_val: clip the normalised window gradient to this norm (or value).
             gradient_clip_algorithm: ``"norm"`` or ``"value"``.
             lr_scaling: ``"linear"`` or ``"sqrt"``: LR times ``k / k_first`` (or its root) for each step.
+            lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each
+                step, keyed on the progress its window opened with (:mod:`lightning_accum.lr`).
             log: log ``accum/k``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``.
             sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
                 window; FSDP: every micro-batch, as Lightning), ``"skip"`` (once per window; FSDP
@@ -105,6 +108,7 @@ class AccumulationMixin(_ModuleBase):
                 lr_scaling,
                 log,
                 sync,
+                lr_schedule,
             )
         )
 

@@ -10,13 +10,14 @@ from typing import Any, Literal
 from torch import Tensor
 
 from lightning_accum.callbacks.decay import GradientDecay
-from lightning_accum.schedules import Schedule, as_schedule
+from lightning_accum.schedules import Progress, Schedule, as_schedule
 from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
 
 LRScaling = Literal["linear", "sqrt"]
 Reset = Literal["zero", "none"] | GradientDecay
 Count = Callable[[Any], int | Tensor]
+LRMultiplier = Callable[[Progress], float]
 
 
 def check_common(
@@ -26,6 +27,7 @@ def check_common(
     count: object,
     lr_scaling: object,
     sync: object,
+    lr_schedule: object = None,
 ) -> Schedule:
     """Refuse a bad ``normalize``, ``count``, ``lr_scaling`` or ``sync`` (and a schedule that
     counts items without ``count``) with a message naming the argument; returns the schedule."""
@@ -36,6 +38,11 @@ def check_common(
         raise TypeError(f"`count` must be a function count(batch) -> int; got {count!r}.")
     if lr_scaling not in (None, "linear", "sqrt"):
         raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
+    if lr_schedule is not None and not callable(lr_schedule):
+        raise TypeError(
+            f"`lr_schedule` must be a function of Progress giving a learning-rate multiplier, e.g. "
+            f"`lightning_accum.lr.WarmupCosine(...)`; got {lr_schedule!r}."
+        )
     check_sync_mode(sync)
     if resolved.unit == "items" and count is None:
         raise ValueError(
@@ -58,9 +65,11 @@ class AccumulationConfig:
     lr_scaling: str | None = None
     log: bool = True
     sync: SyncMode = "auto"
+    lr_schedule: LRMultiplier | None = None
 
     def __post_init__(self) -> None:
-        check_common("configure_accumulation", self.schedule, self.normalize, self.count, self.lr_scaling, self.sync)
+        args = (self.schedule, self.normalize, self.count, self.lr_scaling, self.sync, self.lr_schedule)
+        check_common("configure_accumulation", *args)
         reset, clip = self.reset, self.gradient_clip_val
         if not (isinstance(reset, GradientDecay) or reset in ("zero", "none")):
             raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")

@@ -16,7 +16,7 @@ from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.checkpoint import load_partial, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.noise import check_noise_under
-from lightning_accum.options import Count, LRScaling, check_common
+from lightning_accum.options import Count, LRMultiplier, LRScaling, check_common
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.sync import SyncMode
 from lightning_accum.window import Normalize, lightning_divisor, sample_count
@@ -48,6 +48,9 @@ class AccumulationScheduler(Callback):
         count: ``count(batch) -> int | Tensor``: items in a micro-batch; required for
             ``"items"``, optional otherwise (it feeds ``Progress.items``).
         lr_scaling: ``None``, ``"linear"`` or ``"sqrt"``.
+        lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each step,
+            keyed on the :class:`Progress` its window opened with (e.g. a warm-up over tokens,
+            :mod:`lightning_accum.lr`); multiplies the LR scheduler's and ``lr_scaling``'s.
         log: log ``accum/k`` (also in the progress bar), ``accum/effective_batch``,
             ``accum/samples`` and ``accum/items`` every ``Trainer(log_every_n_steps)`` optimizer
             steps (when the loggers are written) and at the first.
@@ -71,10 +74,11 @@ class AccumulationScheduler(Callback):
         normalize: Normalize = "mean",
         count: Count | None = None,
         lr_scaling: LRScaling | None = None,
+        lr_schedule: LRMultiplier | None = None,
         log: bool = True,
         sync: SyncMode = "auto",
     ) -> None:
-        self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync)
+        self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         if normalize == "items" and count is None:
             raise ValueError(
                 "`normalize='items'` needs `count`: a function giving each micro-batch's number of items, "
@@ -82,10 +86,10 @@ class AccumulationScheduler(Callback):
             )
         self.normalize = normalize
         self.count = count
-        self.lr_scaling = lr_scaling
+        self.lr_scaling, self.lr_schedule = lr_scaling, lr_schedule
         self._log = log  # not `self.log`: Lightning binds `log` on callbacks
         self.sync = sync
-        self._engine = WindowEngine(self.schedule, normalize, lr_scaling)
+        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule)
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
         self._saved_grads: list[Tensor | None] | None = None  # a resumed window's gradient, until it is put back
         self._partial: dict[str, Any] | None = None  # a resumed window's checkpoint state, until train start
@@ -132,7 +136,7 @@ class AccumulationScheduler(Callback):
             for config in trainer.lr_scheduler_configs
             if config.interval == "step" and config.frequency > 1
         ]
-        if self.lr_scaling is not None:
+        if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -282,7 +286,7 @@ class AccumulationScheduler(Callback):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         state = self._engine.state_dict()
-        state.update(schedule=self.schedule.state_dict(), divisor=self._divisor)
+        state["divisor"] = self._divisor
         if state["window"] is not None and state["window"]["microbatches"] and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
             params = gradients.optimizer_params(self._optimizer)
@@ -291,7 +295,6 @@ class AccumulationScheduler(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._engine.load_state_dict(state_dict)
-        self.schedule.load_state_dict(state_dict.get("schedule", {}))
         self._divisor = int(state_dict.get("divisor", 1))
         self._partial = state_dict if "grads" in state_dict else None
         window = self._engine.window

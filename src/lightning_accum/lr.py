@@ -1,0 +1,126 @@
+"""Learning-rate multipliers keyed on training progress, for ``lr_schedule=``.
+
+With a batch-size ramp the number of optimizer steps is not ``batches / k``, so a warm-up or a
+decay written in steps ends at the wrong point. Keyed on samples or items (tokens), the same
+schedule follows what the model has seen, whatever the windows. Each shape maps a
+:class:`~lightning_accum.Progress` to a multiplier of every parameter group's learning rate,
+composed by multiplication with the Trainer's LR scheduler and with ``lr_scaling``.
+
+This module is plain Python: it imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_accum.schedules import UNITS, Progress, _check_unit
+
+
+class LRSchedule:
+    """Base class: ``schedule(progress) -> float``, the learning-rate multiplier of the step taken
+    by the window that opened at ``progress``. Stateless shapes keep the empty :meth:`state_dict`.
+
+    Example::
+
+        >>> class Halving(LRSchedule):
+        ...     def multiplier(self, progress: Progress) -> float:
+        ...         return 0.5 ** progress.epoch
+        >>> Halving()(Progress(epoch=2))
+        0.25
+    """
+
+    def multiplier(self, progress: Progress) -> float:
+        raise NotImplementedError
+
+    def __call__(self, progress: Progress) -> float:
+        return self.multiplier(progress)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; stateless shapes have nothing to restore."""
+
+
+def _count(value: object, name: str, unit: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"`{name}` must be a number >= 0 of `unit` ({unit!r}); got {value!r}.")
+    return float(value)
+
+
+def _fraction(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"`{name}` must be a multiplier in [0, 1]; got {value!r}.")
+    return float(value)
+
+
+class _Warmup(LRSchedule):
+    """Linear warm-up from ``start`` to 1 over ``warmup`` units, then a decay to ``final`` at ``total``."""
+
+    def __init__(self, warmup: float, total: float, unit: str = "step", final: float = 0.0, start: float = 0.0) -> None:
+        self.unit = _check_unit(unit, UNITS)
+        self.warmup = _count(warmup, "warmup", unit)
+        self.total = _count(total, "total", unit)
+        if self.total <= self.warmup:
+            raise ValueError(f"`total`={total} must be greater than `warmup`={warmup} (both in {unit!r}).")
+        self.final = _fraction(final, "final")
+        self.start = _fraction(start, "start")
+
+    def multiplier(self, progress: Progress) -> float:
+        x = float(progress.value(self.unit))
+        if x < self.warmup:
+            return self.start + (1.0 - self.start) * x / self.warmup
+        t = min(1.0, (x - self.warmup) / (self.total - self.warmup))
+        return self.final + (1.0 - self.final) * self._decay(t)
+
+    def _decay(self, t: float) -> float:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.warmup:g}, {self.total:g}, unit={self.unit!r}, final={self.final:g}, "
+            f"start={self.start:g})"
+        )
+
+
+class WarmupCosine(_Warmup):
+    """Linear warm-up over ``warmup`` units, then a half cosine from 1 down to ``final`` at ``total``
+    (and ``final`` after it). ``unit``: ``"step"``, ``"samples"``, ``"items"`` or ``"epoch"``.
+
+    Example::
+
+        >>> lr = WarmupCosine(warmup=100, total=1100, unit="samples", final=0.1)
+        >>> [round(lr(Progress(samples=s)), 3) for s in (0, 50, 100, 600, 1100, 2000)]
+        [0.0, 0.5, 1.0, 0.55, 0.1, 0.1]
+    """
+
+    def _decay(self, t: float) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+class WarmupLinear(_Warmup):
+    """Linear warm-up over ``warmup`` units, then a straight line from 1 down to ``final`` at
+    ``total`` (and ``final`` after it), like ``get_linear_schedule_with_warmup`` keyed on any unit.
+
+    Example::
+
+        >>> lr = WarmupLinear(warmup=10, total=110, unit="step")
+        >>> [lr(Progress(step=s)) for s in (0, 5, 10, 60, 110)]
+        [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+
+    def _decay(self, t: float) -> float:
+        return 1.0 - t
+
+
+def check_multiplier(value: object, schedule: object, progress: Progress) -> float:
+    """A multiplier returned by ``lr_schedule`` as a finite float >= 0, or an error naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"`lr_schedule` {schedule!r} returned {value!r} at {progress}; it must return a finite learning-rate "
+            "multiplier >= 0."
+        )
+    return float(value)

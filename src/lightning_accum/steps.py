@@ -1,0 +1,115 @@
+"""``estimated_stepping_batches``: the optimizer steps a whole fit takes under the accumulation schedule.
+
+Lightning's ``trainer.estimated_stepping_batches`` divides the batches by
+``accumulate_grad_batches``, which is 1 when the package accumulates: a warm-up or decay sized
+with it (OneCycle, cosine, ``get_linear_schedule_with_warmup``) would be stretched by the mean k.
+This walks the fit's windows as the package will form them instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning_accum._lightning import rank_zero_warn
+from lightning_accum.noise import NoiseScale
+from lightning_accum.schedules import Progress, Schedule
+
+
+def estimated_stepping_batches(trainer: Any) -> int:
+    """The number of optimizer steps the whole fit will take under the active
+    ``AccumulationScheduler`` or ``AccumulationMixin`` schedule (Lightning's own estimate without
+    one). Call it in ``configure_optimizers`` instead of ``trainer.estimated_stepping_batches``.
+
+    Honours ``max_epochs``, ``max_steps``, ``limit_train_batches``, windows cut short at epoch
+    ends and several devices. Exact for schedules keyed on epochs or steps, and on samples when
+    the training loader has a length and a batch size (the last batch of an epoch may be
+    smaller; every rank is taken to get as many samples). Schedules keyed on items, and
+    ``NoiseScale``, depend on data or measurements not known in advance: refused, pointing to
+    ``lr_schedule`` keyed on items.
+
+    Example::
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            steps = lightning_accum.estimated_stepping_batches(self.trainer)
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps)
+            return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+    """
+    found = _active_schedule(trainer)
+    if found is None:
+        return int(trainer.estimated_stepping_batches)
+    schedule, counted = found
+    if isinstance(schedule, NoiseScale) or schedule.unit == "items":
+        raise ValueError(
+            f"The number of optimizer steps under {schedule!r} depends on what the data or the measured gradient "
+            "noise will be, so it cannot be known in advance. Key the learning rate on what is seen instead: "
+            "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`."
+        )
+    if trainer.max_epochs == -1 and trainer.max_steps == -1:
+        raise ValueError("The fit has no end (`max_epochs=-1`, `max_steps=-1`): give one to count its steps.")
+    if trainer.train_dataloader is None:
+        trainer.fit_loop.setup_data()
+    batches = trainer.num_training_batches
+    if math.isinf(batches):
+        if trainer.max_steps != -1:
+            return int(trainer.max_steps)
+        raise ValueError("The training loader has no length: give `max_steps` or `limit_train_batches`.")
+    if counted and schedule.unit is None:
+        rank_zero_warn(f"Counting the steps under {schedule!r} as if `Progress.items` equalled `Progress.samples`.")
+    sizes = _samples_per_batch(trainer, int(batches), needed=schedule.unit in ("samples", None))
+    return _walk(schedule, int(batches), sizes, trainer.max_epochs, trainer.max_steps)
+
+
+def _active_schedule(trainer: Any) -> tuple[Schedule, bool] | None:
+    """The schedule of the Trainer's ``AccumulationScheduler`` or of the module's mixin, and
+    whether a ``count`` is given."""
+    from lightning_accum.callbacks.accumulation import AccumulationScheduler
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, AccumulationScheduler):
+            return callback.schedule, callback.count is not None
+    driver = getattr(trainer.lightning_module, "_accumulation", None)
+    if driver is None:
+        return None
+    return driver.config.schedule, driver.config.count is not None
+
+
+def _samples_per_batch(trainer: Any, batches: int, needed: bool) -> list[int] | None:
+    """Samples of each batch of an epoch over all ranks, from the loader's batch sampler."""
+    loader = trainer.train_dataloader
+    sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(sampler, "batch_size", None)
+    inner = getattr(sampler, "sampler", None)
+    if size is None or inner is None or not hasattr(inner, "__len__"):
+        if needed:
+            raise ValueError(
+                "The schedule counts samples, but the training loader does not say how many each batch holds (a "
+                "`DataLoader` with a `batch_size` and a sampler with a length does). Key the schedule on 'step' or "
+                "'epoch', or the learning rate on samples with `lr_schedule`."
+            )
+        return None
+    n = len(inner)
+    sizes = [size] * (n // size) + ([n % size] if n % size and not getattr(sampler, "drop_last", False) else [])
+    world = int(trainer.world_size)
+    return [s * world for s in sizes[:batches]]
+
+
+def _walk(schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs: int, max_steps: int) -> int:
+    """Form the fit's windows as the package will: the schedule asked at each window's start,
+    windows cut short at each epoch's end; stop at ``max_steps``."""
+    step = samples = microbatches = 0
+    epoch = 0
+    while max_epochs == -1 or epoch < max(max_epochs, 1):
+        start = 0
+        while start < batches:
+            k = schedule(Progress(epoch=epoch, step=step, samples=samples, items=samples, microbatches=microbatches))
+            m = min(k, batches - start)
+            samples += 0 if sizes is None else sum(sizes[start : start + m])
+            microbatches += m
+            step += 1
+            start += m
+            if step == max_steps:
+                return step
+        epoch += 1
+    return step

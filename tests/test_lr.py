@@ -1,0 +1,194 @@
+"""The learning rate follows the window: the true number of optimizer steps of a fit, and LR
+multipliers keyed on progress (composed with the Trainer's LR scheduler and with lr_scaling)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers import KRecorder, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
+
+import lightning_accum as la
+from lightning_accum import AccumulationScheduler, NoiseScale, Piecewise, Progress, Ramp, Schedule
+from lightning_accum.lr import LRSchedule, WarmupCosine, WarmupLinear
+
+DATA = TokenData(50)  # 13 batches of 4 per epoch, the last one of 2
+
+
+# ---------------------------------------------------------------------- the shapes
+def test_shapes_against_their_formulas() -> None:
+    cos = WarmupCosine(warmup=10, total=50, unit="samples", final=0.2, start=0.1)
+    lin = WarmupLinear(warmup=10, total=50, unit="items", final=0.0)
+    for x in range(0, 70, 3):
+        warm = 0.1 + 0.9 * x / 10
+        t = min(1.0, max(0.0, (x - 10) / 40))
+        expected_cos = warm if x < 10 else 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * t))
+        expected_lin = x / 10 if x < 10 else 1 - t
+        assert cos(Progress(samples=x)) == pytest.approx(expected_cos, abs=1e-15)
+        assert lin(Progress(items=x)) == pytest.approx(expected_lin, abs=1e-15)
+    assert eval(repr(cos), {"WarmupCosine": WarmupCosine}).__dict__ == cos.__dict__
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: WarmupCosine(10, 10), "`total`=10 must be greater than `warmup`=10"),
+        (lambda: WarmupCosine(-1, 10), "`warmup` must be a number >= 0"),
+        (lambda: WarmupLinear(1, 10, final=2.0), r"`final` must be a multiplier in \[0, 1\]"),
+        (lambda: WarmupLinear(1, 10, unit="tokens"), "`unit` must be one of"),
+        (lambda: AccumulationScheduler(2, lr_schedule=0.5), "`lr_schedule` must be a function of Progress"),
+        (lambda: ManualTokenModel(schedule=2, lr_schedule="cosine"), "`lr_schedule` must be a function of Progress"),
+    ],
+)
+def test_bad_arguments(make: Any, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+# ---------------------------------------------------------------------- the number of steps
+class Sized(TokenModel):
+    """Sizes a OneCycleLR with the package's count of optimizer steps, as a user would."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(optimizer="plain-sgd", **kwargs)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        self.total = la.estimated_stepping_batches(self.trainer)
+        self.lightning_total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=self.total)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+
+class ManualSized(ManualTokenModel):
+    def configure_optimizers(self) -> Any:
+        return Sized.configure_optimizers(self)  # type: ignore[arg-type]
+
+
+SCHEDULES = {
+    # k = 3 from 51 samples on: the first epoch ends at 50 (its last batch holds 2), not 52
+    "samples-ramp": Ramp(1, 5, over=102, unit="samples"),
+    "step-piecewise": Piecewise({0: 3, 4: 2, 9: 4}, unit="step"),  # mid-epoch changes, short windows
+    "epoch-piecewise": Piecewise({0: 2, 1: 3, 2: 5}, unit="epoch"),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("limits", [{}, {"limit_train_batches": 11}, {"max_steps": 9}])
+def test_onecycle_sized_with_it_ends_at_the_last_step(name: str, limits: dict[str, Any]) -> None:
+    model = Sized()
+    t = trainer(callbacks=[AccumulationScheduler(SCHEDULES[name])], max_epochs=3, **limits)
+    t.fit(model, loader(DATA, 4))
+    assert model.total == t.global_step
+    scheduler = t.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == model.total  # OneCycle ran its whole course, to its last step
+    if "max_steps" not in limits:
+        assert model.lightning_total > model.total  # what Lightning's own estimate would have stretched it to
+
+
+def test_mixin_counts_its_steps_too() -> None:
+    model = ManualSized(schedule=SCHEDULES["step-piecewise"])
+    t = trainer(max_epochs=2)
+    t.fit(model, loader(DATA, 4))
+    assert model.total == model.accumulation_progress.step == t.lr_scheduler_configs[0].scheduler.last_epoch
+
+
+def test_without_the_package_it_is_lightnings_estimate() -> None:
+    model = Sized()
+    trainer(max_epochs=2, accumulate_grad_batches=3).fit(model, loader(DATA, 4))
+    assert model.total == model.lightning_total == 2 * 5
+
+
+@pytest.mark.parametrize(
+    "schedule", [Ramp(1, 4, over=100, unit="items"), NoiseScale(2, 4)], ids=["items", "noise"]
+)  # fmt: skip
+def test_items_and_noise_cannot_be_known_in_advance(schedule: Schedule) -> None:
+    callback = AccumulationScheduler(schedule, count=count_tokens)
+    with pytest.raises(ValueError, match=r"cannot be known in advance.*lr_schedule=.*unit='items'"):
+        trainer(callbacks=[callback], max_epochs=1).fit(Sized(), loader(DATA, 4))
+
+
+# ---------------------------------------------------------------------- lr_schedule
+class LRRecorder(pl.Callback):
+    """The learning rate the optimizer steps with (after the package scaled it), and after the step."""
+
+    def __init__(self) -> None:
+        self.stepped: list[float] = []
+        self.after: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.stepped.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.after.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def step_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+
+
+def test_lr_schedule_per_step_by_hand() -> None:
+    """A ramp over samples that changes k mid-epoch; a cosine keyed on samples; the Trainer's StepLR and
+    lr_scaling='sqrt' on top: each step's LR is their product, keyed on the progress its window opened with."""
+    schedule = Ramp(1, 4, over=40, unit="samples")
+    shape = WarmupCosine(warmup=12, total=120, unit="samples", final=0.1)
+    recorder, windows = LRRecorder(), KRecorder()
+    callback = AccumulationScheduler(schedule, lr_schedule=shape, lr_scaling="sqrt")
+    t = trainer(callbacks=[callback, recorder, windows], max_epochs=2)
+    t.fit(TokenModel(lr=0.1, scheduler=step_lr), loader(DATA, 4))
+    expected, samples, first_k, batch = [], 0, None, 0
+    for step, m in enumerate(windows.windows):  # windows as Lightning ran them; their samples from the data
+        k = schedule(Progress(step=step, samples=samples))
+        first_k = first_k or k
+        expected.append(0.1 * 0.5 ** (step // 3) * shape(Progress(samples=samples)) * math.sqrt(k / first_k))
+        sizes = [min(4, 50 - 4 * (i % 13)) for i in range(batch, batch + m)]
+        samples, batch = samples + sum(sizes), batch + m
+    assert len(set(windows.windows)) > 2  # k changed along the way
+    assert recorder.stepped == pytest.approx(expected, rel=1e-12, abs=0)
+    assert all(after in {0.1 * 0.5**i for i in range(20)} for after in recorder.after)  # restored after each step
+
+
+def test_lr_schedule_same_in_the_mixin() -> None:
+    schedule, shape = Piecewise({0: 2, 3: 3}, unit="step"), WarmupLinear(warmup=8, total=60, unit="samples")
+    callback_lrs, mixin_lrs = LRRecorder(), LRRecorder()
+    t = trainer(callbacks=[AccumulationScheduler(schedule, lr_schedule=shape), callback_lrs], max_epochs=2)
+    t.fit(TokenModel(), loader(DATA, 4))
+    t = trainer(callbacks=[mixin_lrs], max_epochs=2)
+    t.fit(ManualTokenModel(schedule=schedule, lr_schedule=shape), loader(DATA, 4))
+    assert mixin_lrs.stepped == callback_lrs.stepped and len(mixin_lrs.stepped) > 5
+
+
+class Countdown(LRSchedule):
+    """A stateful multiplier: halves at every call (its state must survive a checkpoint)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def multiplier(self, progress: Progress) -> float:
+        self.calls += 1
+        return 0.5**self.calls
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.calls = int(state_dict["calls"])
+
+
+def test_stateful_lr_schedule_is_checkpointed() -> None:
+    callback = AccumulationScheduler(2, lr_schedule=Countdown())
+    trainer(callbacks=[callback], max_epochs=1).fit(TokenModel(), loader(DATA, 4))
+    state = callback.state_dict()
+    assert state["lr_schedule"] == {"calls": 7}
+    twin = AccumulationScheduler(2, lr_schedule=Countdown())
+    twin.load_state_dict(state)
+    assert twin.lr_schedule.calls == 7  # type: ignore[union-attr]
+
+
+def test_bad_multiplier_is_named() -> None:
+    callback = AccumulationScheduler(2, lr_schedule=lambda progress: -1.0)
+    with pytest.raises(ValueError, match=r"`lr_schedule` .* returned -1.0 .*multiplier >= 0"):
+        trainer(callbacks=[callback], max_epochs=1).fit(TokenModel(), loader(DATA, 4))
