@@ -2,8 +2,11 @@
 
 ``NoiseScale(2, 32)`` starts with windows of 2 micro-batches of 16 and sets k from the
 measured critical batch size B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), which
-grows as the model learns. Prints k and the estimate every few steps and writes
-``adaptive.png`` (k and the noise scale over training) into ``--out``.
+grows as the model learns. ``lr_scaling="adascale"`` sets each step's learning rate by AdaScale's
+gain r = (tr(Sigma)/B0 + |G|^2) / (tr(Sigma)/B + |G|^2) from the same measurements (Johnson et al.
+2020): between 1 (little noise: a bigger batch barely helps) and B/B0 (noise dominates: the linear
+rule). Prints k, the estimate and r every few steps and writes ``adaptive.png`` (k, the noise
+scale, r and the learning rate over training) into ``--out``.
 
     pip install "lightning-accum[examples]" && python examples/adaptive.py
 """
@@ -37,14 +40,18 @@ class Classifier(pl.LightningModule):
 
 
 class Track(pl.Callback):
-    """Records k and the noise scale at every optimizer step."""
+    """Records k, the noise scale, AdaScale's gain and the learning rate at every optimizer step."""
 
     def __init__(self, accumulation: AccumulationScheduler, schedule: NoiseScale) -> None:
         self.accumulation, self.schedule = accumulation, schedule
         self.steps: list[int] = []
         self.k: list[int] = []
         self.noise: list[float] = []
-        self._samples = 0
+        self.gain: list[float] = []
+        self.lr: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: Any, optimizer: Any) -> None:
+        self.lr.append(optimizer.param_groups[0]["lr"])  # (after the package scaled it for this step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         progress = self.accumulation.progress
@@ -53,8 +60,12 @@ class Track(pl.Callback):
         self.steps.append(progress.step)
         self.k.append(progress.microbatches - sum(self.k))
         self.noise.append(self.schedule.noise_scale)
+        self.gain.append(progress.scaled_steps - sum(self.gain))
         if progress.step % 10 == 0:
-            print(f"step {progress.step:4d}  k {self.k[-1]:2d}  noise scale {self.noise[-1]:8.1f} samples")
+            print(
+                f"step {progress.step:4d}  k {self.k[-1]:2d}  noise scale {self.noise[-1]:8.1f} samples  "
+                f"adascale gain {self.gain[-1]:5.2f}"
+            )
 
 
 def main() -> None:
@@ -68,7 +79,7 @@ def main() -> None:
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     data = DataLoader(TensorDataset(x, torch.tensor(digits.target)), batch_size=16, shuffle=True)
     schedule = NoiseScale(2, 32, every=5, warmup=5, beta=0.9)
-    accumulation = AccumulationScheduler(schedule)
+    accumulation = AccumulationScheduler(schedule, lr_scaling="adascale")
     track = Track(accumulation, schedule)
     trainer = pl.Trainer(
         max_epochs=args.epochs,
@@ -80,19 +91,24 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Classifier(), data)
-    print(f"done: {accumulation.progress.step} optimizer steps, final k {track.k[-1]}")
+    progress = accumulation.progress
+    print(f"done: {progress.step} optimizer steps, {progress.scaled_steps:.1f} scaled steps, final k {track.k[-1]}")
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
+    fig, (top, middle, bottom) = plt.subplots(3, 1, sharex=True, figsize=(7, 7))
     top.step(track.steps, track.k, where="post")
-    top.set(ylabel="micro-batches of 16 per window")
-    bottom.plot(track.steps, track.noise)
-    bottom.set(xlabel="optimizer step", ylabel="noise scale B_simple (samples)")
-    top.set_title("Accumulation following the gradient noise scale (digits)")
+    top.set(ylabel="k (x16 samples)")
+    middle.plot(track.steps, track.noise)
+    middle.set(ylabel="B_simple (samples)")
+    bottom.plot(track.steps, track.gain, label="AdaScale gain r")
+    bottom.plot(track.steps, [lr / 0.1 for lr in track.lr], "--", label="learning rate / 0.1")
+    bottom.set(xlabel="optimizer step", ylabel="gain")
+    bottom.legend()
+    top.set_title("Accumulation and learning rate following the gradient noise (digits)")
     fig.tight_layout()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "adaptive.png"

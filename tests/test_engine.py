@@ -49,7 +49,7 @@ def test_full_and_short_windows_single_device() -> None:
     closing = engine.close(strategy=None)
     assert (closing.microbatches, closing.samples, closing.items, closing.scale) == (4, 12, 20, 1.0)
     assert engine.advance(epoch=0) is closing
-    assert engine.progress == Progress(epoch=0, step=1, samples=12, items=20, microbatches=4)
+    assert engine.progress == Progress(epoch=0, step=1, samples=12, items=20, microbatches=4, scaled_steps=1.0)
     assert engine.window is None and engine.closing is None
 
     engine.open(epoch=1, start=4)  # the epoch ends after 3 micro-batches: each was divided by 4, mean of 3
@@ -57,7 +57,7 @@ def test_full_and_short_windows_single_device() -> None:
         engine.count(samples=3, items=torch.tensor(2))
     assert engine.close(None).scale == 4 / 3
     engine.advance(epoch=1)
-    assert engine.progress == Progress(epoch=1, step=2, samples=21, items=26, microbatches=7)
+    assert engine.progress == Progress(epoch=1, step=2, samples=21, items=26, microbatches=7, scaled_steps=2.0)
 
 
 @pytest.mark.parametrize("normalize", ["mean", "items"])

@@ -42,7 +42,7 @@ def test_gradient_decay(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_adaptive(tmp_path: Path) -> None:
     out = run("adaptive.py", "--epochs", "2", "--out", str(tmp_path))
-    assert "done:" in out and "noise scale" in out
+    assert "done:" in out and "noise scale" in out and "adascale gain" in out and "scaled steps" in out
     assert (tmp_path / "adaptive.png").stat().st_size > 10_000
 
 

@@ -192,3 +192,93 @@ def test_bad_multiplier_is_named() -> None:
     callback = AccumulationScheduler(2, lr_schedule=lambda progress: -1.0)
     with pytest.raises(ValueError, match=r"`lr_schedule` .* returned -1.0 .*multiplier >= 0"):
         trainer(callbacks=[callback], max_epochs=1).fit(TokenModel(), loader(DATA, 4))
+
+
+# ---------------------------------------------------------------------- AdaScale
+def test_adascale_gain_closed_form_through_the_engine() -> None:
+    """Known |G|^2 and tr(Sigma) fed to the engine's estimator: each step's gain, LR factor and
+    Progress.scaled_steps equal the closed form."""
+    from lightning_accum.engine import WindowEngine
+    from lightning_accum.noise import NoiseProbe
+
+    engine = WindowEngine(Piecewise({0: 2, 1: 4, 2: 8}, unit="step"), lr_scaling="adascale")
+    assert isinstance(engine.probe, NoiseProbe)
+    grad_sq, trace, b = 0.5, 6.0, 3  # micro-batches of 3 samples
+    engine.adascale.beta = 0.0
+    expected_scaled = 0.0
+    for step in range(3):
+        window = engine.open(0, 0)
+        for _ in range(window.k):
+            engine.count(b, b)
+        closing = engine.close(None)
+        big = b * window.k
+        base = 2 * b
+        r = 1.0 if step == 0 else (trace / base + grad_sq) / (trace / big + grad_sq)
+        assert closing.gain == closing.lr_factor == pytest.approx(r, rel=1e-15)
+        expected_scaled += r
+        engine.advance(0)
+        assert engine.progress.scaled_steps == pytest.approx(expected_scaled, rel=1e-15)
+        engine.adascale.update(grad_sq + trace / b, b, grad_sq + trace / big, big)  # this window's measurement
+
+
+def test_adascale_on_a_regression_with_known_noise() -> None:
+    """x ~ N(0, I_10), y = x . w* + N(0, 1), the model at |w - w*| = 1 with learning rate 0: |G|^2 = 1,
+    tr(Sigma) = 21. Windows of 2, then 4, then 8 micro-batches of 4 samples: the gain of the last
+    steps against the closed form (1 at B = B0 = 8; (21/8 + 1) / (21/32 + 1) = 2.19 at B = 32)."""
+    from test_noise import TRUE_GRAD_SQ, TRUE_TRACE, Regressor, regression
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y, w = regression(12_000)
+    schedule = Piecewise({0: 2, 100: 4, 200: 8}, unit="step")
+    callback, recorder = AccumulationScheduler(schedule, lr_scaling="adascale"), Gains()
+    trainer(callbacks=[callback, recorder], max_epochs=1).fit(
+        Regressor(w), DataLoader(TensorDataset(x, y), batch_size=4)
+    )
+    closed = (TRUE_TRACE / 8 + TRUE_GRAD_SQ) / (TRUE_TRACE / 32 + TRUE_GRAD_SQ)
+    measured = sum(recorder.gains[-100:]) / 100
+    assert recorder.gains[:100] == [1.0] * 100  # B = B0
+    assert measured == pytest.approx(closed, rel=0.1), (measured, closed)
+    print(f"AdaScale gain at B = 32: measured {measured:.4f}, closed form {closed:.4f}")
+    assert recorder.lrs[-1] == 0.0  # (the regression's learning rate is 0: the truth stays put)
+
+
+class Gains(pl.Callback):
+    def __init__(self) -> None:
+        self.gains: list[float] = []
+        self.lrs: list[float] = []
+        self._scaled = 0.0
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        scaled = next(c for c in trainer.callbacks if isinstance(c, AccumulationScheduler)).progress.scaled_steps
+        if scaled != self._scaled:
+            self.gains.append(scaled - self._scaled)
+            self._scaled = scaled
+
+
+def test_adascale_same_in_the_mixin_and_keyed_schedules() -> None:
+    schedule = Piecewise({0: 2, 4: 3}, unit="step")
+    shape = WarmupLinear(warmup=2, total=40, unit="scaled_steps")
+    callback = AccumulationScheduler(schedule, lr_scaling="adascale", lr_schedule=shape)
+    callback_lrs, mixin_lrs = LRRecorder(), LRRecorder()
+    trainer(callbacks=[callback, callback_lrs], max_epochs=2).fit(TokenModel(), loader(DATA, 4))
+    model = ManualTokenModel(schedule=schedule, lr_scaling="adascale", lr_schedule=shape)
+    trainer(callbacks=[mixin_lrs], max_epochs=2).fit(model, loader(DATA, 4))
+    assert mixin_lrs.stepped == pytest.approx(callback_lrs.stepped, rel=1e-12)
+    assert model.accumulation_progress.scaled_steps == pytest.approx(callback.progress.scaled_steps, rel=1e-12)
+    assert callback.progress.scaled_steps != callback.progress.step  # gains other than 1 were taken
+    keyed = Piecewise({0: 2, 2: 3}, unit="scaled_steps")
+    assert [keyed(Progress(scaled_steps=v)) for v in (1.7, 2.3)] == [2, 3]
+
+
+def test_adascale_is_refused_where_the_noise_cannot_be_measured() -> None:
+    from lightning_accum import Constant, sync
+    from lightning_accum.noise import check_noise_under
+
+    with pytest.raises(RuntimeError, match="`lr_scaling='adascale'` cannot measure the gradient noise under FSDP2"):
+        check_noise_under(sync.SyncPlan("fsdp2", skip=True), Constant(2), "adascale")
+    schedule = Piecewise({0: 2}, unit="scaled_steps")
+    with pytest.raises(ValueError, match="cannot be known in advance"):
+        trainer(callbacks=[AccumulationScheduler(schedule)], max_epochs=1).fit(Sized(), loader(DATA, 4))

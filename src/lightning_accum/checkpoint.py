@@ -4,12 +4,14 @@ measurement stay its own until the window's end; Lightning saves one rank's call
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
 from lightning_accum import collectives, gradients
+from lightning_accum.engine import WindowEngine
 
 Partial = list[Tensor | None]
 
@@ -40,3 +42,21 @@ def load_partial(state: Mapping[str, Any], strategy: Any, rank: int) -> tuple[li
         )
     numbers, grads = ranks[rank]
     return list(numbers), list(grads)
+
+
+def local_numbers(engine: WindowEngine) -> list[float]:
+    """This rank's own part of the engine's open window: its counts and the noise probe's measurement."""
+    window = engine.window
+    assert window is not None
+    probe = {} if engine.probe is None else engine.probe.state_dict()
+    small = probe.get("small_sq", math.nan), probe.get("small_units", 0)
+    return [window.microbatches, window.samples, window.local_items(), *small]
+
+
+def load_local_numbers(engine: WindowEngine, values: Sequence[float]) -> None:
+    """Put back what :func:`local_numbers` gave on this rank."""
+    window = engine.window
+    assert window is not None
+    window.microbatches, window.samples, window.items = (int(v) for v in values[:3])
+    if engine.probe is not None:
+        engine.probe.load_state_dict({} if math.isnan(values[3]) else {"small_sq": values[3], "small_units": values[4]})

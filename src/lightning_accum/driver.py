@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_accum import _seam, gradients, groups, multitask, recovery, sync, window_step
 from lightning_accum._lightning import Callback, loss_scale, pl
-from lightning_accum.checkpoint import load_partial, save_partial
+from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.groups import GroupKey
 from lightning_accum.guards import MixinGuards
@@ -96,7 +96,7 @@ class MixinDriver(Callback):
         self.plan = sync.plan(trainer.strategy, self.config.sync)
         for engine in self.engines.values():
             engine.plan = self.plan
-        check_noise_under(self.plan, self.config.schedule)
+        check_noise_under(self.plan, self.config.schedule, self.config.lr_scaling)
         sync.refuse_fsdp_root_skip(self.plan, trainer.strategy.model)
 
     def _open_engines(self) -> list[WindowEngine]:
@@ -106,7 +106,7 @@ class MixinDriver(Callback):
         if self._partial is not None:  # resumed inside a window: this rank's own part of it
             numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
             for i, engine in enumerate(self._open_engines() if numbers is not None else []):
-                engine.load_local_numbers(numbers[5 * i : 5 * i + 5])  # type: ignore[index]
+                load_local_numbers(engine, numbers[5 * i : 5 * i + 5])  # type: ignore[index]
             self._partial = None
         if self._saved_grads is not None:
             gradients.restore(self.params(), self._saved_grads)
@@ -253,7 +253,7 @@ class MixinDriver(Callback):
         groups = {",".join(map(str, key)): engine.state_dict() for key, engine in self.engines.items()}
         state: dict[str, Any] = {"groups": groups}
         if any(g["window"] is not None and g["window"]["microbatches"] for g in groups.values()):
-            numbers = [v for e in self._open_engines() for v in e.local_numbers()]
+            numbers = [v for e in self._open_engines() for v in local_numbers(e)]
             state.update(save_partial(self.module.trainer.strategy, numbers, self.params(), self._saved_grads))
         if self.config.decay is not None:
             state["decay"] = self.config.decay.state_dict()

@@ -11,7 +11,6 @@ Lightning's hooks (or the ``accumulate`` block) into calls of :meth:`open`, :met
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -21,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_accum import collectives, sync
 from lightning_accum.lr import check_multiplier
-from lightning_accum.noise import NoiseProbe, NoiseScale
+from lightning_accum.noise import NoiseProbe, NoiseScale, NoiseScaleEstimator, adascale_gain
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Window, lr_factor
 
@@ -39,7 +38,8 @@ class Closing(NamedTuple):
         items: items, over all ranks.
         extra: the caller's extra integers, summed over ranks in the same collective.
         scale: the factor that turns the accumulated gradient into the window's normalised one.
-        lr_factor: the learning-rate multiplier for this step (``lr_scaling``).
+        lr_factor: the learning-rate multiplier for this step (``lr_scaling``, ``lr_schedule``).
+        gain: AdaScale's gain for this step (1 without it): what it adds to ``Progress.scaled_steps``.
     """
 
     k: int
@@ -50,6 +50,7 @@ class Closing(NamedTuple):
     scale: float
     lr_factor: float
     empty: bool
+    gain: float = 1.0
 
 
 class WindowEngine:
@@ -85,6 +86,8 @@ class WindowEngine:
         self.progress = Progress()
         self.window: Window | None = None
         self.first_k: int | None = None
+        self.first_units: int | None = None  # the first window's samples (or items): AdaScale's base batch
+        self.adascale = NoiseScaleEstimator()  # AdaScale's noise estimates when the schedule measures none
         self.closing: Closing | None = None  # set between `close` and `advance`
         self._warned_empty = False
         #: the micro-batch under way: its counts once counted, and whether its backward pass finished
@@ -102,13 +105,17 @@ class WindowEngine:
         """Set (or change, keeping progress and the open window) what the engine computes with."""
         self.schedule, self.normalize, self.lr_scaling = schedule, normalize, lr_scaling
         self.lr_schedule = lr_schedule
-        self.probe = NoiseProbe(schedule, normalize) if isinstance(schedule, NoiseScale) else None
+        self.probe: NoiseProbe | None = None
+        if isinstance(schedule, NoiseScale):
+            self.probe = NoiseProbe(schedule, normalize)
+        elif lr_scaling == "adascale":
+            self.probe = NoiseProbe(self.adascale, normalize)
         #: what needs each micro-batch's sample count, if anything (else an unknown count is 0)
         self.samples_needed_by: str | None = None
         if schedule.unit == "samples":
             self.samples_needed_by = f"The schedule {schedule!r}"
-        elif self.probe is not None and normalize == "mean":
-            self.samples_needed_by = f"{schedule!r} (measuring in samples with normalize='mean')"
+        elif self.probe is not None and normalize == "mean":  # (NoiseScale or AdaScale, measuring in samples)
+            self.samples_needed_by = "Measuring the gradient noise in samples (`normalize='mean'`)"
 
     # ------------------------------------------------------------------ one window
     def open(self, epoch: int, start: int, strategy: Any = None) -> Window:
@@ -157,11 +164,18 @@ class WindowEngine:
             global_microbatches=counts[0],
             global_items=counts[2],
         )
-        factor = lr_factor(self.lr_scaling, window.k, self.first_k)
+        units = counts[1] if self.normalize == "mean" else counts[2]
+        if self.first_units is None:
+            self.first_units = units
+        gain = 1.0
+        if self.lr_scaling == "adascale" and self.probe is not None:  # from the windows measured before this one
+            factor = gain = adascale_gain(self.probe.estimator, units, self.first_units)
+        else:
+            factor = lr_factor(self.lr_scaling, window.k, self.first_k)
         if self.lr_schedule is not None:  # keyed on the progress the window opened with
             factor *= check_multiplier(self.lr_schedule(self.progress), self.lr_schedule, self.progress)
         empty = not counts[0] or (self.normalize == "items" and not counts[2])
-        self.closing = Closing(window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor, empty)
+        self.closing = Closing(window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor, empty, gain)
         if empty:
             self._warn_empty(counts[0])
         return self.closing
@@ -194,6 +208,7 @@ class WindowEngine:
             samples=self.progress.samples + closing.samples,
             items=self.progress.items + closing.items,
             microbatches=self.progress.microbatches + window.microbatches,
+            scaled_steps=self.progress.scaled_steps + (0.0 if closing.empty else closing.gain),
         )
         self.window, self.closing = None, None
         return closing
@@ -205,7 +220,7 @@ class WindowEngine:
     @property
     def noise_scale(self) -> float | None:
         """The :class:`NoiseScale` schedule's current estimate, ``None`` for other schedules."""
-        return None if self.probe is None else self.probe.schedule.noise_scale
+        return None if self.probe is None else self.probe.estimator.noise_scale
 
     # ------------------------------------------------------------------ learning rate
     def scale_lr(self, optimizer: Optimizer) -> None:
@@ -238,8 +253,11 @@ class WindowEngine:
             "progress": dataclasses.asdict(self.progress),
             "window": window,
             "first_k": self.first_k,
+            "first_units": self.first_units,
             "schedule": self.schedule.state_dict(),
         }
+        if self.lr_scaling == "adascale":
+            state["adascale"] = self.adascale.state_dict()
         if callable(getattr(self.lr_schedule, "state_dict", None)):
             state["lr_schedule"] = self.lr_schedule.state_dict()  # type: ignore[union-attr]
         if window is not None and self.probe is not None:
@@ -247,28 +265,6 @@ class WindowEngine:
         if window is not None and self.redo is not None:
             state["redo"] = list(self.redo)
         return state
-
-    def local_numbers(self) -> list[float]:
-        """This rank's own part of the open window (its counts, the noise probe's measurement): under
-        DDP a checkpoint holds every rank's (:func:`~lightning_accum.collectives.gather_partial`)."""
-        assert self.window is not None
-        probe = {} if self.probe is None else self.probe.state_dict()
-        w = self.window
-        return [
-            w.microbatches,
-            w.samples,
-            w.local_items(),
-            probe.get("small_sq", math.nan),
-            probe.get("small_units", 0),
-        ]
-
-    def load_local_numbers(self, values: list[float]) -> None:
-        """Put back what :meth:`local_numbers` gave on this rank."""
-        assert self.window is not None
-        self.window.microbatches, self.window.samples, self.window.items = (int(v) for v in values[:3])
-        if self.probe is not None:
-            small = {} if math.isnan(values[3]) else {"small_sq": values[3], "small_units": values[4]}
-            self.probe.load_state_dict(small)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.progress = Progress(**state["progress"])
@@ -278,7 +274,9 @@ class WindowEngine:
             self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
         window = state.get("window")
         self.window = None if window is None else Window.from_state_dict(window)
-        self.first_k = state.get("first_k")
+        self.first_k, self.first_units = state.get("first_k"), state.get("first_units")
+        if "adascale" in state:
+            self.adascale.load_state_dict(state["adascale"])
         self.closing, self.inflight = None, None
         redo = state.get("redo")
         self.redo = None if redo is None else (int(redo[0]), int(redo[1]))

@@ -71,7 +71,7 @@ class AccumulationMixin(_ModuleBase):
         reset: Reset = "zero",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-        lr_scaling: Literal["linear", "sqrt"] | None = None,
+        lr_scaling: Literal["linear", "sqrt", "adascale"] | None = None,
         lr_schedule: LRMultiplier | None = None,
         log: bool = True,
         sync: SyncMode = "auto",
@@ -88,7 +88,8 @@ class AccumulationMixin(_ModuleBase):
                 or decay them with a :class:`~lightning_accum.GradientDecay`.
             gradient_clip_val: clip the normalised window gradient to this norm (or value).
             gradient_clip_algorithm: ``"norm"`` or ``"value"``.
-            lr_scaling: ``"linear"`` or ``"sqrt"``: LR times ``k / k_first`` (or its root) for each step.
+            lr_scaling: ``"linear"`` or ``"sqrt"``: LR times ``k / k_first`` (or its root) for each step;
+                ``"adascale"``: times AdaScale's gain from the measured gradient noise.
             lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each
                 step, keyed on the progress its window opened with (:mod:`lightning_accum.lr`).
             log: log ``accum/k``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``.

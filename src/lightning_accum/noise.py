@@ -176,12 +176,13 @@ class NoiseScale(Schedule):
 
 
 class NoiseProbe:
-    """Takes the two squared norms of one window for a :class:`NoiseScale`: after the first
-    micro-batch's backward and at the window's end, with no gradient copy. Batch sizes are in
-    samples for ``normalize="mean"`` and in items for ``"items"``."""
+    """Takes the two squared norms of one window for a :class:`NoiseScale` (or a bare
+    :class:`NoiseScaleEstimator`, for AdaScale): after the first micro-batch's backward and at the
+    window's end, with no gradient copy. Batch sizes are in samples for ``normalize="mean"`` and
+    in items for ``"items"``."""
 
-    def __init__(self, schedule: NoiseScale, normalize: str) -> None:
-        self.schedule = schedule
+    def __init__(self, target: NoiseScale | NoiseScaleEstimator, normalize: str) -> None:
+        self.target = target
         self.normalize = normalize
         self._small: tuple[Any, float] | None = None
 
@@ -215,17 +216,49 @@ class NoiseProbe:
         units = counts[1] if self.normalize == "mean" else counts[2]
         steps = counts[0] / collectives.world_size(strategy)  # micro-batches per rank
         stats = collectives.mean_over_ranks(strategy, [small_sq, squared_norm(grads) * factor**2])
-        if steps:
-            self.schedule.observe(stats[0], small_units, stats[1], units, units / steps)
+        if not steps:
+            return
+        if isinstance(self.target, NoiseScale):
+            self.target.observe(stats[0], small_units, stats[1], units, units / steps)
+        else:
+            self.target.update(stats[0], small_units, stats[1], units)
+
+    @property
+    def estimator(self) -> NoiseScaleEstimator:
+        return self.target.estimator if isinstance(self.target, NoiseScale) else self.target
 
 
-def check_noise_under(plan: sync.SyncPlan, schedule: Schedule) -> None:
-    """A :class:`NoiseScale` needs each rank's whole gradient after the window's first
-    micro-batch; FSDP and FSDP2 keep it sharded (or in their own unsharded buffers), DeepSpeed in
-    its own."""
-    if isinstance(schedule, NoiseScale) and plan.buffers_partial_window:
+def adascale_gain(estimator: NoiseScaleEstimator, batch: float, first_batch: float) -> float:
+    r"""AdaScale's gain (Johnson et al., ICML 2020) for a step with an effective batch of ``batch``
+    against the first window's ``first_batch`` (same units):
+
+    .. math:: r = \frac{\operatorname{tr}(\Sigma)/B_0 + |G|^2}{\operatorname{tr}(\Sigma)/B + |G|^2}
+
+    from the smoothed estimates (their start-up bias cancels in the ratio). It lies in
+    ``[1, B / B_0]`` for ``B >= B_0``: 1 where the gradient noise is small against the signal, the
+    linear rule where noise dominates. 1 before any measurement.
+
+    Example::
+
+        >>> est = NoiseScaleEstimator(beta=0.0)
+        >>> est.update(small_sq=1 + 8 / 2, small_batch=2, big_sq=1 + 8 / 8, big_batch=8)  # |G|^2 = 1, tr = 8
+        >>> adascale_gain(est, batch=8, first_batch=2)  # (8/2 + 1) / (8/8 + 1)
+        2.5
+    """
+    trace, grad_sq = max(estimator.trace, 0.0), max(estimator.grad_sq, 0.0)
+    if estimator.updates == 0 or batch <= 0 or first_batch <= 0 or trace + grad_sq == 0:
+        return 1.0
+    return (trace / first_batch + grad_sq) / (trace / batch + grad_sq)
+
+
+def check_noise_under(plan: sync.SyncPlan, schedule: Schedule, lr_scaling: str | None = None) -> None:
+    """A :class:`NoiseScale` (and AdaScale) needs each rank's whole gradient after the window's
+    first micro-batch; FSDP and FSDP2 keep it sharded (or in their own unsharded buffers),
+    DeepSpeed in its own."""
+    who = "`NoiseScale`" if isinstance(schedule, NoiseScale) else "`lr_scaling='adascale'`"
+    if (isinstance(schedule, NoiseScale) or lr_scaling == "adascale") and plan.buffers_partial_window:
         raise RuntimeError(
-            f"`NoiseScale` cannot measure the gradient noise under {plan.family.upper()}: the gradient after a "
+            f"{who} cannot measure the gradient noise under {plan.family.upper()}: the gradient after a "
             "window's first micro-batch is sharded or held in the strategy's own buffers. Use DDP, or a `Ramp`/"
             "`Piecewise` schedule with this strategy."
         )

@@ -14,7 +14,7 @@ from lightning_accum.schedules import Progress, Schedule, as_schedule
 from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
 
-LRScaling = Literal["linear", "sqrt"]
+LRScaling = Literal["linear", "sqrt", "adascale"]
 Reset = Literal["zero", "none"] | GradientDecay
 Count = Callable[[Any], int | Tensor]
 LRMultiplier = Callable[[Progress], float]
@@ -36,8 +36,8 @@ def check_common(
         raise ValueError(f"`normalize` must be 'mean' or 'items'; got {normalize!r}.")
     if count is not None and not callable(count):
         raise TypeError(f"`count` must be a function count(batch) -> int; got {count!r}.")
-    if lr_scaling not in (None, "linear", "sqrt"):
-        raise ValueError(f"`lr_scaling` must be None, 'linear' or 'sqrt'; got {lr_scaling!r}.")
+    if lr_scaling not in (None, "linear", "sqrt", "adascale"):
+        raise ValueError(f"`lr_scaling` must be None, 'linear', 'sqrt' or 'adascale'; got {lr_scaling!r}.")
     if lr_schedule is not None and not callable(lr_schedule):
         raise TypeError(
             f"`lr_schedule` must be a function of Progress giving a learning-rate multiplier, e.g. "

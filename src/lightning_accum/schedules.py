@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Unit = Literal["epoch", "step", "samples", "items"]
-UNITS: tuple[str, ...] = ("epoch", "step", "samples", "items")
+UNITS: tuple[str, ...] = ("epoch", "step", "samples", "items", "scaled_steps")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class Progress:
         items: counted items (tokens, ...) in the closed windows, summed over all ranks; equals
             ``samples`` when no ``count`` function is given.
         microbatches: micro-batches consumed by the closed windows on one rank.
+        scaled_steps: the sum of the closed windows' AdaScale gains (``lr_scaling="adascale"``):
+            progress in steps of the first window's batch, so that a schedule written for that
+            batch runs unchanged at any k; equals ``step`` without AdaScale.
     """
 
     epoch: int = 0
@@ -38,10 +41,13 @@ class Progress:
     samples: int = 0
     items: int = 0
     microbatches: int = 0
+    scaled_steps: float = 0.0
 
-    def value(self, unit: str) -> int:
-        """The counter that ``unit`` names (``"epoch"``, ``"step"``, ``"samples"`` or ``"items"``)."""
-        return int(getattr(self, _check_unit(unit, UNITS)))
+    def value(self, unit: str) -> float:
+        """The counter that ``unit`` names (``"epoch"``, ``"step"``, ``"samples"``, ``"items"`` or
+        ``"scaled_steps"``)."""
+        value: float = getattr(self, _check_unit(unit, UNITS))
+        return value
 
 
 def _check_unit(unit: object, allowed: tuple[str, ...]) -> str:

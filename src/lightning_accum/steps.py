@@ -40,7 +40,7 @@ def estimated_stepping_batches(trainer: Any) -> int:
     if found is None:
         return int(trainer.estimated_stepping_batches)
     schedule, counted = found
-    if isinstance(schedule, NoiseScale) or schedule.unit == "items":
+    if isinstance(schedule, NoiseScale) or schedule.unit in ("items", "scaled_steps"):
         raise ValueError(
             f"The number of optimizer steps under {schedule!r} depends on what the data or the measured gradient "
             "noise will be, so it cannot be known in advance. Key the learning rate on what is seen instead: "

@@ -13,7 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_accum import _seam, fit_checks, gradients, recovery, sync
 from lightning_accum._lightning import Callback, log_window, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
-from lightning_accum.checkpoint import load_partial, save_partial
+from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.noise import check_noise_under
 from lightning_accum.options import Count, LRMultiplier, LRScaling, check_common
@@ -119,7 +119,7 @@ class AccumulationScheduler(Callback):
         fit_checks.refuse_scheduler_misuse(self, trainer, pl_module)
         plan = self._engine.plan = sync.plan(trainer.strategy, self.sync)
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
-        check_noise_under(plan, self.schedule)
+        check_noise_under(plan, self.schedule, self.lr_scaling)
 
     # ------------------------------------------------------------------ fit lifetime
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -129,13 +129,10 @@ class AccumulationScheduler(Callback):
         if self._partial is not None:  # resumed inside a window: this rank's own part of it
             numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
             if numbers is not None:
-                self._engine.load_local_numbers(numbers)
+                load_local_numbers(self._engine, numbers)
             self._partial = None
-        self._lr_frequencies = [
-            (config, config.frequency)
-            for config in trainer.lr_scheduler_configs
-            if config.interval == "step" and config.frequency > 1
-        ]
+        configs = trainer.lr_scheduler_configs
+        self._lr_frequencies = [(c, c.frequency) for c in configs if c.interval == "step" and c.frequency > 1]
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
@@ -290,7 +287,7 @@ class AccumulationScheduler(Callback):
         if state["window"] is not None and state["window"]["microbatches"] and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
             params = gradients.optimizer_params(self._optimizer)
-            state.update(save_partial(self._strategy, self._engine.local_numbers(), params, self._saved_grads))
+            state.update(save_partial(self._strategy, local_numbers(self._engine), params, self._saved_grads))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
