@@ -59,7 +59,8 @@ class WindowEngine:
     Args:
         schedule: gives ``k`` when a window opens.
         normalize: ``"mean"`` or ``"items"`` (see :meth:`Window.gradient_scale`).
-        lr_scaling: ``None``, ``"linear"`` or ``"sqrt"``.
+        lr_scaling: ``None``, ``"linear"``, ``"sqrt"`` or ``"adascale"`` (the gain from the noise
+            statistics the window measures; :func:`~lightning_accum.noise.adascale_gain`).
         lr_schedule: ``lr_schedule(progress) -> float``, a learning-rate multiplier for the step of
             the window that opened at ``progress`` (see :mod:`lightning_accum.lr`).
 

@@ -38,8 +38,8 @@ class AccumulationScheduler(Callback):
     On DDP the gradients are all-reduced once per optimizer step. The rescale happens in
     ``on_before_optimizer_step``: after AMP unscaling, before gradient clipping. LR schedulers
     with ``interval="step"`` step once per optimizer step, and their ``frequency`` counts
-    optimizer steps. ``lr_scaling`` multiplies every group's learning rate, for the step only,
-    by ``k / k_first`` (``"linear"``) or its square root (``"sqrt"``).
+    optimizer steps. ``lr_scaling`` and ``lr_schedule`` multiply every group's learning rate,
+    for the step only.
 
     Args:
         schedule: a :class:`~lightning_accum.Schedule`, an ``int`` or an epoch-keyed ``dict``
@@ -47,10 +47,10 @@ class AccumulationScheduler(Callback):
         normalize: ``"mean"`` or ``"items"``.
         count: ``count(batch) -> int | Tensor``: items in a micro-batch; required for
             ``"items"``, optional otherwise (it feeds ``Progress.items``).
-        lr_scaling: ``None``, ``"linear"`` or ``"sqrt"``.
-        lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each step,
-            keyed on the :class:`Progress` its window opened with (e.g. a warm-up over tokens,
-            :mod:`lightning_accum.lr`); multiplies the LR scheduler's and ``lr_scaling``'s.
+        lr_scaling: ``None``, ``"linear"``, ``"sqrt"`` or ``"adascale"`` (AdaScale's gain from the
+            gradient noise measured in each window of k >= 2; ``Progress.scaled_steps`` sums it).
+        lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each step, keyed
+            on the :class:`Progress` its window opened with (shapes in :mod:`lightning_accum.lr`).
         log: log ``accum/k`` (also in the progress bar), ``accum/effective_batch``,
             ``accum/samples`` and ``accum/items`` every ``Trainer(log_every_n_steps)`` optimizer
             steps (when the loggers are written) and at the first.
@@ -177,7 +177,7 @@ class AccumulationScheduler(Callback):
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
             self._open(trainer, batch_idx)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
-        self._redoing = engine.redo is not None and engine.redo == (trainer.current_epoch, batch_idx)
+        self._redoing = engine.redo == (trainer.current_epoch, batch_idx)
         # counted now, before `training_step` can change the batch (e.g. `labels = batch.pop("labels")`)
         samples = sample_count(batch, self._engine.samples_needed_by)
         self._counts = (samples, samples if self.count is None else self.count(batch))
