@@ -171,6 +171,9 @@ class Reference:
     short_window: str = "own"  # "own": divide by its real size; "full": by k, as Lightning's built-in
     decay: tuple[float, str, bool] | None = None  # (factor, "sum" | "ema", bias_correction)
     skipped: tuple[int, ...] = ()  # windows (0-based, over the run) whose step AMP skips (inf/nan): no update
+    # filled by `run`: each window's normalised loss and the norm of its gradient before decay and clipping
+    losses: list[float] = dataclasses.field(default_factory=list)
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
 
     def run(self, epochs: list[list[list[Batch]]]) -> tuple[list[Tensor], list[int]]:
         net = make_net(seed=self.seed)
@@ -197,6 +200,8 @@ class Reference:
                             loss = loss + total / tok / ((m if self.short_window == "own" else k) * world)
                 opt.zero_grad()
                 loss.backward()
+                self.losses.append(float(loss))
+                self.grad_norms.append(float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm()))
                 if self.decay is not None:
                     f, mode, bias = self.decay
                     for j, p in enumerate(net.parameters()):

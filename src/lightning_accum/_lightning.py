@@ -37,14 +37,18 @@ def loss_scale(trainer: Any) -> float:
     return 1.0 if scaler is None else float(scaler.get_scale())
 
 
-def log_window(module: Any, prefix: str, every: int, closing: Any, progress: Any, noise_scale: float | None) -> None:
-    """Log a closed window's ``accum/*`` metrics (k also in the progress bar). ``self.log`` costs
-    ~0.3 ms a call, so only at the cadence the loggers are written at (every ``every`` optimizer
-    steps) and at the first step, for the progress bar."""
+def log_window(
+    module: Any, prefix: str, every: int, closing: Any, progress: Any, noise_scale: float | None, metrics: Any = None
+) -> None:
+    """Log a closed window's ``accum/*`` metrics (k and the window's loss also in the progress
+    bar). ``self.log`` costs ~0.3 ms a call, so only at the cadence the loggers are written at
+    (every ``every`` optimizer steps) and at the first step, for the progress bar."""
     step = progress.step
     if step % every and step != 1:
         return
     module.log(f"{prefix}k", float(closing.k), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+    for name, value in (metrics or {}).items():  # the window's loss, its tasks' losses, its gradient norm
+        module.log(f"{prefix}{name}", value, prog_bar=name == "loss", on_step=True, on_epoch=False, batch_size=1)
     values = {"effective_batch": closing.samples, "samples": progress.samples, "items": progress.items}
     if noise_scale is not None:
         values["noise_scale"] = noise_scale

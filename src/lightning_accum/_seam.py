@@ -53,3 +53,23 @@ def backward_skipped(trainer: Any) -> bool:
     """Whether Lightning skips backward and the optimizer step for this epoch's batches (what
     ``StochasticWeightAveraging`` does for its BatchNorm-update epoch)."""
     return bool(getattr(trainer.fit_loop, "_skip_backward", False))
+
+
+class SchedulerFrequencies:
+    """Lightning steps a step-interval LR scheduler when ``(batch_idx + 1) % frequency == 0``:
+    counted in batches, reset each epoch. Set per optimizer step, this makes ``frequency`` count
+    optimizer steps; :meth:`restore` gives the configs back as the user made them."""
+
+    def __init__(self, trainer: Any = None) -> None:
+        configs = [] if trainer is None else trainer.lr_scheduler_configs
+        self.saved = [(c, c.frequency) for c in configs if c.interval == "step" and c.frequency > 1]
+
+    def before_step(self, step: int, batch_idx: int) -> None:
+        """Optimizer step ``step`` is taken after batch ``batch_idx``."""
+        for config, frequency in self.saved:
+            config.frequency = 1 if step % frequency == 0 else batch_idx + 2
+
+    def restore(self) -> None:
+        for config, frequency in self.saved:
+            config.frequency = frequency
+        self.saved = []

@@ -46,6 +46,7 @@ class Accumulator:
 
     def _backward(self, loss: Tensor) -> None:
         """``manual_backward(loss / divisor)`` with gradient sync skipped as the plan says."""
+        self._driver.record_loss(self._key, loss)
         self._driver.backward(loss / self._window.divisor, self.last)
         self.passes += 1
 
@@ -72,16 +73,26 @@ class Accumulator:
         weights: Sequence[float] | None = None,
         *,
         grad_norms: bool = False,
+        names: Sequence[str] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Run each closure's forward and backward in turn: one task graph alive at a time.
 
         Returns the detached per-task losses, and with ``grad_norms=True`` also the L2 norm of
-        each task's weighted gradient (one gradient copy per task).
+        each task's weighted gradient (one gradient copy per task). Each task's window loss is
+        logged as ``accum/loss/<name>`` (``names``, default ``task0``, ``task1``, ...).
         """
         self._check_open()
         params = self._driver.params() if grad_norms else None
         losses, norms = multitask.backward_each(self._backward, closures, weights, grad_norms_of=params)
+        self._record_tasks(losses, names)
         return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
+
+    def _record_tasks(self, losses: Tensor, names: Sequence[str] | None) -> None:
+        names = [f"task{i}" for i in range(len(losses))] if names is None else list(names)
+        if len(names) != len(losses):
+            raise ValueError(f"`names` has {len(names)} entries for {len(losses)} tasks; give one name per task.")
+        for name, loss in zip(names, losses, strict=True):
+            self._driver.record_loss(self._key, loss, f"loss/{name}")
 
     def backward_microbatches(self, loss_fn: Callable[[Any], Tensor], size: int | Literal["auto"] = "auto") -> Tensor:
         """Split this micro-batch's ``batch`` along dim 0 and back-propagate ``loss_fn(part)`` for
@@ -116,6 +127,7 @@ class Accumulator:
             # outside the `except` block, so that the error's frames (and their tensors) are freed
             for p in driver.params(self._key):
                 p.grad = None
+            driver.engines[self._key].metrics.losses.clear()  # (the window is redone from its start)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             driver.auto_size = max(1, size // 2)
@@ -138,17 +150,22 @@ class Accumulator:
         features: Tensor,
         heads: Sequence[Callable[[Tensor], Tensor]],
         weights: Sequence[float] | None = None,
+        *,
+        names: Sequence[str] | None = None,
     ) -> Tensor:
         """Shared trunk: each head back-propagates into a detached copy of ``features`` in turn,
         then the trunk back-propagates once with the summed feature gradient. Peak memory is the
-        trunk's graph plus the largest head's. Returns the detached per-head losses."""
+        trunk's graph plus the largest head's. Returns the detached per-head losses; each head's
+        window loss is logged as ``accum/loss/<name>`` (``names``, default ``task0``, ...)."""
         self._check_open()
 
         def trunk_backward(features: Tensor, grad: Tensor) -> None:
             self._driver.trunk_backward(features, grad, self.last)
             self.passes += 1
 
-        return multitask.backward_heads(self._backward, features, heads, weights, trunk_backward=trunk_backward)
+        losses = multitask.backward_heads(self._backward, features, heads, weights, trunk_backward=trunk_backward)
+        self._record_tasks(losses, names)
+        return losses
 
 
 def _check_items(items: object) -> None:

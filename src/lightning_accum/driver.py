@@ -43,7 +43,9 @@ class MixinDriver(Callback):
         self.replay: dict[GroupKey, Replay] = {}
         self.auto_size: int | None = None  # samples per micro-batch found by `backward_microbatches`
         self.plan = sync.SyncPlan()
-        self.pending: dict[int, float] = {}  # id(optimizer) -> the window's gradient scale, during its step
+        self._log_every = 0  # the loggers' cadence in optimizer steps, while logging
+        # id(optimizer) -> the window's gradient scale and engine, during its step
+        self.pending: dict[int, tuple[float, WindowEngine]] = {}
         self._saved_grads: list[Tensor | None] | None = None
         self._partial: dict[str, Any] | None = None  # a resumed window's checkpoint state, until train start
         self.configured = False  # whether `configure_accumulation` was called
@@ -69,7 +71,7 @@ class MixinDriver(Callback):
         if engine is None:
             c = self.config
             engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
-            engine.plan = self.plan
+            engine.plan, engine.metrics.log_every = self.plan, self._log_every
         return engine
 
     # ------------------------------------------------------------------ the module's optimizers
@@ -94,8 +96,9 @@ class MixinDriver(Callback):
         self.guards.check_fit(self.module, trainer, self, self.configured)
         sync.refuse_deepspeed(trainer.strategy, "AccumulationMixin")
         self.plan = sync.plan(trainer.strategy, self.config.sync)
+        self._log_every = getattr(trainer, "log_every_n_steps", 0) if self.config.log else 0
         for engine in self.engines.values():
-            engine.plan = self.plan
+            engine.plan, engine.metrics.log_every = self.plan, self._log_every
         check_noise_under(self.plan, self.config.schedule, self.config.lr_scaling)
         sync.refuse_fsdp_root_skip(self.plan, trainer.strategy.model)
 
@@ -160,6 +163,11 @@ class MixinDriver(Callback):
                 self.module.manual_backward(loss)
         finally:
             self.guards.in_pass = False
+
+    def record_loss(self, key: GroupKey, loss: Tensor, name: str = "loss") -> None:
+        """A pass's loss (before the window's division), or a task's, for the logged window loss."""
+        if not self._redoing:
+            self.engines[key].metrics.add_loss(loss, name)
 
     def trunk_backward(self, features: Tensor, grad: Tensor, final: bool) -> None:
         self._block_passes += 1
@@ -233,11 +241,14 @@ class MixinDriver(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        scale = self.pending.pop(id(optimizer), None)
-        if scale is None:
+        pending = self.pending.pop(id(optimizer), None)
+        if pending is None:
             return
+        (scale, engine), grads = pending, gradients.optimizer_grads(optimizer)
         self.rescaled = True
-        gradients.scale_(gradients.optimizer_grads(optimizer), scale)
+        gradients.scale_(grads, scale)
+        if not self.plan.sharded:  # (a shard's norm is not the window's)
+            engine.metrics.add_grad_norm(grads)
         config = self.config
         if config.decay is not None:
             config.decay.combine(optimizer)

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_accum import collectives, sync
 from lightning_accum.lr import check_multiplier
+from lightning_accum.metrics import WindowMetrics
 from lightning_accum.noise import NoiseProbe, NoiseScale, NoiseScaleEstimator, adascale_gain
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Window, lr_factor
@@ -98,6 +99,7 @@ class WindowEngine:
         #: after a resume from a checkpoint written on an exception: it must then add nothing
         self.redo: tuple[int, int] | None = None
         self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
+        self.metrics = WindowMetrics()  # the loss and gradient norm of the windows that are logged
         self.configure(schedule, normalize, lr_scaling, lr_schedule)
 
     def configure(
@@ -131,7 +133,12 @@ class WindowEngine:
             self.first_k = k
         self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
         self.closing = None
+        self.metrics.start(self.progress.step + 1)
         return self.window
+
+    def window_metrics(self, closing: Closing) -> dict[str, Tensor]:
+        """The logged window's loss (and its tasks'), over all ranks, and its gradient norm."""
+        return self.metrics.compute(closing.microbatches if self.normalize == "mean" else closing.items)
 
     def count(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch into the open window (before its backward pass)."""

@@ -92,7 +92,8 @@ class AccumulationMixin(_ModuleBase):
                 ``"adascale"``: times AdaScale's gain from the measured gradient noise.
             lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each
                 step, keyed on the progress its window opened with (:mod:`lightning_accum.lr`).
-            log: log ``accum/k``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``.
+            log: log ``accum/k``, ``accum/loss`` (the window's; ``accum/loss/<task>`` for tasks),
+                ``accum/grad_norm``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``.
             sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
                 window; FSDP: every micro-batch, as Lightning), ``"skip"`` (once per window; FSDP
                 and FSDP2 then hold unsharded gradients until its end) or ``"every"``. DDP

@@ -45,7 +45,7 @@ def close(driver: MixinDriver, trainer: Any, key: GroupKey) -> None:
     # the window's normalised gradient is `.grad * scale / loss scale`
     engine.measure_window(strategy, gradients.grads_of(params), closing.scale / loss_scale(trainer))
     for optimizer in stepped:
-        driver.pending[id(optimizer.optimizer)] = closing.scale
+        driver.pending[id(optimizer.optimizer)] = closing.scale, engine
         engine.scale_lr(optimizer)
         driver.guards.stepping = True
         try:
@@ -71,7 +71,8 @@ def close(driver: MixinDriver, trainer: Any, key: GroupKey) -> None:
     if config.log:
         prefix = "accum/" if len(driver.engines) == 1 else f"accum/opt{'_'.join(map(str, key))}/"
         every = trainer.log_every_n_steps
-        log_window(driver.module, prefix, every, closing, engine.progress, engine.noise_scale)
+        metrics = engine.window_metrics(closing)
+        log_window(driver.module, prefix, every, closing, engine.progress, engine.noise_scale, metrics)
 
 
 def _reset(config: AccumulationConfig, stepped: list[Any]) -> None:

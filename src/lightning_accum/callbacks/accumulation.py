@@ -51,9 +51,9 @@ class AccumulationScheduler(Callback):
             gradient noise measured in each window of k >= 2; ``Progress.scaled_steps`` sums it).
         lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each step, keyed
             on the :class:`Progress` its window opened with (shapes in :mod:`lightning_accum.lr`).
-        log: log ``accum/k`` (also in the progress bar), ``accum/effective_batch``,
-            ``accum/samples`` and ``accum/items`` every ``Trainer(log_every_n_steps)`` optimizer
-            steps (when the loggers are written) and at the first.
+        log: log ``accum/k`` and ``accum/loss`` (the window's loss; both in the progress bar),
+            ``accum/grad_norm``, ``accum/effective_batch``, ``accum/samples``, ``accum/items`` every
+            ``Trainer(log_every_n_steps)`` optimizer steps (when the loggers write) and at the first.
         sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
             window; FSDP: every micro-batch, as Lightning), ``"skip"`` (once per window; FSDP and
             FSDP2 then hold unsharded gradients until its end) or ``"every"``. DDP always syncs
@@ -99,7 +99,7 @@ class AccumulationScheduler(Callback):
         self._counts: tuple[int, int | Tensor] = (0, 0)  # the batch being trained: (samples, items)
         self._redoing = False  # the batch being trained is one a checkpoint already holds
         self._batch_idx = 0
-        self._lr_frequencies: list[tuple[Any, int]] = []
+        self._frequencies = _seam.SchedulerFrequencies()
         self._lr_hook: RemovableHandle | None = None
         self._no_sync = contextlib.ExitStack()  # open from on_before_backward to on_after_backward
         # on each loss's gradient, before any parameter sees it: Lightning's divisor over the window's (k), or
@@ -119,6 +119,7 @@ class AccumulationScheduler(Callback):
         fit_checks.refuse_scheduler_misuse(self, trainer, pl_module)
         plan = self._engine.plan = sync.plan(trainer.strategy, self.sync)
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
+        self._engine.metrics.log_every = trainer.log_every_n_steps if self._log else 0  # type: ignore[attr-defined]
         check_noise_under(plan, self.schedule, self.lr_scaling)
 
     # ------------------------------------------------------------------ fit lifetime
@@ -131,8 +132,7 @@ class AccumulationScheduler(Callback):
             if numbers is not None:
                 load_local_numbers(self._engine, numbers)
             self._partial = None
-        configs = trainer.lr_scheduler_configs
-        self._lr_frequencies = [(c, c.frequency) for c in configs if c.interval == "step" and c.frequency > 1]
+        self._frequencies = _seam.SchedulerFrequencies(trainer)
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
@@ -158,9 +158,7 @@ class AccumulationScheduler(Callback):
         if self._user_divisor is not None:
             set_divisor(trainer, self._user_divisor)
             self._user_divisor = None
-        for config, frequency in self._lr_frequencies:
-            config.frequency = frequency
-        self._lr_frequencies = []
+        self._frequencies.restore()
         self._engine.restore_lr()
         if self._lr_hook is not None:
             self._lr_hook.remove()
@@ -201,7 +199,7 @@ class AccumulationScheduler(Callback):
         self._loss_factor = self._divisor / length
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        window = self._engine.window
+        engine, window = self._engine, self._engine.window
         if window is None:
             return
         if self._saved_grads is not None:  # resumed inside a window: its gradient, after any zeroing of this batch
@@ -215,9 +213,11 @@ class AccumulationScheduler(Callback):
             sync.scale_backward(loss, self._loss_factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
-            self._no_sync.enter_context(sync.skip_sync(self._engine.plan, trainer.strategy, final))
+            self._no_sync.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
             window.synced = final
-        self._engine.count(*self._counts)
+        engine.count(*self._counts)
+        if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
+            engine.metrics.add_loss(loss * self._divisor)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sharded:
@@ -252,15 +252,14 @@ class AccumulationScheduler(Callback):
             for p in gradients.optimizer_params(optimizer):
                 p.grad = None
         # (under DeepSpeed each micro-batch was weighted before its backward)
-        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None):
+        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or engine.metrics.tracking):
             grads = gradients.optimizer_grads(optimizer)
             gradients.scale_(grads, closing.scale)
             engine.measure_window(trainer.strategy, grads)
+            if not self._sharded:  # (a shard's norm is not the window's)
+                engine.metrics.add_grad_norm(grads)
         engine.scale_lr(optimizer)
-        step = engine.progress.step + 1
-        for config, frequency in self._lr_frequencies:
-            # Lightning tests (batch_idx + 1) % frequency; make that true exactly every `frequency` steps
-            config.frequency = 1 if step % frequency == 0 else self._batch_idx + 2
+        self._frequencies.before_step(engine.progress.step + 1, self._batch_idx)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -273,7 +272,8 @@ class AccumulationScheduler(Callback):
         closing = engine.advance(trainer.current_epoch)
         if self._log:
             every = trainer.log_every_n_steps  # type: ignore[attr-defined]
-            log_window(pl_module, "accum/", every, closing, engine.progress, engine.noise_scale)
+            metrics = engine.window_metrics(closing)
+            log_window(pl_module, "accum/", every, closing, engine.progress, engine.noise_scale, metrics)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine.window is not None and self._engine.closing is None:
