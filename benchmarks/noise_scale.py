@@ -1,6 +1,6 @@
 """Overhead of measuring the gradient noise scale: AccumulationScheduler with a constant k
-against the same k from ``NoiseScale(k, k)`` (same windows, plus the two squared-norm
-measurements and one small all-reduce per window).
+against the same k from ``NoiseScale(k, k)`` (same windows, plus a squared norm after every
+micro-batch, the fit and one small all-reduce per window), and the probe's own cost per window.
 
 An MLP 256-1024-1024-10 on batches of 32, 1200 batches per run, interleaved rounds; the figure
 is the ratio of the best training-loop CPU times.
@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler, Constant, NoiseScale, Schedule
-from lightning_accum.noise import NoiseProbe
+from lightning_accum.probe import NoiseProbe
 from lightning_accum.window import Window
 
 
@@ -82,18 +82,21 @@ def main() -> None:
         model.training_step((xb, yb), 0).backward()
     batch_ms = (time.perf_counter() - start) / 50 * 1e3
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    probe = NoiseProbe(NoiseScale(4, 4), "mean")
-    window = Window(k=4, divisor=4, microbatches=1, samples=32)
-    start = time.perf_counter()
-    for _ in range(200):
-        probe.first_microbatch(grads, window)
-        probe.window_end(SingleDevice(), grads, [4, 128, 128])
-    probe_ms = (time.perf_counter() - start) / 200 * 1e3
     for row in rows:
+        k = row["k"]
+        probe = NoiseProbe(NoiseScale(k, k), "mean")
+        start = time.perf_counter()
+        for _ in range(100):  # one window: a norm after each micro-batch but the last, the fit at the end
+            window = Window(k=k, divisor=k)
+            for _ in range(k - 1):
+                window.add(32, 32)
+                probe.prefix(grads, window)
+            probe.window_end(SingleDevice(), grads, [k, 32 * k, 32 * k])
+        probe_ms = (time.perf_counter() - start) / 100 * 1e3
         row["probe_ms_per_window"] = probe_ms
-        row["probe_fraction"] = probe_ms / (row["k"] * batch_ms)
+        row["probe_fraction"] = probe_ms / (k * batch_ms)
         print(
-            f"k={row['k']}: probe {probe_ms:.3f} ms per window = "
+            f"k={k}: probe {probe_ms:.3f} ms per window = "
             f"{100 * row['probe_fraction']:.2f} % of the window's forward+backward"
         )
     print("target: ratio <= 1.03")

@@ -23,6 +23,7 @@ QUICK = {
     "noise_scale.py": ["--rounds", "0", "--batches", "24"],
     "comm_calls.py": [],
     "rank_check.py": ["--calls", "200"],
+    "noise_study.py": ["--seeds", "1", "--png", ""],
 }
 
 
@@ -56,6 +57,12 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
         if row["run"].startswith("DDP"):
             target = "1"
         table.append((what, "gradient collective rounds / step", f"{row['rounds_per_step']:g}", target))
+    study = results["noise_study.py"]
+    ks = ", ".join(str(row["k"]) for row in study["rows"])
+    table.append(
+        ("noise study: NoiseScale defaults, true k = 16", "seeds with final k within 25 %",
+         f"{study['within_25']}/{len(study['rows'])} (k = {ks})", "all")
+    )  # fmt: skip
     check = results["rank_check.py"]
     table.append(
         ("rank check on k (Lambda), 2 gloo ranks", "us / step vs the count all-reduce", f"{check['check']:.0f} us, "

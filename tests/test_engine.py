@@ -160,7 +160,7 @@ def test_probe_measures_through_the_engine() -> None:
     engine.open(0, 0)
     engine.count(1, 1)
     # first micro-batch gradient g1 = (2,) over 1 sample, divided by k = 2 before backward
-    engine.measure_first([torch.tensor([1.0])])
+    engine.measure_prefix([torch.tensor([1.0])])
     engine.count(1, 1)
     engine.close(None)
     engine.measure_window(None, [torch.tensor([1.5])])  # window mean of g1 = 2, g2 = 1

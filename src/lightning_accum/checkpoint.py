@@ -4,7 +4,6 @@ measurement stay its own until the window's end; Lightning saves one rank's call
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,13 +43,15 @@ def load_partial(state: Mapping[str, Any], strategy: Any, rank: int) -> tuple[li
     return list(numbers), list(grads)
 
 
+NUMBERS = 7  # per engine: microbatches, samples, items, and the probe's four
+
+
 def local_numbers(engine: WindowEngine) -> list[float]:
-    """This rank's own part of the engine's open window: its counts and the noise probe's measurement."""
+    """This rank's own part of the engine's open window: its counts and the noise probe's prefixes so far."""
     window = engine.window
     assert window is not None
-    probe = {} if engine.probe is None else engine.probe.state_dict()
-    small = probe.get("small_sq", math.nan), probe.get("small_units", 0)
-    return [window.microbatches, window.samples, window.local_items(), *small]
+    chain = [0.0] * 4 if engine.probe is None else engine.probe.numbers()
+    return [window.microbatches, window.samples, window.local_items(), *chain]
 
 
 def load_local_numbers(engine: WindowEngine, values: Sequence[float]) -> None:
@@ -59,4 +60,4 @@ def load_local_numbers(engine: WindowEngine, values: Sequence[float]) -> None:
     assert window is not None
     window.microbatches, window.samples, window.items = (int(v) for v in values[:3])
     if engine.probe is not None:
-        engine.probe.load_state_dict({} if math.isnan(values[3]) else {"small_sq": values[3], "small_units": values[4]})
+        engine.probe.load_numbers(values[3:7])

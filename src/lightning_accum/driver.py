@@ -12,7 +12,7 @@ checkpoints.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -20,12 +20,12 @@ from torch.optim import Optimizer
 
 from lightning_accum import _seam, gradients, groups, multitask, recovery, sync, window_step
 from lightning_accum._lightning import Callback, loss_scale, pl
-from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
+from lightning_accum.checkpoint import NUMBERS, load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.groups import GroupKey
 from lightning_accum.guards import MixinGuards
-from lightning_accum.noise import check_noise_under
 from lightning_accum.options import AccumulationConfig
+from lightning_accum.probe import check_noise_under
 from lightning_accum.schedules import as_schedule
 from lightning_accum.window import Window, sample_count
 
@@ -109,7 +109,7 @@ class MixinDriver(Callback):
         if self._partial is not None:  # resumed inside a window: this rank's own part of it
             numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
             for i, engine in enumerate(self._open_engines() if numbers is not None else []):
-                load_local_numbers(engine, numbers[5 * i : 5 * i + 5])  # type: ignore[index]
+                load_local_numbers(engine, numbers[NUMBERS * i : NUMBERS * (i + 1)])  # type: ignore[index]
             self._partial = None
         if self._saved_grads is not None:
             gradients.restore(self.params(), self._saved_grads)
@@ -169,7 +169,7 @@ class MixinDriver(Callback):
         if not self._redoing:
             self.engines[key].metrics.add_loss(loss, name)
 
-    def trunk_backward(self, features: Tensor, grad: Tensor, final: bool) -> None:
+    def trunk_backward(self, features: Tensor | Sequence[Tensor], grad: Tensor | Sequence[Tensor], final: bool) -> None:
         self._block_passes += 1
         with self.no_sync(final):
             multitask._autograd_backward(features, grad)
@@ -219,7 +219,7 @@ class MixinDriver(Callback):
             engine.backward_done()
             window.synced = last
             if engine.probe is not None and not last:
-                engine.measure_first(gradients.grads_of(self.params(key)), loss_scale(trainer))
+                engine.measure_prefix(gradients.grads_of(self.params(key)), loss_scale(trainer))
         if last:
             window_step.close(self, trainer, key)
 

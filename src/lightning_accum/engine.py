@@ -21,7 +21,8 @@ from torch.optim import Optimizer
 from lightning_accum import collectives, sync
 from lightning_accum.lr import check_multiplier
 from lightning_accum.metrics import WindowMetrics
-from lightning_accum.noise import NoiseProbe, NoiseScale, NoiseScaleEstimator, adascale_gain
+from lightning_accum.noise import NoiseScale, NoiseScaleEstimator, adascale_gain
+from lightning_accum.probe import NoiseProbe
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Window, lr_factor
 
@@ -154,10 +155,10 @@ class WindowEngine:
         """The batch is over (nothing of it can be trained again)."""
         self.inflight, self.redo = None, None
 
-    def measure_first(self, grads: Sequence[Tensor], loss_scale: float = 1.0) -> None:
-        """Noise probe: the gradient after the window's first micro-batch (when it is not the last)."""
-        if self.probe is not None and self.window is not None and self.window.microbatches == 1:
-            self.probe.first_microbatch(grads, self.window, loss_scale)
+    def measure_prefix(self, grads: Sequence[Tensor], loss_scale: float = 1.0) -> None:
+        """Noise probe: the gradient after a micro-batch that is not the window's last."""
+        if self.probe is not None and self.window is not None and self.window.microbatches:
+            self.probe.prefix(grads, self.window, loss_scale)
 
     def close(self, strategy: Any, extra: Sequence[int] = ()) -> Closing:
         """The window's global counts (with ``extra``, in one all-reduce) and its step's factors."""

@@ -98,7 +98,7 @@ def backward_heads(
     return torch.stack(losses)
 
 
-def _autograd_backward(features: Tensor, grad: Tensor) -> None:
+def _autograd_backward(features: Tensor | Sequence[Tensor], grad: Tensor | Sequence[Tensor]) -> None:
     torch.autograd.backward(features, grad_tensors=grad)
 
 

@@ -47,11 +47,14 @@ class SaveInside(pl.Callback):
 
 def fit(kind: str, out: Path, save: Path | None = None, resume: Path | None = None) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
-    if kind == "callback":
+    # "+adascale": each step's LR depends on every noise measurement so far, each rank's own
+    # prefixes of the window included (held per rank in the checkpoint inside it)
+    extra = {"lr_scaling": "adascale"} if kind.endswith("+adascale") else {}
+    if kind.startswith("callback"):
         model: pl.LightningModule = TokenModel()
-        callbacks: list[pl.Callback] = [AccumulationScheduler(WINDOWS), GradientDecay(0.5)]
+        callbacks: list[pl.Callback] = [AccumulationScheduler(WINDOWS, **extra), GradientDecay(0.5)]
     else:
-        model, callbacks = ManualTokenModel(schedule=WINDOWS, reset=GradientDecay(0.5)), []
+        model, callbacks = ManualTokenModel(schedule=WINDOWS, reset=GradientDecay(0.5), **extra), []
     data = ShardedLoader()
     report = FileReport(out)
     callbacks += [Bind(data), report]
@@ -71,7 +74,7 @@ def fit(kind: str, out: Path, save: Path | None = None, resume: Path | None = No
     return report.read(world=2)
 
 
-@pytest.mark.parametrize("kind", ["callback", "mixin"])
+@pytest.mark.parametrize("kind", ["callback", "mixin", "callback+adascale", "mixin+adascale"])
 def test_ddp_fault_resumes_bit_identically(tmp_path: Path, kind: str) -> None:
     full = fit(kind, tmp_path / "full")
     with pytest.raises(Exception, match=Injected.__name__):

@@ -15,8 +15,8 @@ from lightning_accum._lightning import Callback, log_window, loss_scale, pl, ran
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
-from lightning_accum.noise import check_noise_under
 from lightning_accum.options import Count, LRMultiplier, LRScaling, check_common
+from lightning_accum.probe import check_noise_under
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.sync import SyncMode
 from lightning_accum.window import Normalize, lightning_divisor, sample_count
@@ -224,13 +224,11 @@ class AccumulationScheduler(Callback):
             self._no_sync.close()
         engine, window = self._engine, self._engine.window
         engine.backward_done()
-        if engine.probe is None or window is None or window.microbatches != 1 or self._optimizer is None:
-            return
-        if self._redoing:
+        if engine.probe is None or window is None or self._optimizer is None or self._redoing:
             return
         if self._closes_window(trainer):
             return  # this micro-batch closes the window: its gradient is already the window's (and synced)
-        engine.measure_first(gradients.optimizer_grads(self._optimizer), loss_scale(trainer))
+        engine.measure_prefix(gradients.optimizer_grads(self._optimizer), loss_scale(trainer))
 
     def _closes_window(self, trainer: pl.Trainer) -> bool:
         """Whether Lightning steps after the batch being trained (the seam aligns its step points)."""
