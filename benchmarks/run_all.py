@@ -24,6 +24,7 @@ QUICK = {
     "comm_calls.py": [],
     "rank_check.py": ["--calls", "200"],
     "noise_study.py": ["--seeds", "1", "--png", ""],
+    "cached_memory.py": ["--batch", "256", "--rounds", "1"],
 }
 
 
@@ -57,6 +58,11 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
         if row["run"].startswith("DDP"):
             target = "1"
         table.append((what, "gradient collective rounds / step", f"{row['rounds_per_step']:g}", target))
+    for row in results["cached_memory.py"]["rows"]:
+        if row["run"] != "whole":
+            what = f"cached backward, {row['run']}, dropout {row['dropout']}"
+            table.append((what, "graph memory vs whole batch", f"{row['graph_ratio']:.3f}", f"<= {row['target']:.3f}"))
+            table.append((what, "time vs whole batch", f"{row['time_ratio']:.3f}", "<= 1.5"))
     study = results["noise_study.py"]
     ks = ", ".join(str(row["k"]) for row in study["rows"])
     table.append(

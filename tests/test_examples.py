@@ -53,3 +53,11 @@ def test_token_lm() -> None:
     means = float(out.split("mean of means     vs one big batch: relative error ")[1].split()[0])
     assert items < 1e-6 < 1e-2 < means
     assert out.count("held-out loss per token") == 2
+
+
+@pytest.mark.slow
+def test_contrastive(tmp_path: Path) -> None:
+    out = run("contrastive.py", "--epochs", "2", "--out", str(tmp_path / "c.png"))
+    assert "1-NN accuracy" in out and (tmp_path / "c.png").stat().st_size > 10_000
+    gap = float(out.split("cached vs full batch: max parameter difference ")[1].split()[0])
+    assert gap < 1e-4

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_accum import microbatch, multitask
+from lightning_accum import cached, collectives, microbatch, multitask
 from lightning_accum.driver import MixinDriver
 from lightning_accum.groups import GroupKey
 from lightning_accum.window import Window
@@ -144,6 +144,66 @@ class Accumulator:
             self._backward(loss * (microbatch.batch_length(part) / n) if mean and size < n else loss)
             losses.append(loss.detach())
         return torch.stack(losses)
+
+    def backward_cached(
+        self,
+        encoders: Sequence[Callable[[Any], cached.Reps]],
+        inputs: Sequence[Any],
+        loss_fn: Callable[..., Tensor],
+        *,
+        chunk_size: int,
+        gather: bool = False,
+        items: int | Tensor | None = None,
+    ) -> Tensor:
+        """Back-propagate a loss that couples the whole batch, one chunk's graph at a time (GradCache).
+
+        ``loss_fn(*[encoder(x) for encoder, x in zip(encoders, inputs)])`` on the whole batch, with
+        each input split along dim 0 into chunks of ``chunk_size``: the gradient equals the whole
+        batch's, dropout included (each chunk's RNG state is replayed), for a peak of one chunk's
+        graph plus the representations. ``gather=True`` puts every rank's representations into
+        the loss (in-batch negatives from all ranks): 2 ranks of batch B equal one process of 2B.
+        The call is one micro-batch of the window; ``items`` weights the loss as in
+        :meth:`backward`. Returns the loss, detached.
+
+        Example::
+
+            with self.accumulate(batch) as acc:
+                acc.backward_cached([self.encode_query, self.encode_doc], [batch["q"], batch["d"]],
+                                    info_nce, chunk_size=64, gather=True)
+        """
+        self._check_open()
+        driver = self._driver
+        strategy = driver.module.trainer.strategy
+        world = collectives.world_size(strategy) if gather else 1
+
+        def loss_backward(loss: Tensor) -> None:
+            loss = multitask.check_loss(loss, "the loss returned by `loss_fn`")
+            if items is not None:
+                _check_items(items)
+            self._backward(loss if items is None else loss * items)
+
+        def reps_backward(reps: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+            # (FSDP, FSDP2: every chunk of the window's last batch syncs, since each module
+            # reduce-scatters in its own backward and two towers end at different chunks)
+            driver.trunk_backward(reps, grads, self.last)
+            self.passes += 1
+
+        def gather_rows(rep: Tensor) -> tuple[Tensor, int]:
+            return collectives.gather_rows(strategy, rep)
+
+        loss = cached.backward_cached(
+            encoders,
+            inputs,
+            loss_fn,
+            chunk_size,
+            loss_backward,
+            reps_backward,
+            gather=gather_rows if world > 1 else None,
+            world=world,
+            modules=[driver.module],
+        )
+        self._add_items(items)
+        return loss
 
     def backward_heads(
         self,

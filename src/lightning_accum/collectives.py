@@ -133,3 +133,16 @@ def gather_partial(
         ]
         out.append(([float(v) for v in all_values[rank]], rank_grads))
     return out
+
+
+def gather_rows(strategy: Any, tensor: Tensor) -> tuple[Tensor, int]:
+    """Every rank's rows of ``tensor`` (dim 0; their numbers may differ), concatenated in rank
+    order, and the index where this rank's start. Two all-gathers, no autograd."""
+    n = torch.tensor([tensor.shape[0]], device=tensor.device)
+    sizes = [int(v) for v in strategy.all_gather(n).reshape(-1).tolist()]
+    top = max(sizes)
+    if tensor.shape[0] < top:
+        tensor = torch.cat([tensor, tensor.new_zeros((top - tensor.shape[0], *tensor.shape[1:]))])
+    everything = strategy.all_gather(tensor.contiguous())
+    rows = torch.cat([everything[r, : sizes[r]] for r in range(len(sizes))])
+    return rows, sum(sizes[: strategy.global_rank])
