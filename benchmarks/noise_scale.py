@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler, Constant, NoiseScale, Schedule
-from lightning_accum.probe import NoiseProbe
+from lightning_accum.probe import NoiseProbe, measured
 from lightning_accum.window import Window
 
 
@@ -90,7 +90,8 @@ def main() -> None:
             window = Window(k=k, divisor=k)
             for _ in range(k - 1):
                 window.add(32, 32)
-                probe.prefix(grads, window)
+                if measured(window.microbatches):
+                    probe.prefix(grads, window)
             probe.window_end(SingleDevice(), grads, [k, 32 * k, 32 * k])
         probe_ms = (time.perf_counter() - start) / 100 * 1e3
         row["probe_ms_per_window"] = probe_ms

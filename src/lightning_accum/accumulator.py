@@ -188,8 +188,8 @@ class Accumulator:
             driver.trunk_backward(reps, grads, self.last)
             self.passes += 1
 
-        def gather_rows(rep: Tensor) -> tuple[Tensor, int]:
-            return collectives.gather_rows(strategy, rep)
+        def gather_rows(reps: Sequence[Tensor]) -> tuple[list[Tensor], int]:
+            return collectives.gather_rows(strategy, reps)
 
         loss = cached.backward_cached(
             encoders,

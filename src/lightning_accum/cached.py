@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_accum import microbatch
 
 Reps = Tensor | tuple[Tensor, ...]
-Gather = Callable[[Tensor], tuple[Tensor, int]]  # all ranks' rows, and where this rank's start
+Gather = Callable[[Sequence[Tensor]], tuple[list[Tensor], int]]  # all ranks' rows, and where this rank's start
 
 
 def check_args(encoders: Sequence[Callable[[Any], Reps]], inputs: Sequence[Any], chunk_size: object) -> int:
@@ -114,8 +114,7 @@ def backward_cached(
             reps = [torch.cat(column) for column in zip(*outs, strict=True)]
             offset = 0
             if gather is not None:
-                gathered = [gather(r) for r in reps]
-                reps, offset = [g for g, _ in gathered], gathered[0][1]
+                reps, offset = gather(reps)
             offsets.append(offset)
             leaves.append(tuple(_leaf(r) for r in reps))
         after = _RNG()

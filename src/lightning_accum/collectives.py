@@ -135,14 +135,16 @@ def gather_partial(
     return out
 
 
-def gather_rows(strategy: Any, tensor: Tensor) -> tuple[Tensor, int]:
-    """Every rank's rows of ``tensor`` (dim 0; their numbers may differ), concatenated in rank
-    order, and the index where this rank's start. Two all-gathers, no autograd."""
-    n = torch.tensor([tensor.shape[0]], device=tensor.device)
-    sizes = [int(v) for v in strategy.all_gather(n).reshape(-1).tolist()]
-    top = max(sizes)
-    if tensor.shape[0] < top:
-        tensor = torch.cat([tensor, tensor.new_zeros((top - tensor.shape[0], *tensor.shape[1:]))])
-    everything = strategy.all_gather(tensor.contiguous())
-    rows = torch.cat([everything[r, : sizes[r]] for r in range(len(sizes))])
-    return rows, sum(sizes[: strategy.global_rank])
+def gather_rows(strategy: Any, tensors: Sequence[Tensor]) -> tuple[list[Tensor], int]:
+    """Every rank's rows of each of ``tensors`` (dim 0, the same number in each; ranks' numbers
+    may differ), concatenated in rank order, and the index where this rank's start. One
+    all-gather of the sizes and one per tensor, no autograd."""
+    n = tensors[0].shape[0]
+    sizes = [int(v) for v in strategy.all_gather(torch.tensor([n], device=tensors[0].device)).reshape(-1).tolist()]
+    top, out = max(sizes), []
+    for tensor in tensors:
+        if n < top:
+            tensor = torch.cat([tensor, tensor.new_zeros((top - n, *tensor.shape[1:]))])
+        everything = strategy.all_gather(tensor.contiguous())
+        out.append(torch.cat([everything[r, : sizes[r]] for r in range(len(sizes))]))
+    return out, sum(sizes[: strategy.global_rank])

@@ -218,7 +218,7 @@ class MixinDriver(Callback):
             engine.count(samples, self._items(items, counted, samples))
             engine.backward_done()
             window.synced = last
-            if engine.probe is not None and not last:
+            if not last and engine.wants_prefix():
                 engine.measure_prefix(gradients.grads_of(self.params(key)), loss_scale(trainer))
         if last:
             window_step.close(self, trainer, key)

@@ -22,7 +22,7 @@ from lightning_accum import collectives, sync
 from lightning_accum.lr import check_multiplier
 from lightning_accum.metrics import WindowMetrics
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator, adascale_gain
-from lightning_accum.probe import NoiseProbe
+from lightning_accum.probe import NoiseProbe, measured
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Window, lr_factor
 
@@ -155,10 +155,16 @@ class WindowEngine:
         """The batch is over (nothing of it can be trained again)."""
         self.inflight, self.redo = None, None
 
+    def wants_prefix(self) -> bool:
+        """Whether the noise probe measures after the micro-batch just counted (1, 4, 16, ...):
+        asked before gathering the gradients and the AMP scale (a host sync) for it."""
+        return self.probe is not None and self.window is not None and measured(self.window.microbatches)
+
     def measure_prefix(self, grads: Sequence[Tensor], loss_scale: float = 1.0) -> None:
-        """Noise probe: the gradient after a micro-batch that is not the window's last."""
-        if self.probe is not None and self.window is not None and self.window.microbatches:
-            self.probe.prefix(grads, self.window, loss_scale)
+        """Noise probe: the gradient after a micro-batch that is not the window's last (where
+        :meth:`wants_prefix`)."""
+        assert self.probe is not None and self.window is not None
+        self.probe.prefix(grads, self.window, loss_scale)
 
     def close(self, strategy: Any, extra: Sequence[int] = ()) -> Closing:
         """The window's global counts (with ``extra``, in one all-reduce) and its step's factors."""

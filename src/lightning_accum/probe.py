@@ -40,12 +40,10 @@ class NoiseProbe:
         self._chain = PrefixChain()
 
     def prefix(self, grads: Sequence[Tensor], window: Any, loss_scale: float = 1.0) -> None:
-        """The gradient after the window's latest micro-batch, if their number is a power of 4 (see
-        :func:`measured`): it was divided by the window's loss divisor and multiplied by the AMP
-        ``loss_scale``; for ``"mean"`` each micro-batch's loss is a mean over its samples (the
-        prefix's mean is then over micro-batches)."""
-        if not measured(window.microbatches):
-            return
+        """The gradient after the window's latest micro-batch (called where :func:`measured`): it
+        was divided by the window's loss divisor and multiplied by the AMP ``loss_scale``; for
+        ``"mean"`` each micro-batch's loss is a mean over its samples (the prefix's mean is then
+        over micro-batches)."""
         sq = squared_norm(grads) * (window.divisor / loss_scale) ** 2  # |sum of losses' gradients|^2
         if self.normalize == "mean":
             batch: float | Tensor = window.samples

@@ -222,9 +222,9 @@ class AccumulationScheduler(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sharded:
             self._no_sync.close()
-        engine, window = self._engine, self._engine.window
+        engine = self._engine
         engine.backward_done()
-        if engine.probe is None or window is None or self._optimizer is None or self._redoing:
+        if not engine.wants_prefix() or self._optimizer is None or self._redoing:
             return
         if self._closes_window(trainer):
             return  # this micro-batch closes the window: its gradient is already the window's (and synced)
