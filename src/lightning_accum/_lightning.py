@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from lightning_accum import _seam
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 else:
@@ -42,9 +44,11 @@ def log_window(
 ) -> None:
     """Log a closed window's ``accum/*`` metrics (k and the window's loss also in the progress
     bar). ``self.log`` costs ~0.3 ms a call, so only at the cadence the loggers are written at
-    (every ``every`` optimizer steps) and at the first step, for the progress bar."""
+    (every ``every`` optimizer steps) and at the first step; in between the bar's k is set
+    directly, so that it shows the k in force."""
     step = progress.step
     if step % every and step != 1:
+        _seam.show_in_progress_bar(module.trainer, f"{prefix}k", float(closing.k))
         return
     module.log(f"{prefix}k", float(closing.k), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
     for name, value in (metrics or {}).items():  # the window's loss, its tasks' losses, its gradient norm

@@ -6,7 +6,8 @@ gradients before the backward of the batch where ``batch_idx % trainer.accumulat
 == 0`` and divides every loss by ``trainer.accumulate_grad_batches``. Setting that attribute
 at a window's first batch, to :func:`lightning_accum.window.lightning_divisor`, makes the loop
 close the window exactly where the schedule says. It also reads the loop's batch progress
-(which part of a batch had run when an exception came) and calls the loop's zero-grad path.
+(which part of a batch had run when an exception came), calls the loop's zero-grad path and
+writes the progress bar's metrics.
 ``tests/test_lightning_seam.py`` fails if Lightning changes any of these.
 """
 
@@ -47,6 +48,12 @@ def batch_processed(trainer: Any) -> bool:
     train this batch again; before it, the batch is trained again from its start."""
     progress = trainer.fit_loop.epoch_loop.batch_progress.current
     return bool(progress.processed > progress.completed)
+
+
+def show_in_progress_bar(trainer: Any, name: str, value: float) -> None:
+    """Put ``value`` in the progress bar's metrics now, without ``self.log`` (~0.3 ms a call):
+    the bar reads the logger connector's dict, which ``self.log(prog_bar=True)`` also fills."""
+    trainer._logger_connector._progress_bar_metrics[name] = value
 
 
 def backward_skipped(trainer: Any) -> bool:

@@ -52,6 +52,27 @@ def check_common(
     return resolved
 
 
+Reduction = Literal["sum", "mean"]
+
+
+def check_callback_items(normalize: object, count: object, reduction: object) -> None:
+    """The callback's ``normalize="items"`` needs ``count``; ``reduction`` says what the loss is."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(
+            f"`reduction` must be 'sum' or 'mean' (the loss over a micro-batch's items); got {reduction!r}."
+        )
+    if normalize == "items" and count is None:
+        raise ValueError(
+            "`normalize='items'` needs `count`: a function giving each micro-batch's number of items, "
+            "e.g. `count=lambda batch: int(batch['mask'].sum())` or `lightning_accum.count.causal_lm_tokens`."
+        )
+    if reduction == "mean" and normalize != "items":
+        raise ValueError(
+            "`reduction='mean'` weights each micro-batch's mean loss by its item count, which needs "
+            "`normalize='items'` (and `count`); with `normalize='mean'` leave `reduction` at 'sum'."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class AccumulationConfig:
     """What :meth:`AccumulationMixin.configure_accumulation` was given, validated."""

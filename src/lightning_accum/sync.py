@@ -238,11 +238,11 @@ def deepspeed_window_length(batches: float, start: int, k: int) -> int:
     return min(k, int(batches) - start)
 
 
-def scale_backward(loss: Tensor, factor: float) -> None:
-    """Multiply the gradient that ``loss``'s backward pass produces by ``factor``, before it
-    reaches any parameter (a hook on the loss: loss scaling and DeepSpeed's own division apply
-    around it unchanged)."""
-    if factor != 1.0 and loss.requires_grad:
+def scale_backward(loss: Tensor, factor: float | Tensor) -> None:
+    """Multiply the gradient that ``loss``'s backward pass produces by ``factor`` (a number or a
+    0-d tensor, not read on the host), before it reaches any parameter (a hook on the loss: loss
+    scaling and DeepSpeed's own division apply around it unchanged)."""
+    if loss.requires_grad and (isinstance(factor, Tensor) or factor != 1.0):
         loss.register_hook(lambda grad: grad * factor)  # type: ignore[no-untyped-call]
 
 

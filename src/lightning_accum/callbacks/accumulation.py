@@ -15,7 +15,7 @@ from lightning_accum._lightning import Callback, log_window, loss_scale, pl, ran
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
-from lightning_accum.options import Count, LRMultiplier, LRScaling, check_common
+from lightning_accum.options import Count, LRMultiplier, LRScaling, Reduction, check_callback_items, check_common
 from lightning_accum.probe import check_noise_under
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.sync import SyncMode
@@ -31,9 +31,10 @@ class AccumulationScheduler(Callback):
 
     * ``normalize="mean"``: the mean of the window's micro-batch gradients over all ranks, a
       short window included (Lightning's built-in divides a short window by the full ``k``);
-    * ``normalize="items"``: ``training_step`` returns a *sum* over items (tokens, ...) and
-      ``count(batch)`` gives the micro-batch's item count; the stepped gradient is the window's
-      summed gradient over all ranks divided by its global item count (token-weighted mean).
+    * ``normalize="items"``: ``training_step`` returns a *sum* over items (tokens, ...), or a mean
+      with ``reduction="mean"`` (a Hugging Face ``outputs.loss``), and ``count(batch)`` gives the
+      micro-batch's item count (e.g. :func:`lightning_accum.count.causal_lm_tokens`); the stepped
+      gradient is the window's summed gradient over all ranks divided by its global item count.
 
     On DDP the gradients are all-reduced once per optimizer step. The rescale happens in
     ``on_before_optimizer_step``: after AMP unscaling, before gradient clipping. LR schedulers
@@ -47,6 +48,8 @@ class AccumulationScheduler(Callback):
         normalize: ``"mean"`` or ``"items"``.
         count: ``count(batch) -> int | Tensor``: items in a micro-batch; required for
             ``"items"``, optional otherwise (it feeds ``Progress.items``).
+        reduction: ``"sum"`` or ``"mean"``: what ``training_step`` returns over a micro-batch's
+            items with ``normalize="items"`` (a mean is weighted by ``count(batch)``).
         lr_scaling: ``None``, ``"linear"``, ``"sqrt"`` or ``"adascale"`` (AdaScale's gain from the
             gradient noise measured in each window of k >= 2; ``Progress.scaled_steps`` sums it).
         lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each step, keyed
@@ -73,18 +76,15 @@ class AccumulationScheduler(Callback):
         *,
         normalize: Normalize = "mean",
         count: Count | None = None,
+        reduction: Reduction = "sum",
         lr_scaling: LRScaling | None = None,
         lr_schedule: LRMultiplier | None = None,
         log: bool = True,
         sync: SyncMode = "auto",
     ) -> None:
         self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync, lr_schedule)
-        if normalize == "items" and count is None:
-            raise ValueError(
-                "`normalize='items'` needs `count`: a function giving each micro-batch's number of items, "
-                "e.g. `count=lambda batch: int(batch['mask'].sum())`."
-            )
-        self.normalize = normalize
+        check_callback_items(normalize, count, reduction)
+        self.normalize, self.reduction = normalize, reduction
         self.count = count
         self.lr_scaling, self.lr_schedule = lr_scaling, lr_schedule
         self._log = log  # not `self.log`: Lightning binds `log` on callbacks
@@ -211,13 +211,15 @@ class AccumulationScheduler(Callback):
             return
         if self._loss_factor != 1.0:
             sync.scale_backward(loss, self._loss_factor)
+        if self.reduction == "mean":  # a mean over the micro-batch's items, weighted by their count
+            sync.scale_backward(loss, self._counts[1])
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._no_sync.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
             window.synced = final
         engine.count(*self._counts)
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
-            engine.metrics.add_loss(loss * self._divisor)
+            engine.metrics.add_loss(loss * (self._divisor * (self._counts[1] if self.reduction == "mean" else 1)))
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sharded:
