@@ -9,7 +9,14 @@ from helpers import TokenData, TokenModel, loader, trainer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_accum._seam import backward_skipped, batch_processed, set_divisor, zero_grad_like_lightning
+from lightning_accum import AccumulationScheduler, Piecewise
+from lightning_accum._seam import (
+    backward_skipped,
+    batch_processed,
+    set_divisor,
+    show_in_progress_bar,
+    zero_grad_like_lightning,
+)
 from lightning_accum.window import lightning_divisor
 
 
@@ -98,3 +105,31 @@ def test_progress_skip_and_zero_grad_seams() -> None:
     loop = pl.Trainer(logger=False).fit_loop
     loop._skip_backward = True  # what StochasticWeightAveraging sets for its BatchNorm epoch
     assert backward_skipped(type("T", (), {"fit_loop": loop})())
+
+
+class BarReader(pl.Callback):
+    """What the progress bar would draw after each batch."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        bar = trainer.progress_bar_callback
+        assert bar is not None
+        self.seen.append(float(bar.get_metrics(trainer, pl_module)["accum/k"]))
+
+
+def test_progress_bar_metrics_seam_shows_the_k_in_force_every_step() -> None:
+    """``show_in_progress_bar`` writes where the bar reads, and ``self.log`` (every
+    ``log_every_n_steps``) does not overwrite it with a stale value between logged steps."""
+    reader = BarReader()
+    schedule = Piecewise({0: 1, 3: 2, 5: 3}, unit="step")  # steps 0-2: k=1, 3-4: k=2, then 3
+    callback = AccumulationScheduler(schedule)
+    trainer(callbacks=[callback, reader], max_epochs=1, enable_progress_bar=True, log_every_n_steps=50).fit(
+        RawLossModel(), loader(TokenData(16), 1)
+    )
+    # the k of the window that closed last: windows end after batches 0, 1, 2 | 4, 6 | 9, 12, 15
+    assert reader.seen == [1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3]
+    probe = pl.Trainer(logger=False, enable_progress_bar=False)
+    show_in_progress_bar(probe, "x", 2.0)
+    assert probe.progress_bar_metrics["x"] == 2.0

@@ -82,6 +82,8 @@ def test_one_graph_alive_at_a_time() -> None:
     assert sequential.peak == one.peak
     assert joint.peak == 3 * one.peak
     assert sequential.alive == joint.alive == 0
+    mib = one.peak / 2**20
+    assert repr(one) == f"GraphMemory(peak={mib:.2f} MiB, alive=0.00 MiB)"
 
 
 @pytest.mark.parametrize(

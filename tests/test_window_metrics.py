@@ -41,11 +41,12 @@ def fit_logged(tmp_path: Path, model: Any, callbacks: list[Any], **kwargs: Any) 
     t.fit(model, loader(DATA, 4))
 
 
-@pytest.mark.parametrize("normalize", ["mean", "items"])
-def test_callback_logs_the_window_loss_and_gradient_norm(tmp_path: Path, normalize: str) -> None:
-    reduction = "sum" if normalize == "items" else "mean"
-    callback = AccumulationScheduler(SCHEDULE, normalize=normalize, count=count_tokens)
-    fit_logged(tmp_path, TokenModel(reduction=reduction), [callback])
+@pytest.mark.parametrize(("normalize", "reduction"), [("mean", "sum"), ("items", "sum"), ("items", "mean")])
+def test_callback_logs_the_window_loss_and_gradient_norm(tmp_path: Path, normalize: str, reduction: str) -> None:
+    """``reduction="mean"``: ``training_step`` returns token means, weighted by their counts."""
+    callback = AccumulationScheduler(SCHEDULE, normalize=normalize, count=count_tokens, reduction=reduction)
+    model_reduction = "sum" if (normalize, reduction) == ("items", "sum") else "mean"
+    fit_logged(tmp_path, TokenModel(reduction=model_reduction), [callback])
     reference = Reference(SCHEDULE, normalize=normalize)
     reference.run([rank_batches(DATA, 4)] * 2)
     losses, norms = logged(tmp_path, "accum/loss"), logged(tmp_path, "accum/grad_norm")

@@ -42,15 +42,15 @@ def loss_scale(trainer: Any) -> float:
 def log_window(
     module: Any, prefix: str, every: int, closing: Any, progress: Any, noise_scale: float | None, metrics: Any = None
 ) -> None:
-    """Log a closed window's ``accum/*`` metrics (k and the window's loss also in the progress
-    bar). ``self.log`` costs ~0.3 ms a call, so only at the cadence the loggers are written at
-    (every ``every`` optimizer steps) and at the first step; in between the bar's k is set
-    directly, so that it shows the k in force."""
+    """Log a closed window's ``accum/*`` metrics. ``self.log`` costs ~0.3 ms a call, so only at
+    the cadence the loggers are written at (every ``every`` optimizer steps) and at the first
+    step. The progress bar's k is written directly at every step (a dict entry; logged with
+    ``prog_bar=True`` it would show the k of the last logged step until the next one)."""
     step = progress.step
+    _seam.show_in_progress_bar(module.trainer, f"{prefix}k", float(closing.k))
     if step % every and step != 1:
-        _seam.show_in_progress_bar(module.trainer, f"{prefix}k", float(closing.k))
         return
-    module.log(f"{prefix}k", float(closing.k), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
+    module.log(f"{prefix}k", float(closing.k), on_step=True, on_epoch=False, batch_size=1)
     for name, value in (metrics or {}).items():  # the window's loss, its tasks' losses, its gradient norm
         module.log(f"{prefix}{name}", value, prog_bar=name == "loss", on_step=True, on_epoch=False, batch_size=1)
     values = {"effective_batch": closing.samples, "samples": progress.samples, "items": progress.items}

@@ -4,7 +4,7 @@ Lightning 2.x (read off 2.6) steps the optimizer after the batch where
 ``(batch_idx + 1) % trainer.accumulate_grad_batches == 0`` (or the epoch's last batch), zeroes
 gradients before the backward of the batch where ``batch_idx % trainer.accumulate_grad_batches
 == 0`` and divides every loss by ``trainer.accumulate_grad_batches``. Setting that attribute
-at a window's first batch, to :func:`lightning_accum.window.lightning_divisor`, makes the loop
+at a window's first batch, to ``lightning_accum.window.lightning_divisor``, makes the loop
 close the window exactly where the schedule says. It also reads the loop's batch progress
 (which part of a batch had run when an exception came), calls the loop's zero-grad path and
 writes the progress bar's metrics.
@@ -25,7 +25,7 @@ def set_divisor(trainer: Any, value: int) -> None:
 
 def zero_grad_like_lightning(trainer: Any, batch_idx: int, optimizer: Optimizer) -> None:
     """Zero gradients through Lightning's own zeroing path: the ``on_before_zero_grad`` hooks, the
-    module's ``optimizer_zero_grad`` (user overrides and :class:`GradientDecay` still apply) and the
+    module's ``optimizer_zero_grad`` (user overrides and ``GradientDecay`` still apply) and the
     loop's zero-grad progress counters."""
     loop = trainer.fit_loop.epoch_loop.automatic_optimization
     loop._on_before_zero_grad(optimizer)
@@ -65,7 +65,7 @@ def backward_skipped(trainer: Any) -> bool:
 class SchedulerFrequencies:
     """Lightning steps a step-interval LR scheduler when ``(batch_idx + 1) % frequency == 0``:
     counted in batches, reset each epoch. Set per optimizer step, this makes ``frequency`` count
-    optimizer steps; :meth:`restore` gives the configs back as the user made them."""
+    optimizer steps; ``restore`` gives the configs back as the user made them."""
 
     def __init__(self, trainer: Any = None) -> None:
         configs = [] if trainer is None else trainer.lr_scheduler_configs

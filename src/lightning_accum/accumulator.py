@@ -16,6 +16,7 @@ from torch import Tensor
 from lightning_accum import cached, collectives, microbatch, multitask
 from lightning_accum.driver import MixinDriver
 from lightning_accum.groups import GroupKey
+from lightning_accum.metrics import weigh
 from lightning_accum.window import Window
 
 
@@ -64,7 +65,7 @@ class Accumulator:
         loss = multitask.check_loss(loss, "the loss passed to `acc.backward`")
         if items is not None:
             _check_items(items)
-        self._backward(loss if items is None else loss * items)
+        self._backward(loss if items is None else weigh(loss, items))
         self._add_items(items)
 
     def backward_each(
@@ -163,7 +164,7 @@ class Accumulator:
         graph plus the representations. ``gather=True`` puts every rank's representations into
         the loss (in-batch negatives from all ranks): 2 ranks of batch B equal one process of 2B.
         The call is one micro-batch of the window; ``items`` weights the loss as in
-        :meth:`backward`. Returns the loss, detached.
+        ``backward``. Returns the loss, detached.
 
         Example::
 
@@ -180,7 +181,7 @@ class Accumulator:
             loss = multitask.check_loss(loss, "the loss returned by `loss_fn`")
             if items is not None:
                 _check_items(items)
-            self._backward(loss if items is None else loss * items)
+            self._backward(loss if items is None else weigh(loss, items))
 
         def reps_backward(reps: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
             # (FSDP, FSDP2: every chunk of the window's last batch syncs, since each module

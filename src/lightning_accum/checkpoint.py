@@ -55,7 +55,7 @@ def local_numbers(engine: WindowEngine) -> list[float]:
 
 
 def load_local_numbers(engine: WindowEngine, values: Sequence[float]) -> None:
-    """Put back what :func:`local_numbers` gave on this rank."""
+    """Put back what ``local_numbers`` gave on this rank."""
     window = engine.window
     assert window is not None
     window.microbatches, window.samples, window.items = (int(v) for v in values[:3])

@@ -1,7 +1,7 @@
 """The mixin's driver: all it keeps on the module, and its part in Lightning's loop.
 
-:class:`MixinDriver` is the one private object :class:`AccumulationMixin` puts on the user's
-module. It holds the configuration and one :class:`~lightning_accum.engine.WindowEngine` per
+``MixinDriver`` is the one private object ``AccumulationMixin`` puts on the user's
+module. It holds the configuration and one ``WindowEngine`` per
 window group, runs the backward passes under the sync plan, and at a window's end makes the
 gradient global, steps the optimizers and their step-interval LR schedulers and resets the
 gradients. As a callback (attached through ``configure_callbacks``) it rescales, decays and
@@ -33,7 +33,7 @@ Replay = list[tuple[Any, Callable[[Any], Tensor]]]
 
 
 class MixinDriver(Callback):
-    """State and window-end work of :class:`~lightning_accum.AccumulationMixin` (internal)."""
+    """State and window-end work of ``AccumulationMixin`` (internal)."""
 
     def __init__(self, module: Any) -> None:
         self.module = module

@@ -1,11 +1,11 @@
-"""The window lifecycle, shared by :class:`AccumulationScheduler` and :class:`AccumulationMixin`.
+"""The window lifecycle, shared by ``AccumulationScheduler`` and ``AccumulationMixin``.
 
-One :class:`WindowEngine` drives one window group (the optimizers that step together) through
-schedule -> :class:`~lightning_accum.window.Window` -> local counts -> global counts (one
-all-reduce, through the strategy) -> gradient scale -> LR factor -> :class:`Progress`, and
+One ``WindowEngine`` drives one window group (the optimizers that step together) through
+schedule -> ``Window`` -> local counts -> global counts (one
+all-reduce, through the strategy) -> gradient scale -> LR factor -> ``Progress``, and
 holds that state for checkpoints. It imports no Lightning: the callback and the mixin translate
-Lightning's hooks (or the ``accumulate`` block) into calls of :meth:`open`, :meth:`count`,
-:meth:`close` and :meth:`advance`, and act on the gradient themselves where Lightning lets them.
+Lightning's hooks (or the ``accumulate`` block) into calls of ``open``, ``count``,
+``close`` and ``advance``, and act on the gradient themselves where Lightning lets them.
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ class WindowEngine:
 
     Args:
         schedule: gives ``k`` when a window opens.
-        normalize: ``"mean"`` or ``"items"`` (see :meth:`Window.gradient_scale`).
+        normalize: ``"mean"`` or ``"items"`` (see ``Window.gradient_scale``).
         lr_scaling: ``None``, ``"linear"``, ``"sqrt"`` or ``"adascale"`` (the gain from the noise
-            statistics the window measures; :func:`~lightning_accum.noise.adascale_gain`).
+            statistics the window measures; ``adascale_gain``).
         lr_schedule: ``lr_schedule(progress) -> float``, a learning-rate multiplier for the step of
-            the window that opened at ``progress`` (see :mod:`lightning_accum.lr`).
+            the window that opened at ``progress`` (see ``lightning_accum.lr``).
 
     Example::
 
@@ -162,7 +162,7 @@ class WindowEngine:
 
     def measure_prefix(self, grads: Sequence[Tensor], loss_scale: float = 1.0) -> None:
         """Noise probe: the gradient after a micro-batch that is not the window's last (where
-        :meth:`wants_prefix`)."""
+        ``wants_prefix``)."""
         assert self.probe is not None and self.window is not None
         self.probe.prefix(grads, self.window, loss_scale)
 
@@ -213,7 +213,7 @@ class WindowEngine:
         )
 
     def advance(self, epoch: int) -> Closing:
-        """After the step: add the closed window to :attr:`progress` and forget it. An empty window
+        """After the step: add the closed window to ``progress`` and forget it. An empty window
         (not stepped) adds its samples and items but no step."""
         closing, window = self.closing, self.window
         assert closing is not None and window is not None
@@ -234,7 +234,7 @@ class WindowEngine:
 
     @property
     def noise_scale(self) -> float | None:
-        """The :class:`NoiseScale` schedule's current estimate, ``None`` for other schedules."""
+        """The ``NoiseScale`` schedule's current estimate, ``None`` for other schedules."""
         return None if self.probe is None else self.probe.estimator.noise_scale
 
     # ------------------------------------------------------------------ learning rate
@@ -248,7 +248,7 @@ class WindowEngine:
             group["lr"] = group["lr"] * factor
 
     def restore_lr(self) -> None:
-        """Put back the learning rates :meth:`scale_lr` changed."""
+        """Put back the learning rates ``scale_lr`` changed."""
         for group, lr in self._scaled_lrs:
             group["lr"] = lr
         self._scaled_lrs = []

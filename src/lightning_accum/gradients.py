@@ -65,7 +65,7 @@ def snapshot(params: Sequence[Tensor]) -> list[Tensor | None]:
 
 
 def placed(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> list[Tensor | None]:
-    """Gradients saved by :func:`snapshot`, checked against ``params`` and moved to their device and dtype."""
+    """Gradients saved by ``snapshot``, checked against ``params`` and moved to their device and dtype."""
     if len(saved) != len(params):
         raise ValueError(
             f"The checkpoint holds gradients for {len(saved)} parameters but the optimizer has {len(params)}; "
@@ -82,6 +82,6 @@ def placed(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> list[Ten
 
 
 def restore(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> None:
-    """Put gradients saved by :func:`snapshot` back, on each parameter's device and dtype."""
+    """Put gradients saved by ``snapshot`` back, on each parameter's device and dtype."""
     for p, g in zip(params, placed(params, saved), strict=True):
         p.grad = g

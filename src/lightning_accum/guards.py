@@ -1,4 +1,4 @@
-"""Misuse of :class:`~lightning_accum.AccumulationMixin`, caught where it happens: a module that is
+"""Misuse of ``AccumulationMixin``, caught where it happens: a module that is
 not set up for it, an ``optimizer.step()`` or a ``self.manual_backward`` of the user's own inside
 ``training_step`` (its gradient would enter no window), an epoch of blocks without a backward pass."""
 

@@ -3,7 +3,7 @@
 With a batch-size ramp the number of optimizer steps is not ``batches / k``, so a warm-up or a
 decay written in steps ends at the wrong point. Keyed on samples or items (tokens), the same
 schedule follows what the model has seen, whatever the windows. Each shape maps a
-:class:`~lightning_accum.Progress` to a multiplier of every parameter group's learning rate,
+``Progress`` to a multiplier of every parameter group's learning rate,
 composed by multiplication with the Trainer's LR scheduler and with ``lr_scaling``.
 
 This module is plain Python: it imports neither torch nor Lightning.
@@ -21,7 +21,7 @@ from lightning_accum.schedules import UNITS, Progress, _check_unit
 
 class LRSchedule:
     """Base class: ``schedule(progress) -> float``, the learning-rate multiplier of the step taken
-    by the window that opened at ``progress``. Stateless shapes keep the empty :meth:`state_dict`.
+    by the window that opened at ``progress``. Stateless shapes keep the empty ``state_dict``.
 
     Example::
 
@@ -42,7 +42,7 @@ class LRSchedule:
         return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; stateless shapes have nothing to restore."""
+        """Restore what ``state_dict`` returned; stateless shapes have nothing to restore."""
 
 
 def _count(value: object, name: str, unit: str) -> float:

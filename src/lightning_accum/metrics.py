@@ -18,6 +18,21 @@ from torchmetrics.aggregation import SumMetric
 from lightning_accum.gradients import squared_norm
 
 
+def weigh(loss: Tensor, items: int | Tensor) -> Tensor:
+    """A mean loss times its item count: the micro-batch's summed loss. 0 when it has no items
+    (a mean over no tokens is ``nan``, as Hugging Face losses return it), gradient included.
+
+    Example::
+
+        >>> weigh(torch.tensor(float("nan")), 0).item(), weigh(torch.tensor(2.0), 3).item()
+        (0.0, 6.0)
+    """
+    weighted = loss * items
+    if isinstance(items, Tensor):
+        return torch.where(items != 0, weighted, torch.zeros_like(weighted))
+    return weighted if items else torch.zeros_like(weighted)
+
+
 class WindowLoss:
     """Device sums of a window's losses, by name (``"loss"`` for the window, task names beside).
 
@@ -59,7 +74,7 @@ class WindowLoss:
 
 class WindowMetrics:
     """What is logged of a window, tracked only for the windows that are logged: every
-    :attr:`log_every` optimizer steps (0: never) and the first."""
+    ``log_every`` optimizer steps (0: never) and the first."""
 
     def __init__(self) -> None:
         self.log_every = 0

@@ -1,9 +1,9 @@
 """``AccumulationMixin``: exact, scheduled accumulation for manual optimization.
 
 The public façade. What it keeps lives in one private object on the module, the
-:class:`~lightning_accum.driver.MixinDriver`, which owns the windows (one
-:class:`~lightning_accum.engine.WindowEngine` per optimizer group) and does the window-end
-work; :class:`~lightning_accum.accumulator.Accumulator` runs the backward passes of the block.
+``MixinDriver``, which owns the windows (one
+``WindowEngine`` per optimizer group) and does the window-end
+work; ``Accumulator`` runs the backward passes of the block.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ __all__ = ["AccumulationMixin", "Accumulator"]
 class AccumulationMixin(_ModuleBase):
     """Manual-optimization accumulation: ``class Model(AccumulationMixin, LightningModule)``.
 
-    Sets ``automatic_optimization = False``. Configure once with :meth:`configure_accumulation`
-    (the same schedules as :class:`~lightning_accum.AccumulationScheduler`), then in
-    ``training_step`` wrap the backward passes in :meth:`accumulate`. The optimizers are stepped,
+    Sets ``automatic_optimization = False``. Configure once with ``configure_accumulation``
+    (the same schedules as ``AccumulationScheduler``), then in
+    ``training_step`` wrap the backward passes in ``accumulate``. The optimizers are stepped,
     their step-interval LR schedulers stepped and the gradients reset by the mixin at each
     window's end; do not call ``optimizer.step()`` or ``zero_grad()`` yourself.
 
@@ -79,19 +79,19 @@ class AccumulationMixin(_ModuleBase):
         """Set the schedule and the window-end policy.
 
         Args:
-            schedule: a :class:`~lightning_accum.Schedule`, an ``int`` or an epoch-keyed ``dict``.
+            schedule: a ``Schedule``, an ``int`` or an epoch-keyed ``dict``.
             normalize: ``"mean"`` (mean of the window's micro-batch gradients over ranks) or
                 ``"items"`` (losses are sums over items; divide by the global item count).
             count: ``count(batch)`` items in a micro-batch; for ``"items"`` either this or
                 ``acc.backward(loss, items=n)``.
             reset: after each step, ``"zero"`` the gradients (keep the buffers), set them to ``None``,
-                or decay them with a :class:`~lightning_accum.GradientDecay`.
+                or decay them with a ``GradientDecay``.
             gradient_clip_val: clip the normalised window gradient to this norm (or value).
             gradient_clip_algorithm: ``"norm"`` or ``"value"``.
             lr_scaling: ``"linear"`` or ``"sqrt"``: LR times ``k / k_first`` (or its root) for each step;
                 ``"adascale"``: times AdaScale's gain from the measured gradient noise.
             lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each
-                step, keyed on the progress its window opened with (:mod:`lightning_accum.lr`).
+                step, keyed on the progress its window opened with (``lightning_accum.lr``).
             log: log ``accum/k``, ``accum/loss`` (the window's; ``accum/loss/<task>`` for tasks),
                 ``accum/grad_norm``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``.
             sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
@@ -134,14 +134,14 @@ class AccumulationMixin(_ModuleBase):
 
     @property
     def accumulation_progress(self) -> Progress:
-        """:class:`Progress` of the window group of all optimizers (or the only group)."""
+        """``Progress`` of the window group of all optimizers (or the only group)."""
         driver = self._accumulation
         engine = driver.engines.get(driver.key(None))
         return Progress() if engine is None else engine.progress
 
     @contextlib.contextmanager
     def accumulate(self, batch: Any, optimizer: Any = None) -> Iterator[Accumulator]:
-        """Open (or continue) the window and yield an :class:`Accumulator` for this micro-batch.
+        """Open (or continue) the window and yield an ``Accumulator`` for this micro-batch.
 
         ``optimizer`` picks the window: ``None`` for one window shared by all optimizers, or an
         optimizer (or its index, or a list of them) for a window of its own. On exit at the

@@ -119,13 +119,20 @@ def _increment_norm(params: Sequence[Tensor], before: Sequence[Tensor | None]) -
 class GraphMemory:
     """Bytes of tensors saved for backward that are alive, and their peak, while measuring.
 
-    Parameters are not counted (they exist anyway). Use :func:`measure_graph_memory`.
+    Parameters are not counted (they exist anyway). Use ``measure_graph_memory``.
+
+    Attributes:
+        alive: bytes saved for backward and not yet freed (0 once every graph was used or dropped).
+        peak: the most bytes that were alive at once: the graph memory the code inside needs.
     """
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         self._exclude = {t.data_ptr() for t in exclude}
         self.alive = 0
         self.peak = 0
+
+    def __repr__(self) -> str:
+        return f"GraphMemory(peak={self.peak / 2**20:.2f} MiB, alive={self.alive / 2**20:.2f} MiB)"
 
     def _release(self, nbytes: int) -> None:
         self.alive -= nbytes

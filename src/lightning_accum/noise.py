@@ -6,8 +6,8 @@ gradient covariance. The squared norm of a gradient averaged over :math:`B` samp
 expectation :math:`|G|^2 + \operatorname{tr}(\Sigma)/B`, so gradients at several batch sizes
 give unbiased estimates of both by linear regression.
 
-A window offers one measurement per micro-batch for free (:mod:`lightning_accum.probe`);
-:func:`fit_prefixes` fits them, and windows are averaged before dividing, so that the ratio's
+A window offers one measurement per micro-batch for free (``lightning_accum.probe``);
+``fit_prefixes`` fits them, and windows are averaged before dividing, so that the ratio's
 bias (second order in its denominator's relative error) stays negligible.
 """
 
@@ -21,7 +21,7 @@ from lightning_accum.schedules import Progress, Schedule, _check_k
 
 
 class PrefixChain:
-    """Sufficient statistics of :func:`fit_prefixes` over nested prefixes added in order.
+    """Sufficient statistics of ``fit_prefixes`` over nested prefixes added in order.
 
     Each prefix is ``(batch, sum_sq)``: ``sum_sq`` is the squared norm of the *sum* of the
     per-sample gradients of its ``batch`` samples (``batch**2`` times that of their mean). The
@@ -94,7 +94,7 @@ class NoiseScaleEstimator:
     r"""Moving averages of per-window unbiased estimates of :math:`|G|^2` and
     :math:`\operatorname{tr}(\Sigma)`, weighted by each window's micro-batches and decayed by
     ``beta`` per window (about ``1 / (1 - beta)`` windows of memory; normalised, so there is no
-    start-up bias). On ``benchmarks/noise_study.py``'s regression, with :class:`NoiseScale`'s
+    start-up bias). On ``benchmarks/noise_study.py``'s regression, with ``NoiseScale``'s
     other defaults, ``beta=0.995`` put the final k of 160 of 160 seeds within 25 % of the truth.
 
     Example::
@@ -236,7 +236,7 @@ class NoiseScale(Schedule):
         self._per_microbatch = per_microbatch
 
     def record(self, grad_sq: float, trace: float, weight: float, per_microbatch: float) -> None:
-        """One window's estimates (from :func:`fit_prefixes`), weighted by its micro-batches."""
+        """One window's estimates (from ``fit_prefixes``), weighted by its micro-batches."""
         self.estimator.add(grad_sq, trace, weight)
         self._per_microbatch = per_microbatch
 

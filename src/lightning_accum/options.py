@@ -75,7 +75,7 @@ def check_callback_items(normalize: object, count: object, reduction: object) ->
 
 @dataclasses.dataclass(frozen=True)
 class AccumulationConfig:
-    """What :meth:`AccumulationMixin.configure_accumulation` was given, validated."""
+    """What ``AccumulationMixin.configure_accumulation`` was given, validated."""
 
     schedule: Schedule
     normalize: str = "mean"
@@ -105,5 +105,5 @@ class AccumulationConfig:
 
     @property
     def decay(self) -> GradientDecay | None:
-        """The reset policy when it is a :class:`GradientDecay`."""
+        """The reset policy when it is a ``GradientDecay``."""
         return self.reset if isinstance(self.reset, GradientDecay) else None

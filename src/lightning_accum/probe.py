@@ -1,5 +1,5 @@
 """The noise probe: what each accumulation window measures for the gradient-noise estimator
-(:mod:`lightning_accum.noise`), and the strategies under which it cannot measure."""
+(``lightning_accum.noise``), and the strategies under which it cannot measure."""
 
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ from lightning_accum.schedules import Schedule
 def measured(microbatches: int) -> bool:
     """Whether the probe measures after this many micro-batches of a window: after 1, 4, 16, 64,
     ... The fit's information grows with the log of the prefix sizes' ratios
-    (:func:`~lightning_accum.noise.fit_prefixes`), so geometric prefixes keep nearly all of it
+    (``fit_prefixes``), so geometric prefixes keep nearly all of it
     (at k = 16, 1.2 against 1.37 for every prefix, 0.88 for the first alone) for a norm of the
     gradient at ``log4(k)`` micro-batches instead of ``k - 1``."""
     return microbatches > 0 and microbatches & (microbatches - 1) == 0 and (microbatches.bit_length() - 1) % 2 == 0
 
 
 class NoiseProbe:
-    """Feeds a :class:`NoiseScale` (or a bare :class:`NoiseScaleEstimator`, for AdaScale) from the
+    """Feeds a ``NoiseScale`` (or a bare ``NoiseScaleEstimator``, for AdaScale) from the
     windows: the squared norm of the accumulated gradient after micro-batches 1, 4, 16, ... but
     the last (local: one fused norm, no host sync, no collective), and the window's final gradient. At the
-    window's end each rank fits its own chain of prefixes (:func:`fit_prefixes`; the last prefix
+    window's end each rank fits its own chain of prefixes (``fit_prefixes``; the last prefix
     is the gradient over all ranks) and the fits are averaged over ranks in one all-reduce. Batch
     sizes are in samples for ``normalize="mean"`` and in items for ``"items"``."""
 
@@ -40,7 +40,7 @@ class NoiseProbe:
         self._chain = PrefixChain()
 
     def prefix(self, grads: Sequence[Tensor], window: Any, loss_scale: float = 1.0) -> None:
-        """The gradient after the window's latest micro-batch (called where :func:`measured`): it
+        """The gradient after the window's latest micro-batch (called where ``measured``): it
         was divided by the window's loss divisor and multiplied by the AMP ``loss_scale``; for
         ``"mean"`` each micro-batch's loss is a mean over its samples (the prefix's mean is then
         over micro-batches)."""
@@ -102,7 +102,7 @@ class NoiseProbe:
 
 
 def check_noise_under(plan: sync.SyncPlan, schedule: Schedule, lr_scaling: str | None = None) -> None:
-    """A :class:`NoiseScale` (and AdaScale) needs each rank's whole gradient after the window's
+    """A ``NoiseScale`` (and AdaScale) needs each rank's whole gradient after the window's
     first micro-batch; FSDP and FSDP2 keep it sharded (or in their own unsharded buffers),
     DeepSpeed in its own."""
     who = "`NoiseScale`" if isinstance(schedule, NoiseScale) else "`lr_scaling='adascale'`"

@@ -1,7 +1,7 @@
 """Accumulation schedules: training progress in, micro-batches per window out.
 
 A schedule is asked once per window, when the window opens, for ``k``: how many
-micro-batches the window holds. It sees only :class:`Progress`, which is identical on
+micro-batches the window holds. It sees only ``Progress``, which is identical on
 every rank (counts are summed over ranks), so every rank gets the same ``k``.
 
 This module is plain Python: it imports neither torch nor Lightning.
@@ -70,10 +70,10 @@ def _check_count(value: object, name: str) -> int:
 
 
 class Schedule:
-    """Base class: maps :class:`Progress` to ``k >= 1``, the micro-batches of the next window.
+    """Base class: maps ``Progress`` to ``k >= 1``, the micro-batches of the next window.
 
-    Subclasses implement :meth:`k`; calling the schedule validates the result. Stateless
-    schedules keep the default empty :meth:`state_dict`; stateful ones (adaptive schedules)
+    Subclasses implement ``k``; calling the schedule validates the result. Stateless
+    schedules keep the default empty ``state_dict``; stateful ones (adaptive schedules)
     override it so that a resumed run continues exactly.
 
     Example::
@@ -87,7 +87,7 @@ class Schedule:
 
     #: the progress counter the schedule reads, if it reads just one (used for early checks)
     unit: str | None = None
-    #: whether ``k`` depends on :class:`Progress` (and state shared by all ranks) alone, so that every
+    #: whether ``k`` depends on ``Progress`` (and state shared by all ranks) alone, so that every
     #: rank computes the same ``k``; if not (``Lambda``, subclasses), the ranks' ``k`` are compared
     #: at each window's start, which costs one small all-reduce per optimizer step
     rank_consistent: bool = False
@@ -107,7 +107,7 @@ class Schedule:
         return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; stateless schedules have nothing to restore."""
+        """Restore what ``state_dict`` returned; stateless schedules have nothing to restore."""
 
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and repr(self) == repr(other)
@@ -246,7 +246,7 @@ class Ramp(Schedule):
 
 
 class Lambda(Schedule):
-    """Any function of :class:`Progress`; its result is validated like every schedule's.
+    """Any function of ``Progress``; its result is validated like every schedule's.
 
     Example::
 

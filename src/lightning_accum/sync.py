@@ -1,12 +1,12 @@
 """Strategy integration: where gradient sync is skipped inside a window, and made global at its end.
 
 One function per strategy family decides how a window's non-final micro-batches skip the
-gradient collective; :func:`skip_sync` picks it from a :class:`SyncPlan`:
+gradient collective; ``skip_sync`` picks it from a ``SyncPlan``:
 
 * DDP: ``strategy.block_backward_sync()`` (DDP's ``no_sync``). Lightning's automatic loop
   already applies it to the batches it accumulates, which ``_seam`` aligns with the windows;
   the mixin runs every pass under it and all-reduces the window once, explicitly, at its end
-  (:func:`all_reduce_gradients`): one collective round per optimizer step whatever the number
+  (``all_reduce_gradients``): one collective round per optimizer step whatever the number
   of backward passes, and no dependence on ``find_unused_parameters``.
 * FSDP (``FSDPStrategy``): the outermost wrapped modules' ``no_sync()``, opt-in
   (``sync="skip"``): full unsharded gradients are then held until the window's last
@@ -17,11 +17,11 @@ gradient collective; :func:`skip_sync` picks it from a :class:`SyncPlan`:
   ``gradient_accumulation_steps=1`` and told at each micro-batch whether it ends the window
   (``set_gradient_accumulation_boundary``): it reduces (ZeRO 0/1) and steps only then (ZeRO 0-3). Its
   gradients live in its own buffers, so each micro-batch's share of the window mean is set on
-  the loss's gradient before backward (:func:`scale_backward`), not on ``.grad`` after it.
+  the loss's gradient before backward (``scale_backward``), not on ``.grad`` after it.
 * Single device: nothing to skip.
 
 The collectives that make gradients and counts global at a window's end are in
-:mod:`lightning_accum.collectives`.
+``lightning_accum.collectives``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def refuse_deepspeed(strategy: Any, who: str, what: str = "") -> None:
 
 
 def check_sync_mode(sync: Any) -> None:
-    """Clear error for a ``sync=`` argument that is not one of :data:`SYNC_MODES`."""
+    """Clear error for a ``sync=`` argument that is not one of ``SYNC_MODES``."""
     if sync not in SYNC_MODES:
         raise ValueError(
             f"`sync` must be 'auto', 'skip' or 'every'; got {sync!r}. 'skip' reduces gradients once per window "
@@ -136,7 +136,7 @@ class SyncPlan:
 
 
 def plan(strategy: Any, mode: SyncMode = "auto") -> SyncPlan:
-    """The :class:`SyncPlan` for ``strategy`` (after setup) under ``sync=mode``.
+    """The ``SyncPlan`` for ``strategy`` (after setup) under ``sync=mode``.
 
     ``"auto"`` skips on DDP and FSDP2 and keeps Lightning's per-micro-batch reduce-scatter on FSDP;
     ``"skip"`` skips wherever the strategy can; ``"every"`` reduce-scatters sharded gradients after

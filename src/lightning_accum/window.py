@@ -2,7 +2,7 @@
 
 A window opens with the ``k`` its schedule gave and counts, on this rank, the micro-batches
 that were back-propagated, their samples and their items (tokens, ...). At its end the counts
-are summed over ranks (:mod:`lightning_accum.sync`) and :meth:`Window.gradient_scale` gives
+are summed over ranks (``lightning_accum.sync``) and ``Window.gradient_scale`` gives
 the factor that turns the accumulated gradient into the window's mean.
 """
 
@@ -61,7 +61,7 @@ class Window:
         self.samples += samples
 
     def remove(self, samples: int, items: int | Tensor) -> None:
-        """Take back the latest :meth:`add` (a micro-batch whose backward never ran)."""
+        """Take back the latest ``add`` (a micro-batch whose backward never ran)."""
         if isinstance(items, Tensor):
             self.pending_items.pop()
         else:
@@ -135,7 +135,7 @@ def batch_size(batch: Any) -> int | None:
 
 
 def sample_count(batch: Any, needed_by: str | None) -> int:
-    """:func:`batch_size`, or 0 where it is unknown and nothing needs it; ``needed_by`` names
+    """``batch_size``, or 0 where it is unknown and nothing needs it; ``needed_by`` names
     what needs it (a schedule keyed on samples, the noise scale in samples)."""
     samples = batch_size(batch)
     if samples is not None:

@@ -15,6 +15,7 @@ from lightning_accum._lightning import Callback, log_window, loss_scale, pl, ran
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
+from lightning_accum.metrics import weigh
 from lightning_accum.options import Count, LRMultiplier, LRScaling, Reduction, check_callback_items, check_common
 from lightning_accum.probe import check_noise_under
 from lightning_accum.schedules import Progress, Schedule
@@ -33,7 +34,7 @@ class AccumulationScheduler(Callback):
       short window included (Lightning's built-in divides a short window by the full ``k``);
     * ``normalize="items"``: ``training_step`` returns a *sum* over items (tokens, ...), or a mean
       with ``reduction="mean"`` (a Hugging Face ``outputs.loss``), and ``count(batch)`` gives the
-      micro-batch's item count (e.g. :func:`lightning_accum.count.causal_lm_tokens`); the stepped
+      micro-batch's item count (e.g. ``lightning_accum.count.causal_lm_tokens``); the stepped
       gradient is the window's summed gradient over all ranks divided by its global item count.
 
     On DDP the gradients are all-reduced once per optimizer step. The rescale happens in
@@ -43,7 +44,7 @@ class AccumulationScheduler(Callback):
     for the step only.
 
     Args:
-        schedule: a :class:`~lightning_accum.Schedule`, an ``int`` or an epoch-keyed ``dict``
+        schedule: a ``Schedule``, an ``int`` or an epoch-keyed ``dict``
             (as for Lightning's ``GradientAccumulationScheduler``).
         normalize: ``"mean"`` or ``"items"``.
         count: ``count(batch) -> int | Tensor``: items in a micro-batch; required for
@@ -53,7 +54,7 @@ class AccumulationScheduler(Callback):
         lr_scaling: ``None``, ``"linear"``, ``"sqrt"`` or ``"adascale"`` (AdaScale's gain from the
             gradient noise measured in each window of k >= 2; ``Progress.scaled_steps`` sums it).
         lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each step, keyed
-            on the :class:`Progress` its window opened with (shapes in :mod:`lightning_accum.lr`).
+            on the ``Progress`` its window opened with (shapes in ``lightning_accum.lr``).
         log: log ``accum/k`` and ``accum/loss`` (the window's loss; both in the progress bar),
             ``accum/grad_norm``, ``accum/effective_batch``, ``accum/samples``, ``accum/items`` every
             ``Trainer(log_every_n_steps)`` optimizer steps (when the loggers write) and at the first.
@@ -209,17 +210,15 @@ class AccumulationScheduler(Callback):
         if self._redoing:
             sync.scale_backward(loss, 0.0)
             return
-        if self._loss_factor != 1.0:
-            sync.scale_backward(loss, self._loss_factor)
-        if self.reduction == "mean":  # a mean over the micro-batch's items, weighted by their count
-            sync.scale_backward(loss, self._counts[1])
+        mean = self.reduction == "mean"  # a mean over the micro-batch's items: weighted by their count
+        sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._no_sync.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
             window.synced = final
         engine.count(*self._counts)
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
-            engine.metrics.add_loss(loss * (self._divisor * (self._counts[1] if self.reduction == "mean" else 1)))
+            engine.metrics.add_loss((weigh(loss, self._counts[1]) if mean else loss) * self._divisor)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sharded:

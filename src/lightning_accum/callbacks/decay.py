@@ -32,7 +32,7 @@ class GradientDecay(Callback):
     ``factor`` may be a function of the number of optimizer steps done. The residual
     :math:`G_{t-1}` is held beside the window's gradient (one extra gradient-sized buffer) and
     combined with it in ``on_before_optimizer_step``: after AMP unscaling and after
-    :class:`AccumulationScheduler`'s normalisation (put this callback after it), before
+    ``AccumulationScheduler``'s normalisation (put this callback after it), before
     clipping. So the residual never mixes loss scales or window normalisers, survives
     Lightning's ``zero_grad`` before validation, and is kept, not decayed, when AMP skips a step
     for inf/nan gradients. It is saved in checkpoints unless ``save_residual=False``.
