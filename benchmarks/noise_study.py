@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--label", default="after")
     parser.add_argument("--json", type=Path, default=HERE / "noise_study.json")
-    parser.add_argument("--png", default=str(HERE / "noise_study.png"), help="'' for none")
+    parser.add_argument("--png", default=str(HERE.parent / "docs" / "images" / "noise_study.png"), help="'' for none")
     args = parser.parse_args()
     torch.set_num_threads(1)
     traces = {seed: run(seed) for seed in range(args.seeds)}

@@ -6,7 +6,9 @@ grows as the model learns. ``lr_scaling="adascale"`` sets each step's learning r
 gain r = (tr(Sigma)/B0 + |G|^2) / (tr(Sigma)/B + |G|^2) from the same measurements (Johnson et al.
 2020): between 1 (little noise: a bigger batch barely helps) and B/B0 (noise dominates: the linear
 rule). Prints k, the estimate and r every few steps and writes ``adaptive.png`` (k, the noise
-scale, r and the learning rate over training) into ``--out``.
+scale, r and the learning rate over training) into ``--out``. An epoch's last window holds fewer
+micro-batches when the epoch runs out of batches: the plot marks those windows, whose smaller
+batch also gets a smaller gain (the dips in r), and "final k" is the schedule's k, not theirs.
 
     pip install "lightning-accum[examples]" && python examples/adaptive.py
 """
@@ -25,6 +27,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler, NoiseScale
 
+from _quiet import quiet
+
 
 class Classifier(pl.LightningModule):
     def __init__(self) -> None:
@@ -40,15 +44,22 @@ class Classifier(pl.LightningModule):
 
 
 class Track(pl.Callback):
-    """Records k, the noise scale, AdaScale's gain and the learning rate at every optimizer step."""
+    """At every optimizer step: the schedule's k, the micro-batches the window really held (an
+    epoch's last window is short when the epoch runs out of batches), the noise scale, AdaScale's
+    gain and the learning rate."""
 
     def __init__(self, accumulation: AccumulationScheduler, schedule: NoiseScale) -> None:
         self.accumulation, self.schedule = accumulation, schedule
         self.steps: list[int] = []
-        self.k: list[int] = []
+        self.k: list[int] = []  # the schedule's k for the window
+        self.held: list[int] = []  # micro-batches the window held
         self.noise: list[float] = []
         self.gain: list[float] = []
         self.lr: list[float] = []
+        self._k_now = schedule.current_k
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._k_now = self.schedule.current_k  # (the window under way got it when it opened)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: Any, optimizer: Any) -> None:
         self.lr.append(optimizer.param_groups[0]["lr"])  # (after the package scaled it for this step)
@@ -58,12 +69,14 @@ class Track(pl.Callback):
         if progress.step == len(self.steps):  # the window is still open
             return
         self.steps.append(progress.step)
-        self.k.append(progress.microbatches - sum(self.k))
+        self.k.append(self._k_now)
+        self.held.append(progress.microbatches - sum(self.held))
         self.noise.append(self.schedule.noise_scale)
         self.gain.append(progress.scaled_steps - sum(self.gain))
         if progress.step % 10 == 0:
+            short = f" (held {self.held[-1]}: the epoch's last)" if self.held[-1] < self.k[-1] else ""
             print(
-                f"step {progress.step:4d}  k {self.k[-1]:2d}  noise scale {self.noise[-1]:8.1f} samples  "
+                f"step {progress.step:4d}  k {self.k[-1]:2d}{short}  noise scale {self.noise[-1]:8.1f} samples  "
                 f"adascale gain {self.gain[-1]:5.2f}"
             )
 
@@ -73,6 +86,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = parser.parse_args()
+    quiet()
 
     pl.seed_everything(0, verbose=False)
     digits = load_digits()
@@ -92,24 +106,35 @@ def main() -> None:
     )
     trainer.fit(Classifier(), data)
     progress = accumulation.progress
-    print(f"done: {progress.step} optimizer steps, {progress.scaled_steps:.1f} scaled steps, final k {track.k[-1]}")
+    short = sum(h < k for h, k in zip(track.held, track.k, strict=True))
+    print(
+        f"done: {progress.step} optimizer steps ({short} short windows at epoch ends), "
+        f"{progress.scaled_steps:.1f} scaled steps, final k {schedule.current_k}"
+    )
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, middle, bottom) = plt.subplots(3, 1, sharex=True, figsize=(7, 7))
-    top.step(track.steps, track.k, where="post")
-    top.set(ylabel="k (x16 samples)")
+    fig, (top, middle, bottom) = plt.subplots(3, 1, sharex=True, figsize=(7, 8), layout="constrained")
+    top.step(track.steps, track.k, where="post", label="the schedule's k")
+    short = [(s, h) for s, h, k in zip(track.steps, track.held, track.k, strict=True) if h < k]
+    if short:
+        top.plot(*zip(*short, strict=True), "v", color="tab:red", label="an epoch's short last window")
+    top.set(ylabel="micro-batches of 16")
+    top.legend(loc="upper left")
     middle.plot(track.steps, track.noise)
-    middle.set(ylabel="B_simple (samples)")
+    middle.set(ylabel="noise scale\nB_simple (samples)")
     bottom.plot(track.steps, track.gain, label="AdaScale gain r")
     bottom.plot(track.steps, [lr / 0.1 for lr in track.lr], "--", label="learning rate / 0.1")
+    dips = [(s, g) for s, g, h, k in zip(track.steps, track.gain, track.held, track.k, strict=True) if h < k]
+    if dips:  # a short window is a smaller batch: a smaller gain, a smaller step
+        bottom.plot(*zip(*dips, strict=True), "v", color="tab:red", label="short last window")
     bottom.set(xlabel="optimizer step", ylabel="gain")
-    bottom.legend()
+    bottom.legend(loc="upper left")
+    fig.align_ylabels()
     top.set_title("Accumulation and learning rate following the gradient noise (digits)")
-    fig.tight_layout()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "adaptive.png"
     fig.savefig(path, dpi=120)

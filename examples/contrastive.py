@@ -20,8 +20,6 @@ problem it lowers the held-out loss faster early on and ends with a lower 1-NN a
 from __future__ import annotations
 
 import argparse
-import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationMixin
+
+from _quiet import quiet
 
 BATCH, CHUNK = 256, 32
 
@@ -92,13 +92,6 @@ def nearest_neighbour_accuracy(
     with torch.no_grad():
         a, b = (nn.functional.normalize(encoder(x), dim=1) for x in (train, test))
     return float((y_train[(b @ a.T).argmax(1)] == y_test).float().mean())
-
-
-def quiet() -> None:
-    """Lightning's banners and tips, for this script only."""
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", module="lightning")
-    warnings.filterwarnings("ignore", message=".*treespec.*")
 
 
 def main() -> None:

@@ -17,10 +17,8 @@ import argparse
 import collections
 import inspect
 import json
-import logging
 import pathlib
 import typing
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +29,13 @@ from torch.utils.data import DataLoader
 from lightning_accum import AccumulationScheduler, Ramp
 from lightning_accum.count import causal_lm_tokens
 from lightning_accum.lr import WarmupCosine
+
+from _quiet import quiet
+
+try:
+    import transformers
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise SystemExit('This example needs transformers: pip install "lightning-accum[examples,hf]"') from error
 
 PAD = 256  # bytes are 0-255
 
@@ -60,11 +65,11 @@ def collate(rows: list[bytes]) -> dict[str, Tensor]:
 class CausalLM(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(vocab_size=PAD + 1, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+        config = transformers.GPT2Config(
+            vocab_size=PAD + 1, bos_token_id=PAD, eos_token_id=PAD, n_positions=128, n_embd=64, n_layer=2, n_head=4
+        )
         torch.manual_seed(0)
-        self.model = GPT2LMHeadModel(config)
+        self.model = transformers.GPT2LMHeadModel(config)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self.model(**batch).loss  # a mean over the batch's predicted tokens
@@ -74,20 +79,17 @@ class CausalLM(pl.LightningModule):
 
 
 class History(pl.Callback):
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, int, float]] = []
+    """Every 10th optimizer step: k, the tokens seen and the effective batch's loss per token."""
+
+    def __init__(self, accumulation: AccumulationScheduler) -> None:
+        self.accumulation, self.rows = accumulation, []  # type: ignore[var-annotated]
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        metrics = trainer.callback_metrics
-        if "accum/loss" in metrics and trainer.global_step % 10 == 0:
-            self.rows.append((trainer.global_step, int(metrics["accum/k"]), float(metrics["accum/loss"])))
-
-
-def quiet() -> None:
-    """Lightning's banners and tips, and transformers' notices, for this script only."""
-    for name in ("lightning.pytorch", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+        step, metrics = trainer.global_step, trainer.callback_metrics
+        if step % 10 == 0 and "accum/loss" in metrics and (not self.rows or self.rows[-1][0] != step):
+            self.rows.append(
+                (step, int(metrics["accum/k"]), self.accumulation.progress.items, float(metrics["accum/loss"]))
+            )
 
 
 def main() -> None:
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     quiet()
+    transformers.logging.set_verbosity_error()  # its config notices
     data = texts()
     tokens = sum(len(t) - 1 for t in data) * args.epochs  # predicted tokens in the whole fit
     accumulation = AccumulationScheduler(
@@ -104,7 +107,7 @@ def main() -> None:
         reduction="mean",
         lr_schedule=WarmupCosine(warmup=int(0.1 * tokens), total=tokens, unit="items"),
     )
-    history = History()
+    history = History(accumulation)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=args.epochs,
@@ -118,8 +121,8 @@ def main() -> None:
     torch.manual_seed(1)
     trainer.fit(CausalLM(), DataLoader(data, batch_size=8, shuffle=True, collate_fn=collate))  # type: ignore[arg-type]
     print(f"{len(data)} paragraphs, {tokens} predicted tokens over {args.epochs} epochs")
-    for step, k, loss in history.rows:
-        print(f"step {step:>4}: k {k}, window loss {loss:.3f} per token")
+    for step, k, seen, loss in history.rows:
+        print(f"step {step:>4}: k {k}, {seen:>6} tokens seen, effective batch's loss {loss:.3f} per token")
     progress = accumulation.progress
     print(f"done: {progress.step} optimizer steps, {progress.items} tokens, final k {accumulation.schedule(progress)}")
 

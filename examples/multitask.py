@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accum import AccumulationMixin, Ramp
 from lightning_accum.multitask import backward_heads, measure_graph_memory
 
+from _quiet import quiet
+
 
 class MultiTask(AccumulationMixin, pl.LightningModule):
     WEIGHTS = (1.0, 0.5, 0.5)
@@ -70,6 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=5)
     args = parser.parse_args()
+    quiet()
 
     pl.seed_everything(0, verbose=False)
     digits = load_digits()

@@ -21,6 +21,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_accum import AccumulationScheduler, Ramp
 
+from _quiet import quiet
+
 
 class DigitsClassifier(pl.LightningModule):
     def __init__(self, lr: float = 0.05) -> None:
@@ -80,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=4)
     args = parser.parse_args()
+    quiet()
 
     pl.seed_everything(0, verbose=False)
     digits = load_digits()

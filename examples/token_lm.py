@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler
 
+from _quiet import quiet
+
 VOCAB = string.printable
 PAD = len(VOCAB)
 
@@ -98,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
+    quiet()
 
     lines = docstring_lines()
     print(f"{len(lines)} docstring lines, {sum(map(len, lines))} characters")

@@ -10,7 +10,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
@@ -18,6 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_accum import AccumulationMixin, Piecewise, Schedule
 from lightning_accum.cached import backward_cached
 from lightning_accum.multitask import measure_graph_memory
+
+from helpers import trainer
 
 DIM, REP = 6, 4
 

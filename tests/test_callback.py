@@ -7,6 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+from lightning_accum import AccumulationScheduler, Constant, Lambda, Piecewise, Ramp, Schedule
+
 from helpers import (
     KRecorder,
     Reference,
@@ -19,9 +23,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
-from lightning_accum import AccumulationScheduler, Constant, Lambda, Piecewise, Ramp, Schedule
 
 TOL = 1e-12
 

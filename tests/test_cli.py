@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+
 from helpers import KRecorder, TokenData, TokenModel, loader
 
 pytest.importorskip("jsonargparse")

@@ -7,6 +7,11 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_resume import checkpoint_at
+
+from lightning_accum import AccumulationScheduler, Constant, GradientDecay, Piecewise
+
 from helpers import (
     ManualTokenModel,
     Reference,
@@ -20,10 +25,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-from lightning.pytorch.callbacks import ModelCheckpoint
-from test_resume import checkpoint_at
-
-from lightning_accum import AccumulationScheduler, Constant, GradientDecay, Piecewise
 
 TOL = 1e-12
 DECAYS = [(0.9, "sum", False), (0.5, "ema", False), (0.8, "ema", True), (1.0, "sum", False)]

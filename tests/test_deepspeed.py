@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from lightning_accum import AccumulationScheduler, Constant, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule
+
 from helpers import (
     CPUDeepSpeed,
     FileReport,
@@ -27,8 +30,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-
-from lightning_accum import AccumulationScheduler, Constant, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule
 
 pytest.importorskip("deepspeed")
 

@@ -26,10 +26,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ManualTokenModel, ResumableLoader, TokenData, TokenModel, count_tokens, token_losses, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise
+
+from helpers import ManualTokenModel, ResumableLoader, TokenData, TokenModel, count_tokens, token_losses, trainer
 
 DATA, VAL = TokenData(50), TokenData(8, seed=1)  # 13 training batches of 4 per epoch, the last of 2
 WINDOWS = Piecewise({0: 3, 4: 2}, unit="step")  # windows [0-2] [3-5] [6-8] [9-11] [12], then of 2

@@ -11,12 +11,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationMixin, AccumulationScheduler, Piecewise
 from lightning_accum.count import causal_lm_tokens
+
+from helpers import trainer
 
 transformers = pytest.importorskip("transformers")
 

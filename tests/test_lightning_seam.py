@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from helpers import TokenData, TokenModel, loader, trainer
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,6 +17,8 @@ from lightning_accum._seam import (
     zero_grad_like_lightning,
 )
 from lightning_accum.window import lightning_divisor
+
+from helpers import TokenData, TokenModel, loader, trainer
 
 
 @given(st.integers(0, 500), st.integers(1, 64))

@@ -9,11 +9,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import KRecorder, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
 
 import lightning_accum as la
 from lightning_accum import AccumulationScheduler, NoiseScale, Piecewise, Progress, Ramp, Schedule
 from lightning_accum.lr import LRSchedule, WarmupCosine, WarmupLinear
+
+from helpers import KRecorder, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
 
 DATA = TokenData(50)  # 13 batches of 4 per epoch, the last one of 2
 

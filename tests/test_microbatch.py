@@ -8,6 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+
+from lightning_accum import Piecewise
+from lightning_accum.microbatch import OOM_ERRORS, batch_length, is_oom, split
+
 from helpers import (
     ManualTokenModel,
     Reference,
@@ -20,9 +24,6 @@ from helpers import (
     token_losses,
     trainer,
 )
-
-from lightning_accum import Piecewise
-from lightning_accum.microbatch import OOM_ERRORS, batch_length, is_oom, split
 
 Pair = namedtuple("Pair", ["x", "y"])
 

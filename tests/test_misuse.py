@@ -12,6 +12,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from torch import nn
+
+from lightning_accum import AccumulationMixin, AccumulationScheduler, GradientDecay, Piecewise, Progress, Ramp
+
 from helpers import (
     ManualTokenModel,
     ResumableLoader,
@@ -23,10 +28,6 @@ from helpers import (
     token_losses,
     trainer,
 )
-from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
-from torch import nn
-
-from lightning_accum import AccumulationMixin, AccumulationScheduler, GradientDecay, Piecewise, Progress, Ramp
 
 DATA = TokenData(24)  # 6 batches of 4
 

@@ -18,6 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
+
 from helpers import (
     Float32ManualTokenModel,
     Float32TokenModel,
@@ -30,9 +34,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-from lightning.pytorch.plugins.precision import MixedPrecision
-
-from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
 
 SCHEDULE = Piecewise({0: 3, 4: 2}, unit="step")  # k changes at step 4
 DATA = TokenData(50)  # 13 batches of 4: short last windows

@@ -8,6 +8,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_resume import checkpoint_at
+from torch import nn
+
+from lightning_accum import AccumulationMixin, Constant, Lambda, Piecewise, Ramp, Schedule
+
 from helpers import (
     KRecorder,
     ManualTokenModel,
@@ -22,11 +28,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-from lightning.pytorch.callbacks import ModelCheckpoint
-from test_resume import checkpoint_at
-from torch import nn
-
-from lightning_accum import AccumulationMixin, Constant, Lambda, Piecewise, Ramp, Schedule
 
 TOL = 1e-12
 SCHEDULES = {

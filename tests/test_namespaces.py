@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Reference, TokenData, loader, make_net, max_diff, rank_batches, token_losses
 
 from lightning_accum import AccumulationMixin, AccumulationScheduler, Piecewise
+
+from helpers import Reference, TokenData, loader, make_net, max_diff, rank_batches, token_losses
 
 SCHEDULE = Piecewise({0: 3, 4: 2}, unit="step")
 

@@ -9,12 +9,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import KRecorder, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationMixin, AccumulationScheduler, NoiseScale, NoiseScaleEstimator, Progress
 from lightning_accum.noise import fit_prefixes
+
+from helpers import KRecorder, trainer
 
 D, SIGMA = 10, 1.0
 SEEDS = 20
@@ -248,3 +249,17 @@ def test_default_noise_scale_settles_within_25_percent_of_the_true_k_on_every_se
         finals.append(schedule(Progress(step=step)))
     print("final k per seed:", finals)
     assert all(12 <= k <= 20 for k in finals)
+
+
+def test_a_short_last_micro_batch_does_not_inflate_k() -> None:
+    """An epoch's last window may end on a short micro-batch (16 + 5 samples over 2 steps): what a
+    micro-batch step adds is averaged over windows, so k stays at B_simple / 16."""
+    schedule = NoiseScale(2, 64, every=1, warmup=1, beta=0.9, max_ratio=64, hysteresis=0.0)
+    for _ in range(30):  # B_simple = 128 samples: 8 micro-batches of 16
+        schedule.record(grad_sq=1.0, trace=128.0, weight=8, per_microbatch=16.0)
+    assert schedule(Progress(step=1)) == 8
+    schedule.record(grad_sq=1.0, trace=128.0, weight=2, per_microbatch=(16 + 5) / 2)
+    assert schedule(Progress(step=2)) == 8  # 12 if the last window alone set the step's size
+    restored = NoiseScale(2, 64, every=1, warmup=1, beta=0.9, max_ratio=64, hysteresis=0.0)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.state_dict() == schedule.state_dict()

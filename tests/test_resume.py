@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_accum import AccumulationScheduler, Ramp
+
 from helpers import (
     Reference,
     ResumableLoader,
@@ -17,9 +21,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-from lightning.pytorch.callbacks import ModelCheckpoint
-
-from lightning_accum import AccumulationScheduler, Ramp
 
 SCHEDULE = Ramp(1, 5, over=160, unit="items")
 

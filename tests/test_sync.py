@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import ManualTokenModel, Reference, TokenData, TokenModel, loader, max_diff, params_of, trainer
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_accum import AccumulationScheduler, NoiseScale, Piecewise, sync
 from lightning_accum.window import Window
+
+from helpers import ManualTokenModel, Reference, TokenData, TokenModel, loader, max_diff, params_of, trainer
 
 SCHEDULE = Piecewise({0: 3, 3: 2}, unit="step")  # windows 3, 3, 3, 2, 2, 2, 2 (short), per epoch of 16
 

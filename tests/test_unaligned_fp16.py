@@ -14,10 +14,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from helpers import Float32TokenModel, TokenData, loader, make_net, token_losses, trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_accum import AccumulationScheduler, Piecewise
+
+from helpers import Float32TokenModel, TokenData, loader, make_net, token_losses, trainer
 
 # 3 per window (aligned) for 41 windows = 123 batches, then 4 from batch 123 on: 123 % 4 == 3, so every
 # later window is unaligned, with Lightning's divisor growing from 127 to the epoch's length

@@ -12,10 +12,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import ManualTokenModel, Reference, TokenData, TokenModel, count_tokens, loader, rank_batches, trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_accum import AccumulationScheduler, Piecewise
+
+from helpers import ManualTokenModel, Reference, TokenData, TokenModel, count_tokens, loader, rank_batches, trainer
 
 SCHEDULE = Piecewise({0: 3, 4: 2}, unit="step")  # 13 batches per epoch: short last windows
 DATA = TokenData(50)

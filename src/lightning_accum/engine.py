@@ -19,9 +19,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import collectives, sync
-from lightning_accum.lr import check_multiplier
+from lightning_accum.lr import adascale_gain, check_multiplier
 from lightning_accum.metrics import WindowMetrics
-from lightning_accum.noise import NoiseScale, NoiseScaleEstimator, adascale_gain
+from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
 from lightning_accum.probe import NoiseProbe, measured
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Window, lr_factor

@@ -16,6 +16,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_accum.noise import NoiseScaleEstimator
 from lightning_accum.schedules import UNITS, Progress, _check_unit
 
 
@@ -124,3 +125,26 @@ def check_multiplier(value: object, schedule: object, progress: Progress) -> flo
             "multiplier >= 0."
         )
     return float(value)
+
+
+def adascale_gain(estimator: NoiseScaleEstimator, batch: float, first_batch: float) -> float:
+    r"""AdaScale's gain (Johnson et al., ICML 2020) for a step with an effective batch of ``batch``
+    against the first window's ``first_batch`` (same units):
+
+    .. math:: r = \frac{\operatorname{tr}(\Sigma)/B_0 + |G|^2}{\operatorname{tr}(\Sigma)/B + |G|^2}
+
+    from the smoothed estimates (their start-up bias cancels in the ratio). It lies in
+    ``[1, B / B_0]`` for ``B >= B_0``: 1 where the gradient noise is small against the signal, the
+    linear rule where noise dominates. 1 before any measurement.
+
+    Example::
+
+        >>> est = NoiseScaleEstimator(beta=0.0)
+        >>> est.update(small_sq=1 + 8 / 2, small_batch=2, big_sq=1 + 8 / 8, big_batch=8)  # |G|^2 = 1, tr = 8
+        >>> adascale_gain(est, batch=8, first_batch=2)  # (8/2 + 1) / (8/8 + 1)
+        2.5
+    """
+    trace, grad_sq = max(estimator.trace, 0.0), max(estimator.grad_sq, 0.0)
+    if estimator.updates == 0 or batch <= 0 or first_batch <= 0 or trace + grad_sq == 0:
+        return 1.0
+    return (trace / first_batch + grad_sq) / (trace / batch + grad_sq)

@@ -1,9 +1,9 @@
 r"""Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training").
 
-The simple noise scale :math:`B_{simple} = \operatorname{tr}(\Sigma) / |G|^2` predicts the
-critical batch size, where :math:`G` is the true gradient and :math:`\Sigma` the per-sample
-gradient covariance. The squared norm of a gradient averaged over :math:`B` samples has
-expectation :math:`|G|^2 + \operatorname{tr}(\Sigma)/B`, so gradients at several batch sizes
+The simple noise scale ``B_{simple} = \operatorname{tr}(\Sigma) / |G|^2`` predicts the
+critical batch size, where ``G`` is the true gradient and ``\Sigma`` the per-sample
+gradient covariance. The squared norm of a gradient averaged over ``B`` samples has
+expectation ``|G|^2 + \operatorname{tr}(\Sigma)/B``, so gradients at several batch sizes
 give unbiased estimates of both by linear regression.
 
 A window offers one measurement per micro-batch for free (``lightning_accum.probe``);
@@ -63,7 +63,7 @@ def fit_prefixes(batches: Sequence[float], sq_norms: Sequence[float]) -> tuple[f
     the increments' weighted least squares. Two prefixes give the classic two-batch estimate.
 
     Variance, for ``k`` equal micro-batches (``B = kb``) and Gaussian noise dominating the
-    signal, with :math:`H_k = \sum_{i \le k} 1/(2i-1) \approx \tfrac12\ln(4k) + 0.29`:
+    signal, with ``H_k = \sum_{i \le k} 1/(2i-1) \approx \tfrac12\ln(4k) + 0.29``:
 
     .. math::
 
@@ -74,7 +74,7 @@ def fit_prefixes(batches: Sequence[float], sq_norms: Sequence[float]) -> tuple[f
 
     Heavy-tailed per-sample gradients and the signal's own term raise both: on
     ``benchmarks/noise_study.py``'s regression (``k = 16`` micro-batches of 4) the measured
-    variances are 4.8x (:math:`|G|^2`) and 7x (trace) these; the two-batch estimate from the same
+    variances are 4.8x (``|G|^2``) and 7x (trace) these; the two-batch estimate from the same
     window (first micro-batch and whole window) has 1.5x and 1.75x the variance of this one.
 
     Example::
@@ -91,8 +91,8 @@ def fit_prefixes(batches: Sequence[float], sq_norms: Sequence[float]) -> tuple[f
 
 
 class NoiseScaleEstimator:
-    r"""Moving averages of per-window unbiased estimates of :math:`|G|^2` and
-    :math:`\operatorname{tr}(\Sigma)`, weighted by each window's micro-batches and decayed by
+    r"""Moving averages of per-window unbiased estimates of ``|G|^2`` and
+    ``\operatorname{tr}(\Sigma)``, weighted by each window's micro-batches and decayed by
     ``beta`` per window (about ``1 / (1 - beta)`` windows of memory; normalised, so there is no
     start-up bias). On ``benchmarks/noise_study.py``'s regression, with ``NoiseScale``'s
     other defaults, ``beta=0.995`` put the final k of 160 of 160 seeds within 25 % of the truth.
@@ -134,18 +134,18 @@ class NoiseScaleEstimator:
 
     @property
     def grad_sq(self) -> float:
-        """The averaged estimate of :math:`|G|^2` (0 before any update)."""
+        """The averaged estimate of ``|G|^2`` (0 before any update)."""
         return self._mean(1)
 
     @property
     def trace(self) -> float:
-        r"""The averaged estimate of :math:`\operatorname{tr}(\Sigma)` (0 before any update)."""
+        r"""The averaged estimate of ``\operatorname{tr}(\Sigma)`` (0 before any update)."""
         return self._mean(2)
 
     @property
     def noise_scale(self) -> float:
-        r""":math:`B_{simple}` from the averaged estimates (``nan`` before any update or if
-        :math:`|G|^2 \le 0`)."""
+        r"""``B_{simple}`` from the averaged estimates (``nan`` before any update or if
+        ``|G|^2 \le 0``)."""
         if self.updates == 0 or self.grad_sq <= 0:
             return math.nan
         return max(self.trace, 0.0) / self.grad_sq
@@ -171,7 +171,7 @@ class NoiseScale(Schedule):
     every ``every`` optimizer steps, only once ``warmup`` windows were measured, only by more
     than ``hysteresis`` (relative), so that noise in the estimate does not make it flap, and by
     at most a factor ``max_ratio`` at a time, so that the first windows' noisy estimates (a
-    window of 2 micro-batches says little about :math:`|G|^2`) cannot send k to ``max_k``.
+    window of 2 micro-batches says little about ``|G|^2``) cannot send k to ``max_k``.
     The defaults were chosen on the regression of ``benchmarks/noise_study.py`` (160 seeds: every
     final k within 25 % of the truth; the version 0.1 defaults: 22 of 40).
     The accumulation callback or mixin feeds it measurements (``observe``) from statistics
@@ -223,9 +223,8 @@ class NoiseScale(Schedule):
             raise ValueError(f"`max_ratio` (the most k may change by at a time) must be > 1; got {max_ratio!r}.")
         self.max_ratio = float(max_ratio)
         self.estimator = NoiseScaleEstimator(beta)
-        self._k = self.start
-        self._changed_at = 0
-        self._per_microbatch = 0.0
+        self._k, self._changed_at, self._per_microbatch = self.start, 0, 0.0
+        self._units = [0.0, 0.0]  # decayed sums: units per micro-batch step x weight, weight
 
     def observe(
         self, small_sq: float, small_batch: float, big_sq: float, big_batch: float, per_microbatch: float
@@ -233,16 +232,29 @@ class NoiseScale(Schedule):
         """One window's two-batch measurement: squared gradient norms at two nested batch sizes, and
         what one micro-batch step adds over all ranks (in the same unit as the batch sizes)."""
         self.estimator.update(small_sq, small_batch, big_sq, big_batch)
-        self._per_microbatch = per_microbatch
+        self._add_units(per_microbatch, 1.0)
 
     def record(self, grad_sq: float, trace: float, weight: float, per_microbatch: float) -> None:
         """One window's estimates (from ``fit_prefixes``), weighted by its micro-batches."""
         self.estimator.add(grad_sq, trace, weight)
-        self._per_microbatch = per_microbatch
+        self._add_units(per_microbatch, weight)
+
+    def _add_units(self, per_microbatch: float, weight: float) -> None:
+        """What a micro-batch step adds, averaged over windows like the estimates: an epoch's last
+        micro-batch may be short, and its window alone would make k too large."""
+        beta = self.estimator.beta
+        self._units = [beta * self._units[0] + per_microbatch * weight, beta * self._units[1] + weight]
+        self._per_microbatch = self._units[0] / self._units[1]
 
     @property
     def noise_scale(self) -> float:
+        """The smoothed estimate of B_simple (samples or items; ``nan`` before any measurement)."""
         return self.estimator.noise_scale
+
+    @property
+    def current_k(self) -> int:
+        """The k in force: what the next window gets unless a measurement moves it."""
+        return self._k
 
     def k(self, progress: Progress) -> int:
         ready = self.estimator.updates >= self.warmup and progress.step - self._changed_at >= self.every
@@ -256,44 +268,23 @@ class NoiseScale(Schedule):
         return self._k
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "estimator": self.estimator.state_dict(),
+        numbers = {
             "k": self._k,
             "changed_at": self._changed_at,
             "per_microbatch": self._per_microbatch,
+            "units": self._units,
         }
+        return {"estimator": self.estimator.state_dict(), **numbers}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.estimator.load_state_dict(state_dict["estimator"])
         self._k = int(state_dict["k"])
         self._changed_at = int(state_dict["changed_at"])
         self._per_microbatch = float(state_dict["per_microbatch"])
+        self._units = [float(x) for x in state_dict.get("units", (self._per_microbatch, 1.0))]
 
     def __repr__(self) -> str:
         return (
             f"NoiseScale({self.min_k}, {self.max_k}, start={self.start}, every={self.every}, warmup={self.warmup}, "
             f"hysteresis={self.hysteresis}, beta={self.estimator.beta}, max_ratio={self.max_ratio})"
         )
-
-
-def adascale_gain(estimator: NoiseScaleEstimator, batch: float, first_batch: float) -> float:
-    r"""AdaScale's gain (Johnson et al., ICML 2020) for a step with an effective batch of ``batch``
-    against the first window's ``first_batch`` (same units):
-
-    .. math:: r = \frac{\operatorname{tr}(\Sigma)/B_0 + |G|^2}{\operatorname{tr}(\Sigma)/B + |G|^2}
-
-    from the smoothed estimates (their start-up bias cancels in the ratio). It lies in
-    ``[1, B / B_0]`` for ``B >= B_0``: 1 where the gradient noise is small against the signal, the
-    linear rule where noise dominates. 1 before any measurement.
-
-    Example::
-
-        >>> est = NoiseScaleEstimator(beta=0.0)
-        >>> est.update(small_sq=1 + 8 / 2, small_batch=2, big_sq=1 + 8 / 8, big_batch=8)  # |G|^2 = 1, tr = 8
-        >>> adascale_gain(est, batch=8, first_batch=2)  # (8/2 + 1) / (8/8 + 1)
-        2.5
-    """
-    trace, grad_sq = max(estimator.trace, 0.0), max(estimator.grad_sq, 0.0)
-    if estimator.updates == 0 or batch <= 0 or first_batch <= 0 or trace + grad_sq == 0:
-        return 1.0
-    return (trace / first_batch + grad_sq) / (trace / batch + grad_sq)

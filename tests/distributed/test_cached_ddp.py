@@ -10,12 +10,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import RankStrided, trainer
 from lightning.pytorch.strategies import DDPStrategy
 from test_cached import Pairs, TwoTower, info_nce, reference
 from torch.utils.data import DataLoader
 
 from lightning_accum import Piecewise
+
+from helpers import RankStrided, trainer
 
 pytestmark = pytest.mark.slow
 

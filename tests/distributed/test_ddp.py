@@ -15,6 +15,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule, collectives
+
 from helpers import (
     KRecorder,
     ManualTokenModel,
@@ -27,10 +32,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-from lightning.pytorch.strategies import DDPStrategy
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule, collectives
 
 pytestmark = pytest.mark.slow
 

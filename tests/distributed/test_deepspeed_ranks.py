@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from lightning_accum import AccumulationScheduler, Piecewise
+
 from helpers import (
     CPUDeepSpeed,
     FileReport,
@@ -18,8 +21,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-
-from lightning_accum import AccumulationScheduler, Piecewise
 
 pytest.importorskip("deepspeed")
 

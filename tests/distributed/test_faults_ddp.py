@@ -15,12 +15,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import FileReport, ManualTokenModel, RankStrided, TokenData, TokenModel, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from test_faults import Bind, Fault, Injected, ProcessedLoader
 
 from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
+
+from helpers import FileReport, ManualTokenModel, RankStrided, TokenData, TokenModel, trainer
 
 pytestmark = pytest.mark.slow
 

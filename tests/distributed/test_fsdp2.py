@@ -14,6 +14,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+
+from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
+
 from helpers import (
     ChildLauncher,
     KRecorder,
@@ -27,8 +30,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-
-from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
 
 pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
 if not hasattr(torch.distributed.fsdp, "fully_shard"):  # torch < 2.6

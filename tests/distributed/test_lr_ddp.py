@@ -8,11 +8,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from helpers import TokenData, loader, trainer
 from lightning.pytorch.strategies import DDPStrategy
 from test_lr import Sized
 
 from lightning_accum import AccumulationScheduler, Piecewise, Ramp
+
+from helpers import TokenData, loader, trainer
 
 pytestmark = pytest.mark.slow
 

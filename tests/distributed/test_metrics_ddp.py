@@ -9,10 +9,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import Reference, TokenData, TokenModel, count_tokens, loader, rank_batches, trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_accum import AccumulationScheduler, Piecewise
+
+from helpers import Reference, TokenData, TokenModel, count_tokens, loader, rank_batches, trainer
 
 pytestmark = pytest.mark.slow
 

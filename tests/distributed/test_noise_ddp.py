@@ -11,12 +11,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import KRecorder, RankStrided, trainer
 from lightning.pytorch.strategies import DDPStrategy
 from test_noise import ManualRegressor, Regressor, probed, regression, weighted_fit
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler, NoiseScale, NoiseScaleEstimator
+
+from helpers import KRecorder, RankStrided, trainer
 
 pytestmark = pytest.mark.slow
 

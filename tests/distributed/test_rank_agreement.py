@@ -14,10 +14,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch.distributed as dist
-from helpers import ManualTokenModel, TokenData, TokenModel, loader, trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_accum import AccumulationScheduler, Lambda, collectives
+
+from helpers import ManualTokenModel, TokenData, TokenModel, loader, trainer
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+
+from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
+
 from helpers import (
     Float32ManualTokenModel,
     Float32TokenModel,
@@ -27,8 +30,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-
-from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
 
 pytestmark = [
     pytest.mark.gpu,

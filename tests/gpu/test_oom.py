@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Reference, TokenData, count_tokens, loader, max_diff, params_of, rank_batches, token_losses, trainer
 from test_microbatch import Splitting
 
 from lightning_accum import Piecewise
+
+from helpers import Reference, TokenData, count_tokens, loader, max_diff, params_of, rank_batches, token_losses, trainer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -15,6 +15,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+
+from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
+
 from helpers import (
     Float32ManualTokenModel,
     Float32TokenModel,
@@ -27,8 +30,6 @@ from helpers import (
     rank_batches,
     trainer,
 )
-
-from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

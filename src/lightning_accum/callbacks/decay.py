@@ -23,14 +23,14 @@ class GradientDecay(Callback):
     With ``g_t`` the gradient of window ``t`` (normalised, unscaled, averaged over ranks) and
     ``G_t`` the gradient the optimizer steps with:
 
-    * ``mode="sum"``: :math:`G_t = g_t + f\,G_{t-1}` (what ``p.grad *= f`` instead of
+    * ``mode="sum"``: ``G_t = g_t + f\,G_{t-1}`` (what ``p.grad *= f`` instead of
       ``zero_grad()`` gives);
-    * ``mode="ema"``: :math:`G_t = (1 - f)\,g_t + f\,G_{t-1}`, and with ``bias_correction`` the
-      step uses :math:`G_t / (1 - f^t)`.
+    * ``mode="ema"``: ``G_t = (1 - f)\,g_t + f\,G_{t-1}``, and with ``bias_correction`` the
+      step uses ``G_t / (1 - f^t)``.
 
     ``factor=0`` is ``zero_grad(set_to_none=False)``, ``factor=1`` (sum) pure accumulation.
     ``factor`` may be a function of the number of optimizer steps done. The residual
-    :math:`G_{t-1}` is held beside the window's gradient (one extra gradient-sized buffer) and
+    ``G_{t-1}`` is held beside the window's gradient (one extra gradient-sized buffer) and
     combined with it in ``on_before_optimizer_step``: after AMP unscaling and after
     ``AccumulationScheduler``'s normalisation (put this callback after it), before
     clipping. So the residual never mixes loss scales or window normalisers, survives
