@@ -1,6 +1,6 @@
 """Exact, scheduled gradient accumulation for PyTorch Lightning.
 
-Example::
+Example:
 
     >>> import lightning_accum as la
     >>> la.Ramp(1, 8, over=10_000)(la.Progress(samples=5_000))

@@ -166,7 +166,7 @@ class Accumulator:
         The call is one micro-batch of the window; ``items`` weights the loss as in
         ``backward``. Returns the loss, detached.
 
-        Example::
+        Example:
 
             with self.accumulate(batch) as acc:
                 acc.backward_cached([self.encode_query, self.encode_doc], [batch["q"], batch["d"]],

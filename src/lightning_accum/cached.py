@@ -6,7 +6,7 @@ alive at a time: (1) each encoder runs on each chunk without a graph, and the ch
 is kept; (2) the loss runs on all representations at once, as leaves, and back-propagates into
 them (and into any parameter of the loss itself, such as a learned temperature); (3) each chunk
 runs again with a graph, its RNG state replayed, and back-propagates its representations'
-cached gradient: ``dL/d\\theta = \\sum_j (dr_j/d\\theta)^\\top\\, dL/dr_j``.
+cached gradient: ``dL/dtheta = sum_j (dr_j/dtheta)^T dL/dr_j``.
 
 The functions take the passes to run (the mixin's, which scale and skip the gradient sync), so
 the arithmetic here is plain autograd and is tested on its own.

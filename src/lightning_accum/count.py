@@ -28,7 +28,7 @@ def causal_lm_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Tokens a causal LM's loss averages over: ``labels[:, 1:]`` that are not ``ignore_index``
     (the labels are shifted inside the model), or, without labels, ``attention_mask[:, 1:]``.
 
-    Example::
+    Example:
 
         >>> import torch
         >>> batch = {"labels": torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])}
@@ -48,7 +48,7 @@ def masked_lm_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Tokens a masked LM's (or token classifier's) loss averages over: ``labels`` that are not
     ``ignore_index`` (no shift).
 
-    Example::
+    Example:
 
         >>> import torch
         >>> int(masked_lm_tokens({"labels": torch.tensor([[-100, 4, -100], [7, -100, -100]])}))
@@ -64,7 +64,7 @@ def seq2seq_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Tokens a sequence-to-sequence model's loss averages over: the decoder ``labels`` that are
     not ``ignore_index`` (the model shifts the decoder's inputs, not the labels).
 
-    Example::
+    Example:
 
         >>> import torch
         >>> int(seq2seq_tokens({"labels": torch.tensor([[3, 4, 1], [5, 1, -100]])}))

@@ -66,7 +66,7 @@ class WindowEngine:
         lr_schedule: ``lr_schedule(progress) -> float``, a learning-rate multiplier for the step of
             the window that opened at ``progress`` (see ``lightning_accum.lr``).
 
-    Example::
+    Example:
 
         >>> from lightning_accum import Constant
         >>> engine = WindowEngine(Constant(2))

@@ -24,7 +24,7 @@ class LRSchedule:
     """Base class: ``schedule(progress) -> float``, the learning-rate multiplier of the step taken
     by the window that opened at ``progress``. Stateless shapes keep the empty ``state_dict``.
 
-    Example::
+    Example:
 
         >>> class Halving(LRSchedule):
         ...     def multiplier(self, progress: Progress) -> float:
@@ -91,7 +91,7 @@ class WarmupCosine(_Warmup):
     """Linear warm-up over ``warmup`` units, then a half cosine from 1 down to ``final`` at ``total``
     (and ``final`` after it). ``unit``: ``"step"``, ``"samples"``, ``"items"`` or ``"epoch"``.
 
-    Example::
+    Example:
 
         >>> lr = WarmupCosine(warmup=100, total=1100, unit="samples", final=0.1)
         >>> [round(lr(Progress(samples=s)), 3) for s in (0, 50, 100, 600, 1100, 2000)]
@@ -106,7 +106,7 @@ class WarmupLinear(_Warmup):
     """Linear warm-up over ``warmup`` units, then a straight line from 1 down to ``final`` at
     ``total`` (and ``final`` after it), like ``get_linear_schedule_with_warmup`` keyed on any unit.
 
-    Example::
+    Example:
 
         >>> lr = WarmupLinear(warmup=10, total=110, unit="step")
         >>> [lr(Progress(step=s)) for s in (0, 5, 10, 60, 110)]
@@ -129,15 +129,15 @@ def check_multiplier(value: object, schedule: object, progress: Progress) -> flo
 
 def adascale_gain(estimator: NoiseScaleEstimator, batch: float, first_batch: float) -> float:
     r"""AdaScale's gain (Johnson et al., ICML 2020) for a step with an effective batch of ``batch``
-    against the first window's ``first_batch`` (same units):
+    against the first window's ``first_batch`` (same units)::
 
-    .. math:: r = \frac{\operatorname{tr}(\Sigma)/B_0 + |G|^2}{\operatorname{tr}(\Sigma)/B + |G|^2}
+        r = (tr(Sigma) / B_0 + |G|^2) / (tr(Sigma) / B + |G|^2)
 
     from the smoothed estimates (their start-up bias cancels in the ratio). It lies in
     ``[1, B / B_0]`` for ``B >= B_0``: 1 where the gradient noise is small against the signal, the
     linear rule where noise dominates. 1 before any measurement.
 
-    Example::
+    Example:
 
         >>> est = NoiseScaleEstimator(beta=0.0)
         >>> est.update(small_sq=1 + 8 / 2, small_batch=2, big_sq=1 + 8 / 8, big_batch=8)  # |G|^2 = 1, tr = 8

@@ -22,7 +22,7 @@ def weigh(loss: Tensor, items: int | Tensor) -> Tensor:
     """A mean loss times its item count: the micro-batch's summed loss. 0 when it has no items
     (a mean over no tokens is ``nan``, as Hugging Face losses return it), gradient included.
 
-    Example::
+    Example:
 
         >>> weigh(torch.tensor(float("nan")), 0).item(), weigh(torch.tensor(2.0), 3).item()
         (0.0, 6.0)
@@ -36,7 +36,7 @@ def weigh(loss: Tensor, items: int | Tensor) -> Tensor:
 class WindowLoss:
     """Device sums of a window's losses, by name (``"loss"`` for the window, task names beside).
 
-    Example::
+    Example:
 
         >>> losses = WindowLoss()
         >>> losses.add(torch.tensor(3.0)); losses.add(torch.tensor(5.0))

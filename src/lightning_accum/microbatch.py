@@ -73,7 +73,7 @@ def _slice(obj: Any, start: int, stop: int) -> Any:
 def split(batch: Any, size: int) -> list[Any]:
     """``batch`` cut into consecutive micro-batches of ``size`` samples (the last may be shorter).
 
-    Example::
+    Example:
 
         >>> parts = split({"x": torch.zeros(5, 2), "y": torch.arange(5)}, 2)
         >>> [len(p["y"]) for p in parts]

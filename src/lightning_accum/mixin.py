@@ -43,7 +43,7 @@ class AccumulationMixin(_ModuleBase):
     If the model overrides ``configure_callbacks`` or ``on_validation_model_zero_grad``, it must
     call ``super()``.
 
-    Example::
+    Example:
 
         class Model(AccumulationMixin, pl.LightningModule):
             def __init__(self):

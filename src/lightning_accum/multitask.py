@@ -162,7 +162,7 @@ class _Saved:
 def measure_graph_memory(exclude: Iterable[Tensor] = ()) -> Iterator[GraphMemory]:
     """Track the autograd graph memory (tensors saved for backward) of the code inside.
 
-    Example::
+    Example:
 
         >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
         >>> with measure_graph_memory(exclude=net.parameters()) as memory:

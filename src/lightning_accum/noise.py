@@ -1,9 +1,9 @@
 r"""Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training").
 
-The simple noise scale ``B_{simple} = \operatorname{tr}(\Sigma) / |G|^2`` predicts the
-critical batch size, where ``G`` is the true gradient and ``\Sigma`` the per-sample
+The simple noise scale ``B_simple = tr(Sigma) / |G|^2`` predicts the
+critical batch size, where ``G`` is the true gradient and ``Sigma`` the per-sample
 gradient covariance. The squared norm of a gradient averaged over ``B`` samples has
-expectation ``|G|^2 + \operatorname{tr}(\Sigma)/B``, so gradients at several batch sizes
+expectation ``|G|^2 + tr(Sigma)/B``, so gradients at several batch sizes
 give unbiased estimates of both by linear regression.
 
 A window offers one measurement per micro-batch for free (``lightning_accum.probe``);
@@ -63,21 +63,17 @@ def fit_prefixes(batches: Sequence[float], sq_norms: Sequence[float]) -> tuple[f
     the increments' weighted least squares. Two prefixes give the classic two-batch estimate.
 
     Variance, for ``k`` equal micro-batches (``B = kb``) and Gaussian noise dominating the
-    signal, with ``H_k = \sum_{i \le k} 1/(2i-1) \approx \tfrac12\ln(4k) + 0.29``:
+    signal, with ``H_k = sum_{i <= k} 1/(2i-1) ~ ln(4k)/2 + 0.29``::
 
-    .. math::
-
-        \operatorname{Var}\,\widehat{\operatorname{tr}\Sigma} \approx
-        \frac{2\operatorname{tr}(\Sigma^2)}{H_k - 1}, \qquad
-        \operatorname{Var}\,\widehat{|G|^2} \approx
-        \frac{2\operatorname{tr}(\Sigma^2)\,H_k}{B^2 (H_k - 1)}.
+        Var(estimated tr(Sigma)) ~ 2 tr(Sigma^2) / (H_k - 1)
+        Var(estimated |G|^2)     ~ 2 tr(Sigma^2) H_k / (B^2 (H_k - 1))
 
     Heavy-tailed per-sample gradients and the signal's own term raise both: on
     ``benchmarks/noise_study.py``'s regression (``k = 16`` micro-batches of 4) the measured
     variances are 4.8x (``|G|^2``) and 7x (trace) these; the two-batch estimate from the same
     window (first micro-batch and whole window) has 1.5x and 1.75x the variance of this one.
 
-    Example::
+    Example:
 
         >>> # |G|^2 = 1, tr(Sigma) = 8: E|g_B|^2 = 1 + 8 / B
         >>> grad_sq, trace = fit_prefixes([2, 4, 8], [1 + 8 / 2, 1 + 8 / 4, 1 + 8 / 8])
@@ -92,12 +88,12 @@ def fit_prefixes(batches: Sequence[float], sq_norms: Sequence[float]) -> tuple[f
 
 class NoiseScaleEstimator:
     r"""Moving averages of per-window unbiased estimates of ``|G|^2`` and
-    ``\operatorname{tr}(\Sigma)``, weighted by each window's micro-batches and decayed by
+    ``tr(Sigma)``, weighted by each window's micro-batches and decayed by
     ``beta`` per window (about ``1 / (1 - beta)`` windows of memory; normalised, so there is no
     start-up bias). On ``benchmarks/noise_study.py``'s regression, with ``NoiseScale``'s
     other defaults, ``beta=0.995`` put the final k of 160 of 160 seeds within 25 % of the truth.
 
-    Example::
+    Example:
 
         >>> est = NoiseScaleEstimator(beta=0.0)
         >>> # |G|^2 = 1, tr(Sigma) = 8: E|g_B|^2 = 1 + 8 / B
@@ -139,13 +135,13 @@ class NoiseScaleEstimator:
 
     @property
     def trace(self) -> float:
-        r"""The averaged estimate of ``\operatorname{tr}(\Sigma)`` (0 before any update)."""
+        r"""The averaged estimate of ``tr(Sigma)`` (0 before any update)."""
         return self._mean(2)
 
     @property
     def noise_scale(self) -> float:
-        r"""``B_{simple}`` from the averaged estimates (``nan`` before any update or if
-        ``|G|^2 \le 0``)."""
+        r"""``B_simple`` from the averaged estimates (``nan`` before any update or if
+        ``|G|^2 <= 0``)."""
         if self.updates == 0 or self.grad_sq <= 0:
             return math.nan
         return max(self.trace, 0.0) / self.grad_sq
@@ -179,7 +175,7 @@ class NoiseScale(Schedule):
     measures nothing (under DDP its only gradient is already all-reduced), hence ``min_k >= 2``;
     so does a short last window of one micro-batch.
 
-    Example::
+    Example:
 
         >>> schedule = NoiseScale(2, 16, every=1, warmup=1, beta=0.0, max_ratio=4)
         >>> schedule.observe(small_sq=1 + 64 / 8, small_batch=8, big_sq=1 + 64 / 16, big_batch=16, per_microbatch=8)

@@ -76,7 +76,7 @@ class Schedule:
     schedules keep the default empty ``state_dict``; stateful ones (adaptive schedules)
     override it so that a resumed run continues exactly.
 
-    Example::
+    Example:
 
         >>> class EveryOtherEpoch(Schedule):
         ...     def k(self, progress: Progress) -> int:
@@ -119,7 +119,7 @@ class Schedule:
 class Constant(Schedule):
     """The same ``k`` for every window.
 
-    Example::
+    Example:
 
         >>> Constant(4)(Progress(step=1000))
         4
@@ -146,7 +146,7 @@ class Piecewise(Schedule):
     except that with ``unit="step"``, ``"samples"`` or ``"items"`` the change happens at the
     first window that opens past the milestone, mid-epoch included.
 
-    Example::
+    Example:
 
         >>> s = Piecewise({0: 1, 1000: 4, 5000: 8}, unit="samples")
         >>> s(Progress(samples=999)), s(Progress(samples=1000)), s(Progress(samples=10**6))
@@ -195,7 +195,7 @@ class Ramp(Schedule):
     ``Ramp(3, 8, over=8, unit="step", multiple_of=4)`` gives k = 3, 3, 4, 4, 4, 4, 4, 4, then 8.
     ``start > end`` ramps down (e.g. a shrinking batch for fine-tuning).
 
-    Example::
+    Example:
 
         >>> ramp = Ramp(1, 8, over=70_000, unit="samples")
         >>> [ramp(Progress(samples=s)) for s in (0, 10_000, 35_000, 70_000)]
@@ -248,7 +248,7 @@ class Ramp(Schedule):
 class Lambda(Schedule):
     """Any function of ``Progress``; its result is validated like every schedule's.
 
-    Example::
+    Example:
 
         >>> Lambda(lambda p: 1 + p.epoch)(Progress(epoch=3))
         4

@@ -28,7 +28,7 @@ def estimated_stepping_batches(trainer: Any) -> int:
     ``NoiseScale``, depend on data or measurements not known in advance: refused, pointing to
     ``lr_schedule`` keyed on items.
 
-    Example::
+    Example:
 
         def configure_optimizers(self):
             optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)

@@ -91,22 +91,32 @@ def fit_ddp(
 
 
 def run_ddp(
-    tmp_path: Path, schedule: Schedule, normalize: str, epochs: int = 2, decay: GradientDecay | None = None
+    tmp_path: Path,
+    schedule: Schedule,
+    normalize: str,
+    epochs: int = 2,
+    decay: GradientDecay | None = None,
+    reduction: str = "sum",
 ) -> list[dict[str, Any]]:
-    callbacks = [AccumulationScheduler(schedule, normalize=normalize, count=count_tokens), *([decay] if decay else [])]
-    model = TokenModel(reduction="sum" if normalize == "items" else "mean")
+    """``reduction="mean"``: ``training_step`` returns token means, which the callback weights."""
+    accumulation = AccumulationScheduler(schedule, normalize=normalize, count=count_tokens, reduction=reduction)
+    callbacks = [accumulation, *([decay] if decay else [])]
+    model = TokenModel(reduction="sum" if (normalize, reduction) == ("items", "sum") else "mean")
     return fit_ddp(tmp_path, model, callbacks, epochs=epochs)
 
 
 @pytest.mark.parametrize(
-    ("schedule", "normalize"),
+    ("schedule", "normalize", "reduction"),
     [
-        (Piecewise({0: 3, 3: 2}, unit="step"), "mean"),  # mid-epoch change, short last windows
-        (Ramp(1, 4, over=600, unit="items"), "items"),  # token-weighted, different token counts per rank
+        (Piecewise({0: 3, 3: 2}, unit="step"), "mean", "sum"),  # mid-epoch change, short last windows
+        (Ramp(1, 4, over=600, unit="items"), "items", "sum"),  # token-weighted, different token counts per rank
+        (Ramp(1, 4, over=600, unit="items"), "items", "mean"),  # the same from token means
     ],
 )
-def test_ddp_matches_single_process_reference(tmp_path: Path, schedule: Schedule, normalize: str) -> None:
-    reports = run_ddp(tmp_path, schedule, normalize)
+def test_ddp_matches_single_process_reference(
+    tmp_path: Path, schedule: Schedule, normalize: str, reduction: str
+) -> None:
+    reports = run_ddp(tmp_path, schedule, normalize, reduction=reduction)
     data = TokenData(64)
     expected, sizes = Reference(schedule, normalize=normalize).run([rank_batches(data, 4, world=WORLD)] * 2)
     for report in reports:

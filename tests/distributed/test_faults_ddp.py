@@ -4,7 +4,7 @@ the last one at an optimizer step: both ranks bit-identical to the uninterrupted
 
 (Under Lightning's fork and spawn launchers the ranks run in child processes, where Lightning
 calls no ``on_exception``; an ``OnExceptionCheckpoint`` there would save the launching process's
-untrained model. ``docs/failures.md`` says so; the single-process suite covers it.)
+untrained model. ``docs/guide/failures.md`` says so; the single-process suite covers it.)
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class AccumulationScheduler(Callback):
             FSDP2 then hold unsharded gradients until its end) or ``"every"``. DDP always syncs
             once per window.
 
-    Example::
+    Example:
 
         >>> from lightning_accum import AccumulationScheduler, Ramp
         >>> ramp = Ramp(1, 8, over=50_000, unit="samples")

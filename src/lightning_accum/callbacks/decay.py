@@ -23,9 +23,9 @@ class GradientDecay(Callback):
     With ``g_t`` the gradient of window ``t`` (normalised, unscaled, averaged over ranks) and
     ``G_t`` the gradient the optimizer steps with:
 
-    * ``mode="sum"``: ``G_t = g_t + f\,G_{t-1}`` (what ``p.grad *= f`` instead of
+    * ``mode="sum"``: ``G_t = g_t + f G_{t-1}`` (what ``p.grad *= f`` instead of
       ``zero_grad()`` gives);
-    * ``mode="ema"``: ``G_t = (1 - f)\,g_t + f\,G_{t-1}``, and with ``bias_correction`` the
+    * ``mode="ema"``: ``G_t = (1 - f) g_t + f G_{t-1}``, and with ``bias_correction`` the
       step uses ``G_t / (1 - f^t)``.
 
     ``factor=0`` is ``zero_grad(set_to_none=False)``, ``factor=1`` (sum) pure accumulation.
@@ -40,7 +40,7 @@ class GradientDecay(Callback):
     Use it as a Trainer callback (automatic optimization, alone or after an
     ``AccumulationScheduler``) or as ``reset=GradientDecay(...)`` of ``AccumulationMixin``.
 
-    Example::
+    Example:
 
         >>> decay = GradientDecay(0.9, mode="ema", bias_correction=True)
         >>> trainer = pl.Trainer(callbacks=[AccumulationScheduler(4), decay])  # doctest: +SKIP
