@@ -263,3 +263,6 @@ def test_a_short_last_micro_batch_does_not_inflate_k() -> None:
     restored = NoiseScale(2, 64, every=1, warmup=1, beta=0.9, max_ratio=64, hysteresis=0.0)
     restored.load_state_dict(schedule.state_dict())
     assert restored.state_dict() == schedule.state_dict()
+    old = {key: value for key, value in schedule.state_dict().items() if key != "units"}
+    restored.load_state_dict({**old, "k": 2, "per_microbatch": 16.0})  # a checkpoint from before the average
+    assert restored(Progress(step=3)) == 8  # B_simple 128 over 16 per micro-batch step

@@ -219,7 +219,7 @@ class NoiseScale(Schedule):
             raise ValueError(f"`max_ratio` (the most k may change by at a time) must be > 1; got {max_ratio!r}.")
         self.max_ratio = float(max_ratio)
         self.estimator = NoiseScaleEstimator(beta)
-        self._k, self._changed_at, self._per_microbatch = self.start, 0, 0.0
+        self._k, self._changed_at = self.start, 0
         self._units = [0.0, 0.0]  # decayed sums: units per micro-batch step x weight, weight
 
     def observe(
@@ -240,7 +240,10 @@ class NoiseScale(Schedule):
         micro-batch may be short, and its window alone would make k too large."""
         beta = self.estimator.beta
         self._units = [beta * self._units[0] + per_microbatch * weight, beta * self._units[1] + weight]
-        self._per_microbatch = self._units[0] / self._units[1]
+
+    @property
+    def _per_microbatch(self) -> float:
+        return self._units[0] / self._units[1] if self._units[1] else 0.0
 
     @property
     def noise_scale(self) -> float:
@@ -264,20 +267,15 @@ class NoiseScale(Schedule):
         return self._k
 
     def state_dict(self) -> dict[str, Any]:
-        numbers = {
-            "k": self._k,
-            "changed_at": self._changed_at,
-            "per_microbatch": self._per_microbatch,
-            "units": self._units,
-        }
+        numbers = {"k": self._k, "changed_at": self._changed_at, "units": self._units}
         return {"estimator": self.estimator.state_dict(), **numbers}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.estimator.load_state_dict(state_dict["estimator"])
         self._k = int(state_dict["k"])
         self._changed_at = int(state_dict["changed_at"])
-        self._per_microbatch = float(state_dict["per_microbatch"])
-        self._units = [float(x) for x in state_dict.get("units", (self._per_microbatch, 1.0))]
+        units = state_dict.get("units", (state_dict.get("per_microbatch", 0.0), 1.0))  # (before: the last window's)
+        self._units = [float(x) for x in units]
 
     def __repr__(self) -> str:
         return (
