@@ -64,19 +64,103 @@ def backward_skipped(trainer: Any) -> bool:
 
 class SchedulerFrequencies:
     """Lightning steps a step-interval LR scheduler when ``(batch_idx + 1) % frequency == 0``:
-    counted in batches, reset each epoch. Set per optimizer step, this makes ``frequency`` count
-    optimizer steps; ``restore`` gives the configs back as the user made them."""
+    counted in batches, reset each epoch (``_TrainingEpochLoop._update_learning_rates``). Set per
+    optimizer step, this makes ``frequency`` count optimizer steps, and skips a window that did
+    not step; ``restore`` gives the configs back as the user made them."""
 
     def __init__(self, trainer: Any = None) -> None:
         configs = [] if trainer is None else trainer.lr_scheduler_configs
-        self.saved = [(c, c.frequency) for c in configs if c.interval == "step" and c.frequency > 1]
+        self.saved = [(c, c.frequency) for c in configs if c.interval == "step"]
 
-    def before_step(self, step: int, batch_idx: int) -> None:
-        """Optimizer step ``step`` is taken after batch ``batch_idx``."""
+    def before_step(self, step: int, batch_idx: int, stepped: bool = True) -> None:
+        """Optimizer step ``step`` is taken after batch ``batch_idx`` (or, if not ``stepped``, no step is)."""
         for config, frequency in self.saved:
-            config.frequency = 1 if step % frequency == 0 else batch_idx + 2
+            config.frequency = 1 if stepped and step % frequency == 0 else batch_idx + 2
 
     def restore(self) -> None:
         for config, frequency in self.saved:
             config.frequency = frequency
         self.saved = []
+
+
+def uncount_step(trainer: Any) -> None:
+    """Take back the optimizer step Lightning's automatic loop counted for a window that moved
+    nothing, so that ``trainer.global_step`` (and ``max_steps``, ``every_n_train_steps``) counts
+    optimizer steps (``_OptimizationProgress.optimizer_steps`` is ``optimizer.step.total.completed``)."""
+    step = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    for tracker in (step.total, step.current):
+        tracker.ready -= 1
+        tracker.completed -= 1
+
+
+def suspend_clipping(trainer: Any) -> Any:
+    """Turn off the Trainer's gradient clipping until the returned function is called (a window
+    that moved nothing has no gradient, and clipping none fails inside torch).
+    ``Precision._clip_gradients`` reads ``trainer.gradient_clip_val`` at each step."""
+    value = trainer.gradient_clip_val
+    trainer.gradient_clip_val = None
+
+    def restore() -> None:
+        trainer.gradient_clip_val = value
+
+    return restore
+
+
+def keep_scheduler_monitors(module: Any, found: dict[int, tuple[str | None, bool]]) -> None:
+    """In manual optimization Lightning drops an LR scheduler config's ``monitor`` and ``strict``
+    (``core/optimizer.py``, ``_configure_schedulers_manual_opt``), which a ``ReduceLROnPlateau``
+    needs: catch them as ``configure_optimizers`` returns (the instance's next call only, for the
+    strategy's ``setup_optimizers`` after the ``setup`` hooks). ``found`` maps ``id(scheduler)`` to
+    ``(monitor, strict)``."""
+    original = module.configure_optimizers
+
+    def configure_optimizers() -> Any:
+        del module.configure_optimizers  # the class's method again
+        conf = original()
+        _monitors(conf, None, found)
+        return conf
+
+    module.configure_optimizers = configure_optimizers
+
+
+def _monitors(conf: Any, monitor: str | None, found: dict[int, tuple[str | None, bool]]) -> None:
+    if isinstance(conf, dict):
+        if "scheduler" in conf:
+            found[id(conf["scheduler"])] = conf.get("monitor", monitor), bool(conf.get("strict", True))
+            return
+        monitor = conf.get("monitor", monitor)
+        conf = conf.get("lr_scheduler")
+        if conf is not None and not isinstance(conf, dict):
+            found[id(conf)] = monitor, True
+            return
+        _monitors(conf, monitor, found)
+    elif isinstance(conf, (list, tuple)):
+        for part in conf:
+            _monitors(part, monitor, found)
+
+
+def keep_progress_consistent(trainer: Any) -> None:
+    """Called at each training batch's start: Lightning's loop counters as an uninterrupted run has them.
+
+    A second resume reads the ``total`` counters to tell where the checkpoint was written
+    (``_TrainingEpochLoop.update_restart_stage``, ``_FitLoop.update_restart_stage``), but the first
+    resume left them off: it resets the epoch's ``current`` batch counters to the last completed
+    batch and not the ``total`` ones (``_Progress.reset_on_restart``), so a batch trained again is
+    counted twice; and a resume from a checkpoint written at an epoch's last batch does not count
+    the next epoch as started. Misled, the loop trains a batch, or a whole epoch, again, though
+    the checkpoint holds it. So: every batch total = current + the earlier epochs' batches, and
+    during epoch e, e + 1 epochs ready and started, e processed and completed.
+    """
+    epochs = trainer.fit_loop.epoch_progress
+    e = epochs.current.completed  # (what `trainer.current_epoch` reads)
+    for tracker in (epochs.current, epochs.total):
+        tracker.ready = tracker.started = e + 1
+        tracker.processed = tracker.completed = e
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    total, current = progress.total, progress.current
+    offset = total.completed - current.completed
+    total.ready, total.started, total.processed = (
+        current.ready + offset,
+        current.started + offset,
+        current.processed + offset,
+    )

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_accum import cached, collectives, microbatch, multitask
+from lightning_accum import cached, collectives, gradients, microbatch, multitask
 from lightning_accum.driver import MixinDriver
 from lightning_accum.groups import GroupKey
 from lightning_accum.metrics import weigh
@@ -65,8 +65,23 @@ class Accumulator:
         loss = multitask.check_loss(loss, "the loss passed to `acc.backward`")
         if items is not None:
             _check_items(items)
+            if gradients.no_items(items):  # a mean over no items (NaN): counted, adds nothing
+                self._backward_nothing(loss)
+                self._add_items(items)
+                return
         self._backward(loss if items is None else weigh(loss, items))
         self._add_items(items)
+
+    def _backward_nothing(self, loss: Tensor) -> None:
+        """A pass of a micro-batch without items: it counts, and adds nothing to any gradient."""
+        if loss.requires_grad:  # (run, so that a sync the window's last pass makes still happens)
+            handles = gradients.add_nothing(self._driver.params(self._key))
+            try:
+                self._driver.backward(loss, self.last)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        self.passes += 1
 
     def backward_each(
         self,

@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum import _seam, gradients, groups, multitask, recovery, sync, window_step
+from lightning_accum import _seam, gradients, groups, multitask, recovery, schedulers, sync, window_step
 from lightning_accum._lightning import Callback, loss_scale, pl
 from lightning_accum.checkpoint import NUMBERS, load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
@@ -56,6 +56,7 @@ class MixinDriver(Callback):
         self._block_passes = 0
         self._redoing = False  # the block's micro-batch is one a checkpoint already holds
         self.rescaled = False  # whether the closing window's gradient was rescaled for its step yet
+        self.monitors: schedulers.Monitors = {}  # the LR schedulers' monitors, which Lightning drops here
 
     @property
     def state_key(self) -> str:
@@ -91,6 +92,11 @@ class MixinDriver(Callback):
     # ------------------------------------------------------------------ checks and fit lifetime
     def check(self, trainer: Any) -> None:
         self.guards.check_fit(self.module, trainer, self, configured=True)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.monitors = {}
+            _seam.keep_scheduler_monitors(self.module, self.monitors)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guards.check_fit(self.module, trainer, self, self.configured)
@@ -143,6 +149,8 @@ class MixinDriver(Callback):
     ) -> None:
         for engine in self.engines.values():
             engine.batch_done()
+        if _seam.epoch_ends_after_this_batch(trainer):  # as Lightning: before the batch's checkpoints, plateau ones later
+            schedulers.step_schedulers(self.module, trainer, self.monitors, "epoch", trainer.current_epoch + 1, plateau=False)
 
     # ------------------------------------------------------------------ backward passes
     def no_sync(self, final: bool) -> contextlib.AbstractContextManager[None]:
@@ -155,14 +163,16 @@ class MixinDriver(Callback):
 
     def backward(self, loss: Tensor, final: bool) -> None:
         self._block_passes += 1
-        if self._redoing:  # a checkpoint holds this batch's gradient already: it adds nothing
-            sync.scale_backward(loss, 0.0)
+        # a checkpoint holds this batch's gradient already: it adds nothing
+        handles = gradients.add_nothing(self.params()) if self._redoing else []
         self.guards.in_pass = True
         try:
             with self.no_sync(final):
                 self.module.manual_backward(loss)
         finally:
             self.guards.in_pass = False
+            for handle in handles:
+                handle.remove()
 
     def record_loss(self, key: GroupKey, loss: Tensor, name: str = "loss") -> None:
         """A pass's loss (before the window's division), or a task's, for the logged window loss."""
@@ -179,6 +189,7 @@ class MixinDriver(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Count the training batch before ``training_step`` can change it (``batch.pop("labels")``)."""
+        _seam.keep_progress_consistent(trainer)
         self._batch_counts = None
         if self.config.count is not None:
             engine = self.engine(self.key(None))
@@ -237,6 +248,7 @@ class MixinDriver(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guards.epoch_end()
+        schedulers.step_schedulers(self.module, trainer, self.monitors, "epoch", trainer.current_epoch + 1, plateau=True)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer

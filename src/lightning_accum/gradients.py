@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 
 def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
@@ -85,3 +86,15 @@ def restore(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> None:
     """Put gradients saved by ``snapshot`` back, on each parameter's device and dtype."""
     for p, g in zip(params, placed(params, saved), strict=True):
         p.grad = g
+
+
+def no_items(items: int | Tensor) -> bool:
+    """Whether a micro-batch's item count is 0 (a tensor count is read on the host: one sync)."""
+    return not bool(items.detach() != 0) if isinstance(items, Tensor) else not items
+
+
+def add_nothing(params: Iterable[Tensor]) -> list[RemovableHandle]:
+    """Make the next backward pass add nothing to these parameters' gradients, NaN included (a mean
+    over no items, ``sum / 0``, has a NaN gradient that no factor on the loss can cancel): each
+    gradient is replaced by zeros before it is accumulated. Remove the handles after the pass."""
+    return [p.register_hook(torch.zeros_like) for p in params if p.requires_grad]

@@ -11,9 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim import Optimizer
-
-from lightning_accum import collectives, gradients
+from lightning_accum import collectives, gradients, schedulers
 from lightning_accum._lightning import log_window, loss_scale
 from lightning_accum.groups import GroupKey
 from lightning_accum.options import AccumulationConfig
@@ -58,7 +56,7 @@ def close(driver: MixinDriver, trainer: Any, key: GroupKey) -> None:
                 "The window's gradient was not normalised: Lightning did not call the callbacks' "
                 "`on_before_optimizer_step` during `optimizer.step()`."
             )
-    _step_schedulers(driver.module, trainer, [o.optimizer for o in stepped], engine.progress.step + 1)
+    schedulers.step_schedulers(driver.module, trainer, driver.monitors, "step", engine.progress.step + 1, [o.optimizer for o in stepped])
     if config.decay is not None:
         config.decay.after_step()
     _reset(config, stepped)
@@ -82,13 +80,3 @@ def _reset(config: AccumulationConfig, stepped: list[Any]) -> None:
             optimizer.zero_grad(set_to_none=True)
         elif config.reset == "zero":
             gradients.zero_(gradients.optimizer_grads(optimizer.optimizer))
-
-
-def _step_schedulers(module: Any, trainer: Any, optimizers: list[Optimizer], step: int) -> None:
-    """Step the step-interval LR schedulers of these optimizers, every ``frequency`` steps."""
-    for config in trainer.lr_scheduler_configs:
-        scheduler = config.scheduler
-        if config.interval != "step" or config.reduce_on_plateau:
-            continue
-        if getattr(scheduler, "optimizer", None) in optimizers and step % config.frequency == 0:
-            module.lr_scheduler_step(scheduler, None)

@@ -102,7 +102,7 @@ class AccumulationScheduler(Callback):
         self._batch_idx = 0
         self._frequencies = _seam.SchedulerFrequencies()
         self._lr_hook: RemovableHandle | None = None
-        self._no_sync = contextlib.ExitStack()  # open from on_before_backward to on_after_backward
+        self._pass = contextlib.ExitStack()  # what holds for one backward pass (sync skipped, hooks), till its end
         # on each loss's gradient, before any parameter sees it: Lightning's divisor over the window's (k), or
         # under DeepSpeed each micro-batch's whole weight
         self._loss_factor = 1.0
@@ -143,7 +143,7 @@ class AccumulationScheduler(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning runs checkpoint callbacks' `on_exception` after this one: leave the state (and the optimizer
         # whose gradient a checkpoint saves) as a checkpoint written now must hold to resume exactly
-        self._no_sync.close()
+        self._pass.close()
         self._engine.restore_lr()
         if self._optimizer is not None:
             processed, in_backward = recovery.where(trainer, exception)
@@ -155,7 +155,7 @@ class AccumulationScheduler(Callback):
 
     def _teardown(self, trainer: pl.Trainer) -> None:
         """Leave the Trainer, the model's sync flags and the LR scheduler configs as the user made them."""
-        self._no_sync.close()
+        self._pass.close()
         if self._user_divisor is not None:
             set_divisor(trainer, self._user_divisor)
             self._user_divisor = None
@@ -171,6 +171,7 @@ class AccumulationScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         engine = self._engine
+        _seam.keep_progress_consistent(trainer)
         if engine.window is None:
             if _seam.backward_skipped(trainer):
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
@@ -207,22 +208,25 @@ class AccumulationScheduler(Callback):
             assert self._optimizer is not None
             gradients.restore(gradients.optimizer_params(self._optimizer), self._saved_grads)
             self._saved_grads = None
-        if self._redoing:
-            sync.scale_backward(loss, 0.0)
-            return
         mean = self.reduction == "mean"  # a mean over the micro-batch's items: weighted by their count
+        if self._redoing or (mean and gradients.no_items(self._counts[1])):
+            # in the window already, or a mean over no items (NaN): the pass adds nothing
+            assert self._optimizer is not None
+            for handle in gradients.add_nothing(gradients.optimizer_params(self._optimizer)):
+                self._pass.callback(handle.remove)
+            if self._redoing:
+                return
         sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
-            self._no_sync.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
+            self._pass.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
             window.synced = final
         engine.count(*self._counts)
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
             engine.metrics.add_loss((weigh(loss, self._counts[1]) if mean else loss) * self._divisor)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._sharded:
-            self._no_sync.close()
+        self._pass.close()
         engine = self._engine
         engine.backward_done()
         if not engine.wants_prefix() or self._optimizer is None or self._redoing:
@@ -250,6 +254,7 @@ class AccumulationScheduler(Callback):
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             for p in gradients.optimizer_params(optimizer):
                 p.grad = None
+            self._pass.callback(_seam.suspend_clipping(trainer))  # (till the batch's end)
         # (under DeepSpeed each micro-batch was weighted before its backward)
         elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or engine.metrics.tracking):
             grads = gradients.optimizer_grads(optimizer)
@@ -258,7 +263,7 @@ class AccumulationScheduler(Callback):
             if not self._sharded:  # (a shard's norm is not the window's)
                 engine.metrics.add_grad_norm(grads)
         engine.scale_lr(optimizer)
-        self._frequencies.before_step(engine.progress.step + 1, self._batch_idx)
+        self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -268,7 +273,10 @@ class AccumulationScheduler(Callback):
         if engine.closing is None:
             return
         engine.restore_lr()  # normally done by the optimizer's post-step hook already
+        self._pass.close()
         closing = engine.advance(trainer.current_epoch)
+        if closing.empty and not self._deepspeed:  # Lightning counted a step that moved nothing
+            _seam.uncount_step(trainer)
         if self._log:
             every = trainer.log_every_n_steps  # type: ignore[attr-defined]
             metrics = engine.window_metrics(closing)

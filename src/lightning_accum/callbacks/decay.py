@@ -165,10 +165,12 @@ class GradientDecay(Callback):
     def combine(self, optimizer: Optimizer) -> None:
         """``.grad`` <- G_t from the window's gradient and the residual (bias-corrected if asked)."""
         i = self._index(optimizer)
-        f = self.factor_at(self.steps)
         params = gradients.optimizer_params(optimizer)
-        residual = self._residual.get(i) or [None] * len(params)
         new = [p.grad for p in params]
+        if all(g is None for g in new):  # a window nothing went into is not stepped: the residual waits
+            return
+        f = self.factor_at(self.steps)
+        residual = self._residual.get(i) or [None] * len(params)
         both = [(g, r) for g, r in zip(new, residual, strict=True) if g is not None and r is not None]
         alone = [g for g, r in zip(new, residual, strict=True) if g is not None and r is None]
         if self.mode == "ema":  # one fused pass: lerp(g, r, f) = (1 - f) g + f r

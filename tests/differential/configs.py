@@ -1,0 +1,143 @@
+"""One fuzzed configuration: what a user combines, as plain JSON-able data, and its generator.
+
+Nothing here imports Lightning or ``lightning_accum``: the reference reads a ``Config`` as the
+docs define each option, the package runner turns it into the package's objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from typing import Any
+
+# hooks where an injected failure is resumed from `OnExceptionCheckpoint` (the package leaves the
+# window out, and the case falls back to the last step checkpoint, where that cannot be exact)
+FAILURES = (
+    "on_train_batch_start",
+    "training_step",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "validation",
+    "sigterm",
+)
+LAMBDAS = ("cycle3", "epoch_up", "samples_tier")
+
+
+@dataclasses.dataclass
+class Config:
+    seed: int = 0
+    adapter: str = "callback"  # "callback" | "mixin"
+    mode: str = "backward"  # mixin: "backward" | "each" | "heads" | "items_int" (acc.backward(mean, items=int))
+    n: int = 24  # samples
+    batch_size: int = 4
+    epochs: int = 2
+    limit_train_batches: int | None = None
+    max_steps: int = -1
+    schedule: dict[str, Any] = dataclasses.field(default_factory=lambda: {"family": "constant", "k": 2})
+    normalize: str = "mean"
+    reduction: str = "sum"  # with normalize="items": what the loss is over a micro-batch's items
+    count: bool = False  # whether `count=` is given (always with "items")
+    empty_batches: list[int] = dataclasses.field(default_factory=list)  # batch indices whose samples hold no item
+    optimizer: str = "sgd"  # "sgd" | "momentum" | "adam"
+    lr: float = 0.1
+    clip: list[Any] | None = None  # [value, "norm" | "value"]
+    lr_scaling: str | None = None
+    lr_schedule: dict[str, Any] | None = None  # {"warmup", "total", "unit", "final"} of WarmupCosine
+    scheduler: dict[str, Any] | None = None  # {"kind": "step", "interval", "step_size"} | {"kind": "plateau"}
+    decay: list[Any] | None = None  # [factor, "sum" | "ema", bias_correction]
+    val_every: int | None = None  # validation every n training batches (inside windows)
+    interruptions: list[list[Any]] = dataclasses.field(default_factory=list)  # [kind, epoch, batch]; "save" or a hook
+    callbacks: list[str] = dataclasses.field(default_factory=list)  # "model_checkpoint", "lr_monitor", "early_stopping"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        return cls(**json.loads(text))
+
+    def units(self) -> set[str]:
+        units = {self.schedule.get("unit", "")}
+        if self.lr_schedule is not None:
+            units.add(self.lr_schedule["unit"])
+        return units
+
+    def batches_per_epoch(self) -> int:
+        n = -(-self.n // self.batch_size)
+        return n if self.limit_train_batches is None else min(n, self.limit_train_batches)
+
+
+def generate(rng: random.Random) -> Config:
+    """A random combination of the options (every one reachable, each with a fair chance)."""
+    c = Config(seed=rng.randrange(1000))
+    c.adapter = rng.choice(["callback", "mixin"])
+    c.batch_size = rng.choice([2, 3, 4])
+    c.n = rng.randint(5, 30)
+    c.epochs = rng.choice([1, 2, 2, 3])
+    if rng.random() < 0.25:
+        c.limit_train_batches = rng.randint(1, c.batches_per_epoch())
+    batches = c.batches_per_epoch()
+    if rng.random() < 0.2:
+        c.max_steps = rng.randint(1, 2 * batches)
+    c.normalize = rng.choice(["mean", "items"])
+    if c.normalize == "items":
+        c.reduction = rng.choice(["sum", "mean"])
+        if rng.random() < 0.4:
+            c.empty_batches = sorted(rng.sample(range(batches), rng.randint(1, min(3, batches))))
+    c.schedule = _schedule(rng, batches)
+    if c.lr_schedule is None and rng.random() < 0.25:
+        unit = rng.choice(["step", "samples", "items", "epoch"])
+        total = {"step": 12, "samples": 60, "items": 150, "epoch": 3}[unit]
+        c.lr_schedule = {"warmup": total // 4, "total": total, "unit": unit, "final": rng.choice([0.0, 0.1])}
+    c.count = c.normalize == "items" or "items" in c.units() or rng.random() < 0.3
+    if c.adapter == "mixin":
+        mean_items = c.normalize == "items" and c.reduction == "mean"  # `acc.backward(mean, items=n)`
+        c.mode = rng.choice(["backward", "items_int"] if mean_items else ["backward", "each", "heads"])
+    c.optimizer = rng.choice(["sgd", "momentum", "adam"])
+    c.lr = 0.01 if c.optimizer == "adam" else 0.1
+    if rng.random() < 0.3:
+        c.clip = [rng.choice([0.05, 0.5]), rng.choice(["norm", "value"])]
+    if rng.random() < 0.25:
+        c.lr_scaling = rng.choice(["linear", "sqrt"])
+    r = rng.random()
+    if r < 0.15:
+        c.scheduler = {"kind": "step", "interval": "step", "step_size": rng.randint(1, 3)}
+    elif r < 0.3:
+        c.scheduler = {"kind": "step", "interval": "epoch", "step_size": 1}
+    elif r < 0.4:
+        c.scheduler = {"kind": "plateau"}
+    if rng.random() < 0.25:
+        mode = rng.choice(["sum", "ema"])
+        c.decay = [rng.choice([0.0, 0.5, 0.9]), mode, mode == "ema" and rng.random() < 0.5]
+    if rng.random() < 0.25:
+        c.val_every = rng.randint(1, max(1, batches))
+    total = batches * c.epochs
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        kind = "save" if rng.random() < 0.4 else rng.choice(FAILURES)
+        at = rng.randrange(total)
+        c.interruptions.append([kind, at // batches, at % batches])
+    c.interruptions.sort(key=lambda i: (i[1], i[2]))
+    for name in ("model_checkpoint", "lr_monitor", "early_stopping"):
+        if rng.random() < 0.15:
+            c.callbacks.append(name)
+    return c
+
+
+def _schedule(rng: random.Random, batches: int) -> dict[str, Any]:
+    family = rng.choice(["constant", "piecewise", "ramp", "lambda"])
+    if family == "constant":
+        return {"family": "constant", "k": rng.randint(1, 5)}
+    if family == "piecewise":
+        unit = rng.choice(["epoch", "step", "samples", "items"])
+        scale = {"epoch": 1, "step": 3, "samples": 12, "items": 30}[unit]
+        milestones = sorted(rng.sample(range(0, 4 * scale), rng.randint(1, 3)))
+        return {"family": "piecewise", "unit": unit, "milestones": [[m, rng.randint(1, 4)] for m in milestones]}
+    if family == "ramp":
+        unit = rng.choice(["samples", "items", "step"])
+        over = {"samples": rng.randint(5, 60), "items": rng.randint(10, 150), "step": rng.randint(1, 8)}[unit]
+        start, end = rng.randint(1, 4), rng.randint(1, 5)
+        return {"family": "ramp", "start": start, "end": end, "over": over, "unit": unit}
+    return {"family": "lambda", "fn": rng.choice(LAMBDAS)}

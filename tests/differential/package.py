@@ -1,0 +1,340 @@
+"""The package under test: a ``Config`` run through Lightning with ``AccumulationScheduler`` or
+``AccumulationMixin``, interrupted and resumed where the configuration says."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import (
+    Checkpoint,
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    OnExceptionCheckpoint,
+)
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor
+
+import lightning_accum as la
+from lightning_accum.lr import WarmupCosine
+
+from .configs import Config
+from .model import Data, count_tokens, errors, make_net, micro_loss, probe_loss
+from .reference import Result, make_optimizer, make_scheduler
+
+LAMBDA_FNS = {
+    "cycle3": lambda p: 1 + p.step % 3,
+    "epoch_up": lambda p: 1 + min(p.epoch, 3),
+    "samples_tier": lambda p: 2 if p.samples < 30 else 3,
+}
+
+
+class Injected(RuntimeError):
+    pass
+
+
+class Interrupted(RuntimeError):
+    """A clean stop after a checkpoint was saved."""
+
+
+def schedule(spec: dict[str, Any]) -> la.Schedule:
+    family = spec["family"]
+    if family == "constant":
+        return la.Constant(spec["k"])
+    if family == "piecewise":
+        return la.Piecewise([tuple(m) for m in spec["milestones"]], unit=spec["unit"])
+    if family == "ramp":
+        return la.Ramp(spec["start"], spec["end"], over=spec["over"], unit=spec["unit"])
+    return la.Lambda(LAMBDA_FNS[spec["fn"]])
+
+
+def lr_schedule(c: Config) -> Any:
+    s = c.lr_schedule
+    return None if s is None else WarmupCosine(s["warmup"], s["total"], unit=s["unit"], final=s["final"])
+
+
+def decay(c: Config) -> la.GradientDecay | None:
+    return None if c.decay is None else la.GradientDecay(c.decay[0], mode=c.decay[1], bias_correction=c.decay[2])
+
+
+class _Base(pl.LightningModule):
+    def __init__(self, c: Config) -> None:
+        super().__init__()
+        self.c = c
+        self.net = make_net(c.seed)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.log("val", micro_loss(self.net, batch)[0], batch_size=len(batch["x"]))
+
+    def configure_optimizers(self) -> Any:
+        opt = make_optimizer(self.c, self.parameters())
+        sched = make_scheduler(self.c, opt)
+        if sched is None:
+            return opt
+        config = {"scheduler": sched, "interval": self.c.scheduler.get("interval", "epoch")}  # type: ignore[union-attr]
+        if self.c.scheduler["kind"] == "plateau":  # type: ignore[index]
+            config["monitor"] = "probe"
+        return {"optimizer": opt, "lr_scheduler": config}
+
+    def maybe_fail(self) -> None:
+        fault = getattr(self, "fault", None)
+        if fault is not None and fault.armed("training_step", self.trainer):
+            raise Injected("training_step")
+
+
+class Automatic(_Base):
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        self.maybe_fail()
+        total, _, positions = micro_loss(self.net, batch)
+        if self.c.normalize == "mean":
+            return total / positions
+        return total / batch["mask"].sum() if self.c.reduction == "mean" else total
+
+
+class Manual(la.AccumulationMixin, _Base):
+    def __init__(self, c: Config) -> None:
+        super().__init__(c)
+        self.configure_accumulation(
+            schedule(c.schedule),
+            normalize=c.normalize,  # type: ignore[arg-type]
+            count=count_tokens if c.count else None,
+            reset=decay(c) or "zero",
+            gradient_clip_val=None if c.clip is None else c.clip[0],
+            gradient_clip_algorithm="norm" if c.clip is None else c.clip[1],
+            lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
+            lr_schedule=lr_schedule(c),
+        )
+
+    def _parts(self, out: Tensor, batch: dict[str, Tensor]) -> list[Tensor]:
+        err = errors(out, batch)
+        parts = [err[:, :2].sum(), err[:, 2:].sum()]
+        if self.c.normalize == "mean":
+            return [x / err.numel() for x in parts]
+        return parts
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.maybe_fail()
+        c, n = self.c, batch["mask"].sum()
+        mean_items = c.normalize == "items" and c.reduction == "mean"
+        with self.accumulate(batch) as acc:
+            if c.mode in ("backward", "items_int"):
+                total, _, positions = micro_loss(self.net, batch)
+                if c.normalize == "mean":
+                    acc.backward(total / positions)
+                elif mean_items:
+                    acc.backward(total / n, items=int(n) if c.mode == "items_int" else n)
+                else:
+                    acc.backward(total)
+            elif c.mode == "each":
+                acc.backward_each([lambda i=i: self._parts(self.net(batch["x"]), batch)[i] for i in (0, 1)])
+            else:
+                trunk, last = self.net[:2], self.net[2]
+                acc.backward_heads(trunk(batch["x"]), [lambda f, i=i: self._parts(last(f), batch)[i] for i in (0, 1)])
+
+
+class ResumingLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """Resumes mid-epoch at the batches Lightning processed (a batch cut short is yielded again)."""
+
+    trainer: pl.Trainer | None = None
+
+    def __init__(self, data: Data, batch_size: int) -> None:
+        super().__init__(data, batch_size=batch_size, shuffle=False)
+        self._skip = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        skip, self._skip = self._skip, 0
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        assert self.trainer is not None
+        t = self.trainer
+        return {"consumed": t.fit_loop.epoch_loop.batch_progress.current.processed, "of": int(t.num_training_batches)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["consumed"] if state["consumed"] < state["of"] else 0  # a finished epoch starts anew
+
+
+class Recorder(pl.Callback):
+    """The LR of each optimizer step that moved something (keyed on the step, so that a resumed
+    run overwrites what it trains again), the probe logged at each epoch's end, the loader bound."""
+
+    def __init__(self, data: Data, loader: ResumingLoader) -> None:
+        self.data, self.loader = data, loader
+        self.lrs: dict[int, list[float]] = {}
+        self._hooks: list[Any] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.loader.trainer = trainer
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for opt in trainer.optimizers:
+            self._hooks.append(opt.register_step_post_hook(lambda o, *_, t=trainer: self._record(o, t)))
+
+    def _record(self, opt: torch.optim.Optimizer, trainer: pl.Trainer) -> None:
+        if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+            self.lrs[trainer.global_step] = [g["lr"] for g in opt.param_groups]
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.log("probe", probe_loss(pl_module.net, self.data))  # type: ignore[arg-type]
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class Interrupter(Checkpoint):
+    """Saves a checkpoint and stops (``"save"``), or fails once at a hook of one batch. A
+    ``Checkpoint`` so that Lightning runs it where it runs ``ModelCheckpoint``: after the others."""
+
+    def __init__(self, kind: str, epoch: int, batch: int, path: Path) -> None:
+        self.kind, self.at, self.path, self.fired = kind, (epoch, batch), path, False
+
+    def armed(self, hook: str, trainer: pl.Trainer) -> bool:
+        here = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx)
+        if self.fired or hook != self.kind or here != self.at:
+            return False
+        self.fired = True
+        return True
+
+    def _fire(self, trainer: pl.Trainer, hook: str) -> None:
+        if self.armed(hook, trainer):
+            raise Injected(hook)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_train_batch_start")
+
+    def on_before_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_before_backward")
+
+    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_after_backward")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_before_optimizer_step")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "on_train_batch_end")
+        if self.armed("save", trainer):
+            trainer.save_checkpoint(self.path)
+            raise Interrupted()
+        if self.armed("sigterm", trainer):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fire(trainer, "validation")
+
+
+def _fit(c: Config, tmp: Path, recorder: Recorder, fault: Interrupter | None, ckpt: Path | None) -> pl.LightningModule:
+    model: _Base = Manual(c) if c.adapter == "mixin" else Automatic(c)
+    callbacks: list[pl.Callback] = [recorder]
+    if c.adapter == "callback":
+        callbacks.append(
+            la.AccumulationScheduler(
+                schedule(c.schedule),
+                normalize=c.normalize,  # type: ignore[arg-type]
+                count=count_tokens if c.count else None,
+                reduction=c.reduction,  # type: ignore[arg-type]
+                lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
+                lr_schedule=lr_schedule(c),
+            )
+        )
+        if c.decay is not None:
+            callbacks.append(decay(c))  # type: ignore[arg-type]
+    if "model_checkpoint" in c.callbacks:
+        callbacks.append(ModelCheckpoint(tmp / "user", every_n_train_steps=2, save_top_k=-1))
+    if "lr_monitor" in c.callbacks:
+        callbacks.append(LearningRateMonitor("step"))
+    if "early_stopping" in c.callbacks:
+        callbacks.append(EarlyStopping("probe", patience=1, mode="min", check_on_train_epoch_end=True))
+    callbacks += [ModelCheckpoint(tmp / "steps", "{step}", every_n_train_steps=1, save_top_k=-1),
+                  OnExceptionCheckpoint(tmp, "on_exception")]  # fmt: skip
+    if fault is not None:
+        callbacks.append(fault)
+        model.fault = fault  # type: ignore[assignment]
+    clip = {} if c.clip is None or c.adapter == "mixin" else {
+        "gradient_clip_val": c.clip[0], "gradient_clip_algorithm": c.clip[1]}  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_epochs=c.epochs,
+        max_steps=c.max_steps,
+        limit_train_batches=c.limit_train_batches,
+        val_check_interval=c.val_every,
+        limit_val_batches=1 if c.val_every else 0,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(tmp) if "lr_monitor" in c.callbacks else False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **clip,
+    )
+    data = recorder.data
+    trainer.fit(model, recorder.loader, ResumingLoader(data, c.batch_size), ckpt_path=ckpt)
+    return model
+
+
+def _latest_step(tmp: Path) -> Path | None:
+    steps = sorted((tmp / "steps").glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1].split("-")[0]))
+    return steps[-1] if steps else None
+
+
+def quiet() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run(c: Config) -> Result:
+    quiet()
+    with tempfile.TemporaryDirectory() as name, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tmp = Path(name)
+        data = Data(c)
+        recorder = Recorder(data, ResumingLoader(data, c.batch_size))
+        pending = [Interrupter(kind, epoch, batch, tmp / f"save{i}.ckpt") for i, (kind, epoch, batch) in
+                   enumerate(c.interruptions)]  # fmt: skip
+        ckpt: Path | None = None
+        while True:
+            fault = pending[0] if pending else None
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                try:
+                    model = _fit(c, tmp, recorder, fault, ckpt)
+                except (Injected, Interrupted, SystemExit):
+                    assert fault is not None and fault.fired
+                else:
+                    if fault is None or not fault.fired:
+                        break
+            pending.pop(0)
+            if fault.kind == "save":
+                ckpt = fault.path
+            elif any("does not continue exactly" in str(w.message) for w in seen):
+                ckpt = _latest_step(tmp)  # the package left the window out: resume at the last step, as it says
+            else:
+                ckpt = tmp / "on_exception.ckpt"
+            if ckpt is None:  # failed before any step was saved: start again (Lightning would resume from
+                recorder.lrs.clear()  # the on-exception checkpoint when given none)
+                (tmp / "on_exception.ckpt").unlink()
+        trainer = model.trainer
+        opt = trainer.optimizers[0]
+        adam = None
+        if c.optimizer == "adam":
+            adam = [
+                {key: torch.as_tensor(v, dtype=torch.float64) for key, v in opt.state[p].items()}
+                for p in model.net.parameters()
+                if p in opt.state
+            ]
+        params = [p.detach().clone() for p in model.net.parameters()]
+        lrs = [recorder.lrs[s] for s in sorted(recorder.lrs)]
+        return Result(params, trainer.global_step, lrs, adam)

@@ -1,0 +1,174 @@
+"""The float64 reference: a plain PyTorch loop that forms each window by hand, as the docs say.
+
+It imports neither Lightning nor ``lightning_accum``: every schedule, LR shape and policy is
+written out here from its definition. A window opens with the ``k`` its schedule gives for the
+progress so far (closed windows only) and holds the next ``k`` batches, cut at the epoch's end;
+its gradient is the mean of its micro-batch gradients (``"mean"``) or the sum over its items
+divided by their count (``"items"``; a micro-batch without items adds nothing, a window
+without any is not stepped and changes nothing, decay included). Then decay, clipping, the LR
+(scheduler x ``lr_scaling`` x ``lr_schedule``), the step, step-interval schedulers; at each
+epoch's end the probe, ``EarlyStopping`` and epoch-interval schedulers (as Lightning orders them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .configs import Config
+from .model import Data, make_net, micro_loss, probe_loss
+
+
+@dataclasses.dataclass
+class Result:
+    params: list[Tensor]
+    global_step: int
+    lrs: list[list[float]]  # per optimizer step: each group's LR as the step used it
+    adam: list[dict[str, Tensor]] | None  # per parameter: exp_avg, exp_avg_sq, step
+
+
+def schedule_k(spec: dict[str, Any], p: dict[str, float]) -> int:
+    family = spec["family"]
+    if family == "constant":
+        return int(spec["k"])
+    if family == "piecewise":
+        k = 1
+        for at, value in sorted(spec["milestones"]):
+            if p[spec["unit"]] >= at:
+                k = value
+        return int(k)
+    if family == "ramp":
+        start, end = spec["start"], spec["end"]
+        t = p[spec["unit"]] / spec["over"]
+        if t >= 1:
+            return int(end)
+        raw = start + (end - start) * t
+        return int(min(max(math.floor(raw + 1e-9), min(start, end)), max(start, end)))
+    fn = spec["fn"]
+    if fn == "cycle3":
+        return 1 + int(p["step"]) % 3
+    if fn == "epoch_up":
+        return 1 + min(int(p["epoch"]), 3)
+    return 2 if p["samples"] < 30 else 3  # "samples_tier"
+
+
+def warmup_cosine(spec: dict[str, Any], p: dict[str, float]) -> float:
+    x, warmup, total, final = float(p[spec["unit"]]), spec["warmup"], spec["total"], spec["final"]
+    if x < warmup:
+        return x / warmup
+    t = min(1.0, (x - warmup) / (total - warmup))
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def make_optimizer(c: Config, params: Any) -> torch.optim.Optimizer:
+    if c.optimizer == "adam":
+        return torch.optim.Adam(params, lr=c.lr)
+    return torch.optim.SGD(params, lr=c.lr, momentum=0.9 if c.optimizer == "momentum" else 0.0)
+
+
+def make_scheduler(c: Config, opt: torch.optim.Optimizer) -> Any:
+    if c.scheduler is None:
+        return None
+    if c.scheduler["kind"] == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.5, patience=0, threshold=0.0)
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=c.scheduler["step_size"], gamma=0.5)
+
+
+def run(c: Config) -> Result:
+    data = Data(c)
+    net = make_net(c.seed)
+    opt = make_optimizer(c, net.parameters())
+    sched = make_scheduler(c, opt)
+    p = {"epoch": 0, "step": 0, "samples": 0, "items": 0}
+    first_k: int | None = None
+    residual: list[Tensor] | None = None
+    lrs: list[list[float]] = []
+    best, wait = math.inf, 0  # EarlyStopping(monitor="probe", patience=1)
+    batches = c.batches_per_epoch()
+    done = False
+    for epoch in range(c.epochs):
+        p["epoch"] = epoch
+        i = 0
+        while i < batches and not done:
+            k = schedule_k(c.schedule, p)
+            first_k = first_k or k
+            window = [data.batch(j) for j in range(i, min(i + k, batches))]
+            i += len(window)
+            samples = sum(len(b["x"]) for b in window)
+            counts = [float(b["mask"].sum()) if c.count else float(len(b["x"])) for b in window]
+            tokens = sum(counts)
+            if c.normalize == "items" and tokens == 0:  # nothing went in: no step, nothing changes
+                p["samples"] += samples
+                continue
+            loss = torch.zeros((), dtype=torch.float64)
+            for b in window:
+                total, n_items, positions = micro_loss(net, b)
+                if c.normalize == "items":
+                    if n_items > 0:
+                        loss = loss + total / tokens
+                else:
+                    loss = loss + total / positions / len(window)
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            if c.decay is not None:
+                f, mode, bias = c.decay
+                for j, prm in enumerate(net.parameters()):
+                    g = prm.grad if mode == "sum" else (1 - f) * prm.grad
+                    prm.grad = g if residual is None else g + f * residual[j]
+                if bias:
+                    for prm in net.parameters():
+                        prm.grad = prm.grad / (1 - f ** (p["step"] + 1))
+            if c.clip is not None:
+                if c.clip[1] == "norm":
+                    nn.utils.clip_grad_norm_(list(net.parameters()), c.clip[0])
+                else:
+                    nn.utils.clip_grad_value_(list(net.parameters()), c.clip[0])
+            factor = 1.0
+            if c.lr_scaling is not None:
+                factor = k / first_k if c.lr_scaling == "linear" else math.sqrt(k / first_k)
+            if c.lr_schedule is not None:
+                factor *= warmup_cosine(c.lr_schedule, p)
+            saved = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * factor
+            lrs.append([g["lr"] for g in opt.param_groups])
+            opt.step()
+            for g, lr in zip(opt.param_groups, saved, strict=True):
+                g["lr"] = lr
+            if c.decay is not None:
+                f, _, bias = c.decay
+                correction = 1 - f ** (p["step"] + 1) if bias else 1.0
+                residual = [prm.grad.clone() * correction for prm in net.parameters()]
+            p["step"] += 1
+            p["samples"] += samples
+            p["items"] += int(tokens)
+            if c.scheduler is not None and c.scheduler.get("interval") == "step":
+                sched.step()
+            if p["step"] == c.max_steps:
+                done = True
+        # the epoch's end (also one cut short by max_steps)
+        probe = probe_loss(net, data)
+        if "early_stopping" in c.callbacks:
+            if probe < best:
+                best, wait = probe, 0
+            else:
+                wait += 1
+                done = done or wait >= 1
+        if c.scheduler is not None and c.scheduler["kind"] == "plateau":
+            sched.step(probe)
+        elif c.scheduler is not None and c.scheduler["interval"] == "epoch" and i >= batches:
+            sched.step()  # (Lightning: after the epoch's last batch; not when `max_steps` cut the epoch short)
+        if done:
+            break
+    adam = None
+    if c.optimizer == "adam":
+        adam = [
+            {key: torch.as_tensor(v, dtype=torch.float64) for key, v in opt.state[prm].items()}
+            for prm in net.parameters()
+            if prm in opt.state
+        ]
+    return Result([prm.detach().clone() for prm in net.parameters()], p["step"], lrs, adam)
