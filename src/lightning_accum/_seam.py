@@ -164,3 +164,29 @@ def keep_progress_consistent(trainer: Any) -> None:
         current.started + offset,
         current.processed + offset,
     )
+
+
+def batches_ran_out(trainer: Any) -> bool:
+    """Whether the epoch under way trained all its batches (not cut short by ``max_steps``): Lightning
+    steps epoch-interval LR schedulers only then (``_TrainingEpochLoop._num_ready_batches_reached``)."""
+    return bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
+
+
+def step_plateau_after_resume(trainer: Any) -> None:
+    """At the end of an epoch this fit trained batches of: let Lightning step its epoch-interval
+    ``ReduceLROnPlateau`` schedulers even if the fit resumed inside the epoch. ``_FitLoop.on_advance_end``
+    skips them while the loop is ``restarting`` (the monitored metric is not in a checkpoint), and
+    the flag stays up until the resumed epoch's end, though its metrics are fresh by then."""
+    trainer.fit_loop._restarting = False
+
+
+def resume_after_finished_epoch(trainer: Any) -> None:
+    """Called at train start: a checkpoint written after an epoch's end hooks (SIGTERM is raised at
+    the end of ``_FitLoop.on_advance_end``) holds the finished epoch as completed but its batch
+    counters as they were, so a resumed fit continues the next epoch at batch index ``len`` and
+    ends it after one batch. Start that epoch's batches at 0, as an uninterrupted run does."""
+    loop = trainer.fit_loop
+    batches, epochs = loop.epoch_loop.batch_progress, loop.epoch_progress.current
+    finished = epochs.processed == epochs.completed == epochs.ready  # (an epoch under way has ready = completed + 1)
+    if loop.restarting and finished and batches.current.completed >= trainer.num_training_batches:
+        batches.reset_on_run()

@@ -17,6 +17,7 @@ from lightning_accum import cached, collectives, gradients, microbatch, multitas
 from lightning_accum.driver import MixinDriver
 from lightning_accum.groups import GroupKey
 from lightning_accum.metrics import weigh
+from lightning_accum.options import check_flag
 from lightning_accum.window import Window
 
 
@@ -37,12 +38,24 @@ class Accumulator:
         self.items: int | Tensor | None = None
         self.passes = 0
         self._open = True
+        self._auto = 0  # `backward_microbatches(size="auto")` calls of this block
 
-    def _check_open(self) -> None:
+    def _check_open(self, auto: bool = False) -> None:
+        """The block is open, and its passes do not mix ``backward_microbatches(size="auto")`` with other
+        passes in one window: after an out-of-memory error only the former can be redone."""
         if not self._open:
             raise RuntimeError(
                 "`acc.backward*` was called outside its `with self.accumulate(batch) as acc:` block; "
                 "call it inside the block, which closes the window on exit."
+            )
+        replayed = len(self._driver.replay.get(self._key, ())) + self._auto
+        others = self._window.microbatches + (self.passes > 0) - replayed
+        if (auto and others > 0) or (not auto and replayed > 0):
+            raise ValueError(
+                '`acc.backward_microbatches(loss_fn, size="auto")` cannot share a window with other backward passes '
+                "(`acc.backward`, `backward_each`, `backward_heads`, `backward_cached`, or a fixed `size`): on "
+                "out-of-memory it redoes the window from its start, and only its own passes can be redone. Use it "
+                "for every pass of the window, or give `size` a number."
             )
 
     def _backward(self, loss: Tensor) -> None:
@@ -104,6 +117,8 @@ class Accumulator:
         return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
 
     def _record_tasks(self, losses: Tensor, names: Sequence[str] | None) -> None:
+        if isinstance(names, str) or (names is not None and not all(isinstance(n, str) for n in names)):
+            raise TypeError(f"`names` must be a list of strings, one per task (e.g. ['lm', 'cls']); got {names!r}.")
         names = [f"task{i}" for i in range(len(losses))] if names is None else list(names)
         if len(names) != len(losses):
             raise ValueError(f"`names` has {len(names)} entries for {len(losses)} tasks; give one name per task.")
@@ -120,10 +135,11 @@ class Accumulator:
         (its batches are kept by reference): no sample is lost or counted twice. The size is kept
         for later batches and agreed on by all ranks (their minimum) at each window's end.
         """
-        self._check_open()
+        self._check_open(auto=size == "auto")
         driver = self._driver
         if size != "auto":
             return self._run_parts(self._batch, loss_fn, size)
+        self._auto += 1
         redo: list[tuple[Any, Callable[[Any], Tensor]]] = []
         while True:
             size = driver.auto_size or microbatch.batch_length(self._batch)
@@ -188,6 +204,7 @@ class Accumulator:
                                     info_nce, chunk_size=64, gather=True)
         """
         self._check_open()
+        check_flag("gather", gather)
         driver = self._driver
         strategy = driver.module.trainer.strategy
         world = collectives.world_size(strategy) if gather else 1

@@ -31,6 +31,12 @@ def check_args(encoders: Sequence[Callable[[Any], Reps]], inputs: Sequence[Any],
     """The batch size shared by ``inputs``, or a ``ValueError`` naming the bad argument."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"`chunk_size` must be an int >= 1 (samples per chunk); got {chunk_size!r}.")
+    for name, given in (("encoders", encoders), ("inputs", inputs)):
+        if isinstance(given, nn.Module | Tensor | str | dict) or not isinstance(given, Sequence):
+            raise TypeError(
+                f"`{name}` must be a list, one entry per tower (e.g. `encoders=[model]`, `inputs=[batch]`); "
+                f"got {type(given).__name__}."
+            )
     if len(encoders) != len(inputs) or not encoders:
         raise ValueError(
             f"`encoders` has {len(encoders)} entries and `inputs` {len(inputs)}; give one encoder per input "
@@ -39,6 +45,8 @@ def check_args(encoders: Sequence[Callable[[Any], Reps]], inputs: Sequence[Any],
     sizes = [microbatch.batch_length(x) for x in inputs]
     if len(set(sizes)) > 1:
         raise ValueError(f"`inputs` differ in size along dim 0 ({sizes}); every input must hold the same samples.")
+    if not sizes[0]:
+        raise ValueError("`inputs` hold no samples (dim 0 is 0): a batch-coupled loss needs at least one; skip the call.")
     return sizes[0]
 
 
@@ -60,7 +68,12 @@ class _RNG:
 
 def _parts(reps: object, where: str) -> tuple[Tensor, ...]:
     parts = reps if isinstance(reps, tuple) else (reps,)
-    if not parts or not all(isinstance(t, Tensor) and t.ndim >= 1 for t in parts):
+    if any(isinstance(t, Tensor) and t.ndim == 0 for t in parts):
+        raise ValueError(
+            f"{where} returned a 0-d tensor; it must return one row per sample of its chunk (dim 0), e.g. the "
+            "embeddings, not a loss or a reduced value."
+        )
+    if not parts or not all(isinstance(t, Tensor) for t in parts):
         raise ValueError(f"{where} returned {type(reps).__name__}; it must return a tensor or a tuple of tensors.")
     return parts  # type: ignore[return-value]
 

@@ -57,6 +57,7 @@ class MixinDriver(Callback):
         self._redoing = False  # the block's micro-batch is one a checkpoint already holds
         self.rescaled = False  # whether the closing window's gradient was rescaled for its step yet
         self.monitors: schedulers.Monitors = {}  # the LR schedulers' monitors, which Lightning drops here
+        self._trained = False
 
     @property
     def state_key(self) -> str:
@@ -112,6 +113,8 @@ class MixinDriver(Callback):
         return [self.engines[key] for key in sorted(self.engines) if self.engines[key].window is not None]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _seam.resume_after_finished_epoch(trainer)
+        self._trained = False  # whether a batch of this fit ended yet
         if self._partial is not None:  # resumed inside a window: this rank's own part of it
             numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
             for i, engine in enumerate(self._open_engines() if numbers is not None else []):
@@ -149,6 +152,8 @@ class MixinDriver(Callback):
     ) -> None:
         for engine in self.engines.values():
             engine.batch_done()
+        self.guards.batch_end(self.module, outputs, first=not self._trained)
+        self._trained = True
         if _seam.epoch_ends_after_this_batch(trainer):  # as Lightning: before the batch's checkpoints, plateau ones later
             schedulers.step_schedulers(self.module, trainer, self.monitors, "epoch", trainer.current_epoch + 1, plateau=False)
 
@@ -192,12 +197,22 @@ class MixinDriver(Callback):
         _seam.keep_progress_consistent(trainer)
         self._batch_counts = None
         if self.config.count is not None:
-            engine = self.engine(self.key(None))
-            self._batch_counts = (batch, sample_count(batch, engine.samples_needed_by), self.config.count(batch))
+            needed_by = self._samples_needed_by()
+            self._batch_counts = (batch, sample_count(batch, needed_by), self.config.count(batch))
+
+    def _samples_needed_by(self) -> str | None:
+        """What needs each micro-batch's sample count (the same for every group)."""
+        engine = next(iter(self.engines.values()), None)
+        if engine is None:
+            c = self.config
+            engine = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
+        return engine.samples_needed_by
 
     def begin(self, trainer: Any, key: GroupKey, batch: Any) -> tuple[Window, bool]:
         """The group's open window (opened now if none is), and whether this micro-batch is its last;
         the micro-batch is counted now, before the block's code runs."""
+        if key not in self.engines:
+            groups.check_disjoint(self.module, key, self.engines)
         engine = self.engine(key)
         epoch, batch_idx = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx
         window = engine.window or engine.open(epoch, batch_idx, trainer.strategy)
@@ -248,7 +263,10 @@ class MixinDriver(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guards.epoch_end()
-        schedulers.step_schedulers(self.module, trainer, self.monitors, "epoch", trainer.current_epoch + 1, plateau=True)
+        if _seam.batches_ran_out(trainer):  # (as Lightning: not after `max_steps` cut the epoch short)
+            schedulers.step_schedulers(
+                self.module, trainer, self.monitors, "epoch", trainer.current_epoch + 1, plateau=True
+            )
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer

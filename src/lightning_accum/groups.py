@@ -6,6 +6,7 @@ names the group of all of them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
@@ -44,3 +45,22 @@ def params(module: Any, group: GroupKey | None = None) -> list[Tensor]:
     known = optimizers(module)
     chosen = range(len(known)) if group is None else group
     return [p for i in chosen for p in gradients.optimizer_params(known[i].optimizer)]
+
+
+def check_disjoint(module: Any, new: GroupKey, known: Iterable[GroupKey]) -> None:
+    """Refuse a window group whose parameters another group's window also accumulates into: each
+    window's step would take the other's gradient too."""
+    mine = {id(p) for p in params(module, new)}
+    names = {id(p): name for name, p in module.named_parameters()}
+    for other in known:
+        if other == new:
+            continue
+        shared = [names.get(id(p), "?") for p in params(module, other) if id(p) in mine]
+        if shared:
+            listed = ", ".join(shared[:5]) + (", ..." if len(shared) > 5 else "")
+            raise ValueError(
+                f"The windows of optimizers {list(new)} and {list(other)} would share parameters ({listed}), so each "
+                "window's step would take the other window's gradient too. Accumulate them in one window "
+                "(`self.accumulate(batch, optimizer=[...])` naming all of them, or no `optimizer=`), or give each "
+                "optimizer its own parameters."
+            )

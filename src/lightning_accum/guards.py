@@ -19,6 +19,7 @@ class MixinGuards:
         self.in_pass = False  # inside the accumulator's own backward pass
         self.stepping = False  # inside the window-end `optimizer.step()`
         self.blocks = self.passes = 0  # this epoch's `accumulate` blocks, and their backward passes
+        self._blocks_before = 0  # `blocks` when the batch under way started
         self._hooks: list[Any] = []
 
     def check_fit(self, module: Any, trainer: Any, driver: Any, configured: bool) -> None:
@@ -63,9 +64,21 @@ class MixinGuards:
                 "(or `acc.backward_each` / `acc.backward_heads`)."
             )
 
+    def batch_end(self, module: Any, outputs: Any, first: bool) -> None:
+        """Refuse a ``training_step`` that ran no ``accumulate`` block and returned a loss (the
+        automatic-optimization habit: nothing would ever be trained), or ran none on the fit's first batch."""
+        if self.blocks == self._blocks_before and (outputs is not None or first):
+            returned = "returned a loss but " if outputs is not None else ""
+            raise RuntimeError(
+                f"`{type(module).__name__}.training_step` {returned}ran no `with self.accumulate(batch) as acc:` block, so "
+                "nothing was back-propagated or stepped (with `AccumulationMixin` the optimization is manual). Wrap "
+                "the backward pass: `with self.accumulate(batch) as acc: acc.backward(loss)`."
+            )
+        self._blocks_before = self.blocks
+
     def epoch_end(self) -> None:
         blocks, passes = self.blocks, self.passes
-        self.blocks = self.passes = 0
+        self.blocks = self.passes = self._blocks_before = 0
         if blocks and not passes:
             raise RuntimeError(
                 f"A whole epoch of `with self.accumulate(batch) as acc:` blocks ({blocks}) made no backward pass, so "

@@ -13,6 +13,8 @@ so the arithmetic here is plain autograd and is tested on its own.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -23,10 +25,15 @@ Backward = Callable[[Tensor], None]
 
 
 def _weights(weights: Sequence[float] | None, n: int, what: str) -> list[float]:
+    if not n:
+        raise ValueError(f"`{what}` is empty; give at least one.")
     if weights is None:
         return [1.0] * n
     if len(weights) != n:
         raise ValueError(f"`weights` has {len(weights)} entries for {n} {what}; give one weight per {what[:-1]}.")
+    for w in weights:
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+            raise ValueError(f"`weights` must be finite numbers, one per {what[:-1]}; got {list(weights)!r}.")
     return [float(w) for w in weights]
 
 

@@ -14,6 +14,8 @@ bias (second order in its denominator's relative error) stays negligible.
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -103,8 +105,8 @@ class NoiseScaleEstimator:
     """
 
     def __init__(self, beta: float = 0.995) -> None:
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"`beta` (moving-average decay per window) must be in [0, 1); got {beta!r}.")
+        if not _real(beta) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"`beta` (moving-average decay per window) must be a number in [0, 1); got {beta!r}.")
         self.beta = beta
         self._sums = [0.0] * 3  # decayed weighted sums of 1, |G|^2 and tr(Sigma)
         self.updates = 0
@@ -212,11 +214,13 @@ class NoiseScale(Schedule):
             raise ValueError(f"`start`={start} must lie in [min_k, max_k] = [{min_k}, {max_k}].")
         self.every = _check_k(every, "every", what="optimizer steps between changes of k")
         self.warmup = _check_k(warmup, "warmup", what="windows measured before k may change")
-        if not 0.0 <= hysteresis < 1.0:
-            raise ValueError(f"`hysteresis` must be in [0, 1); got {hysteresis!r}.")
+        if not _real(hysteresis) or not 0.0 <= hysteresis < 1.0:
+            raise ValueError(f"`hysteresis` must be a number in [0, 1); got {hysteresis!r}.")
         self.hysteresis = hysteresis
-        if not max_ratio > 1.0:
-            raise ValueError(f"`max_ratio` (the most k may change by at a time) must be > 1; got {max_ratio!r}.")
+        if not _real(max_ratio) or not max_ratio > 1.0:
+            raise ValueError(
+                f"`max_ratio` (the most k may change by at a time) must be a number > 1; got {max_ratio!r}."
+            )
         self.max_ratio = float(max_ratio)
         self.estimator = NoiseScaleEstimator(beta)
         self._k, self._changed_at = self.start, 0
@@ -271,6 +275,13 @@ class NoiseScale(Schedule):
         return {"estimator": self.estimator.state_dict(), **numbers}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if "estimator" not in state_dict:
+            warnings.warn(
+                "The checkpoint holds no `NoiseScale` state (it was written under another schedule): the noise "
+                f"estimate starts afresh, from k = {self._k}, and k may change after `warmup` = {self.warmup} windows.",
+                stacklevel=2,
+            )
+            return
         self.estimator.load_state_dict(state_dict["estimator"])
         self._k = int(state_dict["k"])
         self._changed_at = int(state_dict["changed_at"])
@@ -282,3 +293,8 @@ class NoiseScale(Schedule):
             f"NoiseScale({self.min_k}, {self.max_k}, start={self.start}, every={self.every}, warmup={self.warmup}, "
             f"hysteresis={self.hysteresis}, beta={self.estimator.beta}, max_ratio={self.max_ratio})"
         )
+
+
+def _real(value: object) -> bool:
+    """A real number (not a bool, not a string)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

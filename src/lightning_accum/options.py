@@ -10,7 +10,8 @@ from typing import Any, Literal
 from torch import Tensor
 
 from lightning_accum.callbacks.decay import GradientDecay
-from lightning_accum.schedules import Progress, Schedule, as_schedule
+from lightning_accum.lr import check_multiplier
+from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
 from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
 
@@ -38,18 +39,45 @@ def check_common(
         raise TypeError(f"`count` must be a function count(batch) -> int; got {count!r}.")
     if lr_scaling not in (None, "linear", "sqrt", "adascale"):
         raise ValueError(f"`lr_scaling` must be None, 'linear', 'sqrt' or 'adascale'; got {lr_scaling!r}.")
-    if lr_schedule is not None and not callable(lr_schedule):
+    if lr_schedule is not None and (not callable(lr_schedule) or isinstance(lr_schedule, type)):
+        made = f" an instance, `{lr_schedule.__name__}(...)`, not the class" if isinstance(lr_schedule, type) else ""
         raise TypeError(
             f"`lr_schedule` must be a function of Progress giving a learning-rate multiplier, e.g. "
-            f"`lightning_accum.lr.WarmupCosine(...)`; got {lr_schedule!r}."
+            f"`lightning_accum.lr.WarmupCosine(...)`{made}; got {lr_schedule!r}."
         )
-    check_sync_mode(sync)
-    if resolved.unit == "items" and count is None:
+    if lr_scaling == "adascale" and _always_one(resolved):
         raise ValueError(
-            f"The schedule {resolved!r} counts items, so `count` is needed: `{who}` needs `count`, a function "
-            "giving each micro-batch's number of items (count(batch) -> int)."
+            f"`lr_scaling='adascale'` measures the gradient noise inside windows of k >= 2, but {resolved!r} gives "
+            "k = 1 throughout, so its gain would stay 1: use a schedule with k >= 2, or drop `lr_scaling`."
         )
+    if lr_schedule is not None:  # fails now, not at the first step
+        check_multiplier(lr_schedule(Progress()), lr_schedule, Progress())
+    check_sync_mode(sync)
+    for what, counted in (("schedule", resolved), ("lr_schedule", lr_schedule)):
+        if getattr(counted, "unit", None) == "items" and count is None:
+            raise ValueError(
+                f"The {what} {counted!r} counts items, so `count` is needed: `{who}` needs `count`, a function "
+                "giving each micro-batch's number of items (count(batch) -> int)."
+            )
     return resolved
+
+
+def _always_one(schedule: Schedule) -> bool:
+    """Whether ``schedule`` is known to give k = 1 for every window."""
+    if isinstance(schedule, Constant):
+        return schedule.k(Progress()) == 1
+    if isinstance(schedule, Piecewise):
+        return max(schedule.milestones.values()) == 1
+    if isinstance(schedule, Ramp):
+        return max(schedule.start, schedule.end) == 1
+    return False
+
+
+def check_flag(name: str, value: object) -> bool:
+    """A ``bool`` argument, or a ``TypeError`` naming it (``log="yes"`` is not a yes)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False; got {value!r}.")
+    return value
 
 
 Reduction = Literal["sum", "mean"]
@@ -91,6 +119,7 @@ class AccumulationConfig:
     def __post_init__(self) -> None:
         args = (self.schedule, self.normalize, self.count, self.lr_scaling, self.sync, self.lr_schedule)
         check_common("configure_accumulation", *args)
+        check_flag("log", self.log)
         reset, clip = self.reset, self.gradient_clip_val
         if not (isinstance(reset, GradientDecay) or reset in ("zero", "none")):
             raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")

@@ -56,11 +56,15 @@ def settle(
             window.remove(*inflight)  # type: ignore[misc]
         return
     else:
-        what = "the accumulation window was being stepped" if engine.closing is not None else (
+        stepping = engine.closing is not None
+        lost = window.microbatches
+        engine.discard()
+        if not (lost or stepping):
+            return  # the window's first micro-batch, trained again from its start: nothing is lost
+        what = "the accumulation window was being stepped" if stepping else (
             "a backward pass into the accumulation window was cut short"
         )  # fmt: skip
-        what += f": a checkpoint written now leaves its {window.microbatches} micro-batch(es) out"
-        engine.discard()
+        what += f": a checkpoint written now leaves its {lost} micro-batch(es) out"
     warnings.warn(
         f"An exception came while {what}, so a run resumed from a checkpoint written now does not continue "
         "exactly. Resume from the last checkpoint saved at an optimizer step to continue exactly.",

@@ -10,6 +10,7 @@ This module is plain Python: it imports neither torch nor Lightning.
 from __future__ import annotations
 
 import bisect
+import difflib
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
@@ -52,7 +53,9 @@ class Progress:
 
 def _check_unit(unit: object, allowed: tuple[str, ...]) -> str:
     if unit not in allowed:
-        raise ValueError(f"`unit` must be one of {', '.join(map(repr, allowed))}; got {unit!r}.")
+        near = difflib.get_close_matches(str(unit), allowed, n=1) if isinstance(unit, str) else []
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"`unit` must be one of {', '.join(map(repr, allowed))}; got {unit!r}.{hint}")
     return str(unit)
 
 

@@ -155,8 +155,8 @@ def check_item_count(value: object) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(
-            f"`count(batch)` returned {value!r}; it must give the micro-batch's number of items "
-            "(tokens, ...) as an int >= 0 or an integer tensor."
+            f"A micro-batch's item count (from `count(batch)`, or `items=` of `acc.backward`) was {value!r}; it must "
+            "be the micro-batch's number of items (tokens, ...) as an int >= 0 or an integer tensor."
         )
     return int(value)
 

@@ -65,6 +65,11 @@ class Config:
             units.add(self.lr_schedule["unit"])
         return units
 
+    def monitors(self) -> bool:
+        """Whether something acts at each epoch's end on a logged metric (Lightning skips an epoch's end when
+        it resumes from a checkpoint written at the epoch's last batch, so no such checkpoint is used then)."""
+        return "early_stopping" in self.callbacks or (self.scheduler or {}).get("kind") == "plateau"
+
     def batches_per_epoch(self) -> int:
         n = -(-self.n // self.batch_size)
         return n if self.limit_train_batches is None else min(n, self.limit_train_batches)
@@ -114,15 +119,17 @@ def generate(rng: random.Random) -> Config:
         c.decay = [rng.choice([0.0, 0.5, 0.9]), mode, mode == "ema" and rng.random() < 0.5]
     if rng.random() < 0.25:
         c.val_every = rng.randint(1, max(1, batches))
+    for name in ("model_checkpoint", "lr_monitor", "early_stopping"):
+        if rng.random() < 0.15:
+            c.callbacks.append(name)
     total = batches * c.epochs
     for _ in range(rng.choice([0, 0, 1, 2])):
         kind = "save" if rng.random() < 0.4 else rng.choice(FAILURES)
         at = rng.randrange(total)
+        if kind == "save" and c.monitors() and at % batches == batches - 1:
+            continue  # (see `Config.monitors`)
         c.interruptions.append([kind, at // batches, at % batches])
     c.interruptions.sort(key=lambda i: (i[1], i[2]))
-    for name in ("model_checkpoint", "lr_monitor", "early_stopping"):
-        if rng.random() < 0.15:
-            c.callbacks.append(name)
     return c
 
 

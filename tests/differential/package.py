@@ -235,7 +235,34 @@ class Interrupter(Checkpoint):
         self._fire(trainer, "validation")
 
 
-def _fit(c: Config, tmp: Path, recorder: Recorder, fault: Interrupter | None, ckpt: Path | None) -> pl.LightningModule:
+class StepSaver(Checkpoint):
+    """A checkpoint at every optimizer step (as ``ModelCheckpoint(every_n_train_steps=1)``), noting which
+    were written at an epoch's last batch: Lightning resumes from those without running that epoch's
+    end (``on_train_epoch_end``, so ``EarlyStopping`` and ``ReduceLROnPlateau`` miss it), with or without
+    this package, so a configuration with such monitors resumes from an earlier one."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.saved, self._last = folder, [], 0  # saved: (path, at an epoch's last batch)
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._last = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step != self._last:
+            self._last = trainer.global_step
+            path = self.folder / f"step={trainer.global_step}.ckpt"
+            trainer.save_checkpoint(path)
+            last = trainer.fit_loop.epoch_loop.batch_idx + 1 >= trainer.num_training_batches
+            self.saved.append((path, last))
+
+    def latest(self, avoid_epoch_end: bool) -> Path | None:
+        found = [path for path, last in self.saved if not (avoid_epoch_end and last)]
+        return found[-1] if found else None
+
+
+def _fit(
+    c: Config, tmp: Path, recorder: Recorder, saver: StepSaver, fault: Interrupter | None, ckpt: Path | None
+) -> pl.LightningModule:
     model: _Base = Manual(c) if c.adapter == "mixin" else Automatic(c)
     callbacks: list[pl.Callback] = [recorder]
     if c.adapter == "callback":
@@ -257,8 +284,7 @@ def _fit(c: Config, tmp: Path, recorder: Recorder, fault: Interrupter | None, ck
         callbacks.append(LearningRateMonitor("step"))
     if "early_stopping" in c.callbacks:
         callbacks.append(EarlyStopping("probe", patience=1, mode="min", check_on_train_epoch_end=True))
-    callbacks += [ModelCheckpoint(tmp / "steps", "{step}", every_n_train_steps=1, save_top_k=-1),
-                  OnExceptionCheckpoint(tmp, "on_exception")]  # fmt: skip
+    callbacks += [saver, OnExceptionCheckpoint(tmp, "on_exception")]
     if fault is not None:
         callbacks.append(fault)
         model.fault = fault  # type: ignore[assignment]
@@ -285,11 +311,6 @@ def _fit(c: Config, tmp: Path, recorder: Recorder, fault: Interrupter | None, ck
     return model
 
 
-def _latest_step(tmp: Path) -> Path | None:
-    steps = sorted((tmp / "steps").glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1].split("-")[0]))
-    return steps[-1] if steps else None
-
-
 def quiet() -> None:
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -302,6 +323,7 @@ def run(c: Config) -> Result:
         tmp = Path(name)
         data = Data(c)
         recorder = Recorder(data, ResumingLoader(data, c.batch_size))
+        saver = StepSaver(tmp / "steps")
         pending = [Interrupter(kind, epoch, batch, tmp / f"save{i}.ckpt") for i, (kind, epoch, batch) in
                    enumerate(c.interruptions)]  # fmt: skip
         ckpt: Path | None = None
@@ -310,7 +332,7 @@ def run(c: Config) -> Result:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 try:
-                    model = _fit(c, tmp, recorder, fault, ckpt)
+                    model = _fit(c, tmp, recorder, saver, fault, ckpt)
                 except (Injected, Interrupted, SystemExit):
                     assert fault is not None and fault.fired
                 else:
@@ -320,7 +342,7 @@ def run(c: Config) -> Result:
             if fault.kind == "save":
                 ckpt = fault.path
             elif any("does not continue exactly" in str(w.message) for w in seen):
-                ckpt = _latest_step(tmp)  # the package left the window out: resume at the last step, as it says
+                ckpt = saver.latest(c.monitors())  # the package left the window out: resume at a step, as it says
             else:
                 ckpt = tmp / "on_exception.ckpt"
             if ckpt is None:  # failed before any step was saved: start again (Lightning would resume from

@@ -158,10 +158,9 @@ def run(c: Config) -> Result:
             else:
                 wait += 1
                 done = done or wait >= 1
-        if c.scheduler is not None and c.scheduler["kind"] == "plateau":
-            sched.step(probe)
-        elif c.scheduler is not None and c.scheduler["interval"] == "epoch" and i >= batches:
-            sched.step()  # (Lightning: after the epoch's last batch; not when `max_steps` cut the epoch short)
+        if c.scheduler is not None and c.scheduler.get("interval", "epoch") == "epoch" and i >= batches:
+            # (Lightning: not when `max_steps` cut the epoch short)
+            sched.step(probe) if c.scheduler["kind"] == "plateau" else sched.step()
         if done:
             break
     adam = None

@@ -16,7 +16,15 @@ from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.metrics import weigh
-from lightning_accum.options import Count, LRMultiplier, LRScaling, Reduction, check_callback_items, check_common
+from lightning_accum.options import (
+    Count,
+    LRMultiplier,
+    LRScaling,
+    Reduction,
+    check_callback_items,
+    check_common,
+    check_flag,
+)
 from lightning_accum.probe import check_noise_under
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.sync import SyncMode
@@ -88,7 +96,7 @@ class AccumulationScheduler(Callback):
         self.normalize, self.reduction = normalize, reduction
         self.count = count
         self.lr_scaling, self.lr_schedule = lr_scaling, lr_schedule
-        self._log = log  # not `self.log`: Lightning binds `log` on callbacks
+        self._log = check_flag("log", log)  # not `self.log`: Lightning binds `log` on callbacks
         self.sync = sync
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule)
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
@@ -108,6 +116,8 @@ class AccumulationScheduler(Callback):
         self._loss_factor = 1.0
         self._deepspeed = self._sharded = False  # the plan's family, read once per fit for the hot path
         self._user_divisor: int | None = None  # the Trainer's accumulate_grad_batches before this fit
+        self._trained = False
+        self._uncount = False  # whether Lightning is taking a step that moves nothing, which it counts
 
     @property
     def progress(self) -> Progress:
@@ -127,6 +137,7 @@ class AccumulationScheduler(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after checkpoint restore: put back the divisor Lightning's loop state was saved with
         set_divisor(trainer, self._divisor)
+        _seam.resume_after_finished_epoch(trainer)
         self._optimizer, self._strategy = trainer.optimizers[0], trainer.strategy
         if self._partial is not None:  # resumed inside a window: this rank's own part of it
             numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
@@ -134,6 +145,7 @@ class AccumulationScheduler(Callback):
                 load_local_numbers(self._engine, numbers)
             self._partial = None
         self._frequencies = _seam.SchedulerFrequencies(trainer)
+        self._trained = False  # whether this fit trained a batch yet
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
@@ -144,6 +156,7 @@ class AccumulationScheduler(Callback):
         # Lightning runs checkpoint callbacks' `on_exception` after this one: leave the state (and the optimizer
         # whose gradient a checkpoint saves) as a checkpoint written now must hold to resume exactly
         self._pass.close()
+        self._uncount = False
         self._engine.restore_lr()
         if self._optimizer is not None:
             processed, in_backward = recovery.where(trainer, exception)
@@ -172,6 +185,7 @@ class AccumulationScheduler(Callback):
     ) -> None:
         engine = self._engine
         _seam.keep_progress_consistent(trainer)
+        self._trained = True
         if engine.window is None:
             if _seam.backward_skipped(trainer):
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
@@ -246,15 +260,15 @@ class AccumulationScheduler(Callback):
     ) -> None:
         engine = self._engine
         if engine.window is None:
+            if _seam.backward_skipped(trainer):  # SWA's BatchNorm epoch: Lightning would step with a stale gradient
+                self._move_nothing(trainer, optimizer)
             return
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
         closing = engine.close(trainer.strategy)
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
-            for p in gradients.optimizer_params(optimizer):
-                p.grad = None
-            self._pass.callback(_seam.suspend_clipping(trainer))  # (till the batch's end)
+            self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
         elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or engine.metrics.tracking):
             grads = gradients.optimizer_grads(optimizer)
@@ -265,24 +279,34 @@ class AccumulationScheduler(Callback):
         engine.scale_lr(optimizer)
         self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
 
+    def _move_nothing(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
+        """Make the step Lightning is taking move nothing (no gradient, no clipping) and not count."""
+        for p in gradients.optimizer_params(optimizer):
+            p.grad = None
+        self._pass.callback(_seam.suspend_clipping(trainer))  # (till the batch's end)
+        self._uncount = not self._deepspeed
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = self._engine
         engine.batch_done()
+        self._pass.close()  # (after a step that moved nothing: clipping back on)
+        if self._uncount:  # Lightning counted the step that moved nothing
+            _seam.uncount_step(trainer)
+            self._uncount = False
         if engine.closing is None:
             return
         engine.restore_lr()  # normally done by the optimizer's post-step hook already
-        self._pass.close()
         closing = engine.advance(trainer.current_epoch)
-        if closing.empty and not self._deepspeed:  # Lightning counted a step that moved nothing
-            _seam.uncount_step(trainer)
         if self._log:
             every = trainer.log_every_n_steps  # type: ignore[attr-defined]
             metrics = engine.window_metrics(closing)
             log_window(pl_module, "accum/", every, closing, engine.progress, engine.noise_scale, metrics)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._optimizer is not None and self._trained:  # (so the epoch's metrics are this fit's)
+            _seam.step_plateau_after_resume(trainer)
         if self._engine.window is not None and self._engine.closing is None:
             # the loop was stopped inside a window (e.g. `trainer.should_stop`): nothing was stepped
             self._engine.discard()
