@@ -232,5 +232,7 @@ MIXIN_FAULTS = [
 @pytest.mark.parametrize(("fault", "source", "warns"), MIXIN_FAULTS, ids=lambda v: getattr(v, "hook", str(v)))
 def test_mixin_fault(tmp_path: Path, kind: str, fault: Any, source: str, warns: bool) -> None:
     fault = Fault(fault.hook, fault.at) if isinstance(fault, Fault) else fault  # a fresh one per case
+    if kind == "mixin+noise" and fault == ("in_block", MID):
+        warns = False  # NoiseScale's windows of 2 start at batch 4: nothing of the window is lost, nothing to warn of
     seen = fail_and_resume(kind, tmp_path, fault, source)
     assert bool(seen) == warns, seen

@@ -190,7 +190,11 @@ def test_stateful_lr_schedule_is_checkpointed() -> None:
 
 
 def test_bad_multiplier_is_named() -> None:
-    callback = AccumulationScheduler(2, lr_schedule=lambda progress: -1.0)
+    with pytest.raises(ValueError, match=r"`lr_schedule` .* returned -1.0 .*multiplier >= 0"):
+        AccumulationScheduler(2, lr_schedule=lambda progress: -1.0)  # (found at construction)
+    with pytest.raises(ValueError, match=r"`lr_schedule` .* returned 5000.0 .*above 1000 is surely a mistake"):
+        AccumulationScheduler(2, lr_schedule=lambda progress: 5000.0)
+    callback = AccumulationScheduler(2, lr_schedule=lambda progress: -1.0 if progress.step else 1.0)
     with pytest.raises(ValueError, match=r"`lr_schedule` .* returned -1.0 .*multiplier >= 0"):
         trainer(callbacks=[callback], max_epochs=1).fit(TokenModel(), loader(DATA, 4))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -95,7 +97,10 @@ def test_one_graph_alive_at_a_time() -> None:
         ),
         (lambda: backward_each(lambda loss: None, [lambda: 1.0]), "closure 0 is float"),
         (lambda: backward_each(lambda loss: None, [lambda: torch.ones(())]), "does not require grad"),
-        (lambda: backward_each(lambda loss: None, [], weights=[1.0]), "1 entries for 0 closures"),
+        (lambda: backward_each(lambda loss: None, [], weights=[1.0]), "`closures` is empty"),
+        (lambda: backward_each(lambda loss: None, [lambda: torch.ones(())], weights=["a"]), "finite numbers"),
+        (lambda: backward_each(lambda loss: None, [lambda: torch.ones(())], weights=[math.nan]), "finite numbers"),
+        (lambda: backward_heads(lambda loss: None, torch.ones(3, requires_grad=True), []), "`heads` is empty"),
         (lambda: backward_heads(lambda loss: None, torch.ones(3), []), "`features` must be the trunk's output"),
     ],
 )

@@ -13,6 +13,7 @@ writes the progress bar's metrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.optim import Optimizer
@@ -190,3 +191,21 @@ def resume_after_finished_epoch(trainer: Any) -> None:
     finished = epochs.processed == epochs.completed == epochs.ready  # (an epoch under way has ready = completed + 1)
     if loop.restarting and finished and batches.current.completed >= trainer.num_training_batches:
         batches.reset_on_run()
+
+
+def set_up_training_loader(trainer: Any) -> Callable[[], None]:
+    """Set up the training loader now (``_FitLoop.setup_data``), for ``num_training_batches`` and the
+    loader from ``configure_optimizers``; call what this returns when done. When a checkpoint is
+    restored next, the loader is then set up afresh after it, so that its restored state (where a
+    resumed epoch continues) is still applied: Lightning's own ``estimated_stepping_batches``
+    leaves the first loader in place, and a resumed epoch starts over."""
+    loop = trainer.fit_loop
+    if loop._combined_loader is not None:
+        return lambda: None
+    loop.setup_data()
+
+    def release() -> None:
+        if trainer.ckpt_path is not None:
+            loop._combined_loader = None
+
+    return release

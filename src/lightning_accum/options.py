@@ -10,7 +10,7 @@ from typing import Any, Literal
 from torch import Tensor
 
 from lightning_accum.callbacks.decay import GradientDecay
-from lightning_accum.lr import check_multiplier
+from lightning_accum.lr import LRSchedule, check_multiplier
 from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
 from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
@@ -50,7 +50,7 @@ def check_common(
             f"`lr_scaling='adascale'` measures the gradient noise inside windows of k >= 2, but {resolved!r} gives "
             "k = 1 throughout, so its gain would stay 1: use a schedule with k >= 2, or drop `lr_scaling`."
         )
-    if lr_schedule is not None:  # fails now, not at the first step
+    if lr_schedule is not None and not _stateful(lr_schedule):  # fails now, not at the first step
         check_multiplier(lr_schedule(Progress()), lr_schedule, Progress())
     check_sync_mode(sync)
     for what, counted in (("schedule", resolved), ("lr_schedule", lr_schedule)):
@@ -60,6 +60,12 @@ def check_common(
                 "giving each micro-batch's number of items (count(batch) -> int)."
             )
     return resolved
+
+
+def _stateful(fn: object) -> bool:
+    """Whether calling ``fn`` may change state that checkpoints keep (it has a ``state_dict`` of its own)."""
+    method = getattr(type(fn), "state_dict", None)
+    return method is not None and method is not LRSchedule.state_dict
 
 
 def _always_one(schedule: Schedule) -> bool:

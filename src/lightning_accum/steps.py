@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lightning_accum import _seam
 from lightning_accum._lightning import rank_zero_warn
 from lightning_accum.noise import NoiseScale
-from lightning_accum.schedules import Progress, Schedule
+from lightning_accum.schedules import Constant, Progress, Schedule
 
 
-def estimated_stepping_batches(trainer: Any) -> int:
+def estimated_stepping_batches(trainer: Any) -> int | float:
     """The number of optimizer steps the whole fit will take under the active
     ``AccumulationScheduler`` or ``AccumulationMixin`` schedule (Lightning's own estimate without
     one). Call it in ``configure_optimizers`` instead of ``trainer.estimated_stepping_batches``.
@@ -26,7 +27,8 @@ def estimated_stepping_batches(trainer: Any) -> int:
     the training loader has a length and a batch size (the last batch of an epoch may be
     smaller; every rank is taken to get as many samples). Schedules keyed on items, and
     ``NoiseScale``, depend on data or measurements not known in advance: refused, pointing to
-    ``lr_schedule`` keyed on items.
+    ``lr_schedule`` keyed on items. An endless fit (``max_epochs=-1`` without ``max_steps``)
+    gives ``math.inf``, as Lightning's property does.
 
     Example:
 
@@ -38,7 +40,8 @@ def estimated_stepping_batches(trainer: Any) -> int:
     """
     found = _active_schedule(trainer)
     if found is None:
-        return int(trainer.estimated_stepping_batches)
+        steps = trainer.estimated_stepping_batches
+        return steps if math.isinf(steps) else int(steps)
     schedule, counted = found
     if isinstance(schedule, NoiseScale) or schedule.unit in ("items", "scaled_steps"):
         raise ValueError(
@@ -46,18 +49,24 @@ def estimated_stepping_batches(trainer: Any) -> int:
             "noise will be, so it cannot be known in advance. Key the learning rate on what is seen instead: "
             "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`."
         )
+    if trainer.max_steps == 0:
+        return 0
     if trainer.max_epochs == -1 and trainer.max_steps == -1:
-        raise ValueError("The fit has no end (`max_epochs=-1`, `max_steps=-1`): give one to count its steps.")
-    if trainer.train_dataloader is None:
-        trainer.fit_loop.setup_data()
-    batches = trainer.num_training_batches
-    if math.isinf(batches):
-        if trainer.max_steps != -1:
-            return int(trainer.max_steps)
-        raise ValueError("The training loader has no length: give `max_steps` or `limit_train_batches`.")
-    if counted and schedule.unit is None:
-        rank_zero_warn(f"Counting the steps under {schedule!r} as if `Progress.items` equalled `Progress.samples`.")
-    sizes = _samples_per_batch(trainer, int(batches), needed=schedule.unit in ("samples", None))
+        return math.inf  # an endless fit (as Lightning's property)
+    release = _seam.set_up_training_loader(trainer)
+    try:
+        batches = trainer.num_training_batches
+        if math.isinf(batches):
+            if trainer.max_steps != -1:
+                return int(trainer.max_steps)
+            raise ValueError("The training loader has no length: give `max_steps` or `limit_train_batches`.")
+        constant = isinstance(schedule, Constant)  # (reads nothing)
+        if counted and schedule.unit is None and not constant:
+            rank_zero_warn(f"Counting the steps under {schedule!r} as if `Progress.items` equalled `Progress.samples`.")
+        needed = schedule.unit in ("samples", None) and not constant
+        sizes = _samples_per_batch(trainer, int(batches), needed=needed)
+    finally:
+        release()
     return _walk(schedule, int(batches), sizes, trainer.max_epochs, trainer.max_steps)
 
 

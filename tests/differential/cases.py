@@ -1,0 +1,67 @@
+"""Named regression cases: each a configuration that diverged from the reference (or crashed)
+before its fix, kept as the fuzzer prints them (fields left at their defaults omitted)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .configs import Config
+
+_ITEMS = {"normalize": "items", "count": True}
+_EMPTY_WINDOW = {**_ITEMS, "n": 24, "batch_size": 4, "schedule": {"family": "constant", "k": 2}, "empty_batches": [2, 3]}
+
+CASES: dict[str, dict[str, Any]] = {
+    # issue 21, 3: a hand-written masked mean over a micro-batch without items made every parameter NaN
+    "masked_mean_without_items_callback": {**_ITEMS, "reduction": "mean", "empty_batches": [1, 4]},
+    "masked_mean_without_items_mixin": {**_ITEMS, "adapter": "mixin", "reduction": "mean", "empty_batches": [1, 4]},
+    # issue 21, 12: `acc.backward(mean, items=0)` with a plain int failed inside autograd
+    "items_int_zero_mixin": {**_ITEMS, "adapter": "mixin", "mode": "items_int", "reduction": "mean",
+                             "empty_batches": [0, 3]},
+    # issue 21, 4: two failures in a row (Lightning's totals counted the retried batch twice)
+    "two_failures_callback": {"n": 40, "schedule": {"family": "constant", "k": 3}, "epochs": 1,
+                              "interruptions": [["on_train_batch_start", 0, 3], ["on_train_batch_end", 0, 7]]},
+    "two_failures_mixin": {"adapter": "mixin", "n": 40, "schedule": {"family": "constant", "k": 3}, "epochs": 1,
+                           "interruptions": [["training_step", 0, 3], ["on_train_batch_end", 0, 7]]},
+    # a failure, then a checkpoint at the next epoch's last batch (the epoch was counted as not started)
+    "resumes_at_two_epoch_ends": {"n": 30, "epochs": 3, "schedule": {"family": "constant", "k": 1},
+                                  "interruptions": [["save", 0, 7], ["save", 1, 7]]},
+    # SIGTERM at an epoch's last batch (with `max_steps`): the resumed fit continued the next epoch at batch
+    # index `len`, and ended it after one batch
+    "sigterm_at_epoch_end_callback": {"n": 28, "schedule": {"family": "constant", "k": 2}, "max_steps": 11,
+                                      "interruptions": [["sigterm", 0, 6]]},
+    "sigterm_at_epoch_end_mixin": {"adapter": "mixin", "n": 28, "schedule": {"family": "constant", "k": 2},
+                                   "max_steps": 11, "interruptions": [["sigterm", 0, 6]]},
+    # issue 21, 8: a window nothing went into under GradientDecay stepped with the decayed residual (callback)
+    "decay_empty_window_callback": {**_EMPTY_WINDOW, "decay": [0.5, "sum", False]},
+    "decay_empty_window_mixin": {**_EMPTY_WINDOW, "adapter": "mixin", "decay": [0.5, "sum", False]},
+    # a window nothing went into counted as a step (global_step, step-interval schedulers)
+    "empty_window_counts_no_step": {**_EMPTY_WINDOW, "scheduler": {"kind": "step", "interval": "step", "step_size": 1}},
+    # issue 21, 10: clipping by value of a window nothing went into crashed inside torch
+    "clip_value_empty_window": {**_EMPTY_WINDOW, "clip": [0.5, "value"]},
+    # issue 21, 11: the mixin stepped no epoch-interval scheduler, and ReduceLROnPlateau failed
+    "mixin_epoch_scheduler": {"adapter": "mixin", "epochs": 3, "scheduler": {"kind": "step", "interval": "epoch",
+                                                                             "step_size": 1}},
+    "mixin_plateau": {"adapter": "mixin", "epochs": 3, "optimizer": "momentum", "lr": 0.5,
+                      "scheduler": {"kind": "plateau"}},
+    # the mixin's epoch scheduler stepped at the epoch's end, after a checkpoint at its last batch
+    "mixin_epoch_scheduler_resumed": {"adapter": "mixin", "epochs": 3, "n": 11, "batch_size": 4, **_ITEMS,
+                                      "reduction": "mean", "scheduler": {"kind": "step", "interval": "epoch",
+                                                                          "step_size": 1},
+                                      "interruptions": [["on_after_backward", 1, 1]]},
+    # ReduceLROnPlateau skipped at the end of an epoch resumed mid-way (Lightning's `restarting` flag)
+    "plateau_resumed_mid_epoch": {"seed": 117, "n": 13, "batch_size": 2, "epochs": 3, "optimizer": "adam", "lr": 0.01,
+                                  "schedule": {"family": "constant", "k": 1}, "scheduler": {"kind": "plateau"},
+                                  "interruptions": [["on_train_batch_end", 1, 3]]},
+    # every option at once, through two resumes
+    "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
+                   "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},
+                   "empty_batches": [2], "optimizer": "adam", "lr": 0.01, "clip": [0.5, "norm"],
+                   "lr_scaling": "sqrt", "lr_schedule": {"warmup": 2, "total": 10, "unit": "step", "final": 0.1},
+                   "scheduler": {"kind": "step", "interval": "step", "step_size": 2},
+                   "decay": [0.5, "ema", True], "val_every": 2, "callbacks": ["model_checkpoint", "lr_monitor"],
+                   "interruptions": [["on_after_backward", 0, 4], ["save", 1, 5]]},
+}  # fmt: skip
+
+
+def case(name: str) -> Config:
+    return Config(**CASES[name])
