@@ -43,7 +43,8 @@ def test_per_optimizer_windows_over_shared_parameters_are_refused() -> None:
     """Each window's step would take the other's gradient too (0.0475 off a float64 reference)."""
     model = TwoOptimizers(shared=True)
     before = params_of(model)
-    with pytest.raises(ValueError, match=r"optimizers \[1\] and \[0\] would share parameters \(net.2.weight, net.2.bias\)"):
+    shared = r"optimizers \[1\] and \[0\] would share parameters \(net.2.weight, net.2.bias\)"
+    with pytest.raises(ValueError, match=shared):
         trainer(max_epochs=1).fit(model, loader(DATA, 4))
     assert all(torch.equal(a, b) for a, b in zip(params_of(model), before, strict=True))
     trainer(max_epochs=1).fit(TwoOptimizers(shared=False), loader(DATA, 4))  # disjoint: fine
@@ -214,7 +215,8 @@ def test_onecycle_recipe_resumed_mid_epoch_is_exact(tmp_path: Path) -> None:
 
     def fit(callbacks: list[Any], resume: Path | None = None) -> list[torch.Tensor]:
         model = OneCycle()
-        t = trainer(callbacks=[AccumulationScheduler(3), *callbacks], max_epochs=3, enable_checkpointing=bool(callbacks))
+        callbacks = [AccumulationScheduler(3), *callbacks]
+        t = trainer(callbacks=callbacks, max_epochs=3, enable_checkpointing=len(callbacks) > 1)
         t.fit(model, ResumableLoader(TokenData(50), 4), ckpt_path=resume)
         return params_of(model)
 

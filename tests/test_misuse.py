@@ -242,7 +242,7 @@ def test_swa_batchnorm_epoch_does_not_step(decay: bool) -> None:
     nothing, and not count."""
 
     def run(callbacks: list[Any], **kwargs: Any) -> tuple[pl.Trainer, BatchNormEpoch, pl.LightningModule]:
-        swa, seen, model = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1), BatchNormEpoch(), BatchNormModel()
+        swa, seen, model = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1), BatchNormEpoch(), BatchNormModel()  # noqa: E501
         t = trainer(callbacks=[*callbacks, swa, seen], max_epochs=3, **kwargs)
         t.fit(model, loader(DATA, 4))
         return t, seen, model

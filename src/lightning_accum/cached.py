@@ -46,7 +46,9 @@ def check_args(encoders: Sequence[Callable[[Any], Reps]], inputs: Sequence[Any],
     if len(set(sizes)) > 1:
         raise ValueError(f"`inputs` differ in size along dim 0 ({sizes}); every input must hold the same samples.")
     if not sizes[0]:
-        raise ValueError("`inputs` hold no samples (dim 0 is 0): a batch-coupled loss needs at least one; skip the call.")
+        raise ValueError(
+            "`inputs` hold no samples (dim 0 is 0): a batch-coupled loss needs at least one; skip the call."
+        )
     return sizes[0]
 
 

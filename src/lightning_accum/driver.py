@@ -45,7 +45,8 @@ class MixinDriver(Callback):
         self.plan = sync.SyncPlan()
         self._log_every = 0  # the loggers' cadence in optimizer steps, while logging
         # id(optimizer) -> the window's gradient scale and engine, during its step
-        self.pending: dict[int, tuple[float, WindowEngine]] = {}
+        # (and the ids of the parameters rescaled so far: one held by two optimizers is rescaled once)
+        self.pending: dict[int, tuple[float, WindowEngine, set[int]]] = {}
         self._saved_grads: list[Tensor | None] | None = None
         self._partial: dict[str, Any] | None = None  # a resumed window's checkpoint state, until train start
         self.configured = False  # whether `configure_accumulation` was called
@@ -154,8 +155,9 @@ class MixinDriver(Callback):
             engine.batch_done()
         self.guards.batch_end(self.module, outputs, first=not self._trained)
         self._trained = True
-        if _seam.epoch_ends_after_this_batch(trainer):  # as Lightning: before the batch's checkpoints, plateau ones later
-            schedulers.step_schedulers(self.module, trainer, self.monitors, "epoch", trainer.current_epoch + 1, plateau=False)
+        if _seam.epoch_ends_after_this_batch(trainer):  # as Lightning: before the batch's checkpoints; plateau later
+            epochs = trainer.current_epoch + 1
+            schedulers.step_schedulers(self.module, trainer, self.monitors, "epoch", epochs, plateau=False)
 
     # ------------------------------------------------------------------ backward passes
     def no_sync(self, final: bool) -> contextlib.AbstractContextManager[None]:
@@ -274,7 +276,10 @@ class MixinDriver(Callback):
         pending = self.pending.pop(id(optimizer), None)
         if pending is None:
             return
-        (scale, engine), grads = pending, gradients.optimizer_grads(optimizer)
+        scale, engine, done = pending
+        params = [p for p in gradients.optimizer_params(optimizer) if id(p) not in done]
+        done.update(id(p) for p in params)
+        grads = gradients.grads_of(params)
         self.rescaled = True
         gradients.scale_(grads, scale)
         if not self.plan.sharded:  # (a shard's norm is not the window's)

@@ -97,4 +97,4 @@ def add_nothing(params: Iterable[Tensor]) -> list[RemovableHandle]:
     """Make the next backward pass add nothing to these parameters' gradients, NaN included (a mean
     over no items, ``sum / 0``, has a NaN gradient that no factor on the loss can cancel): each
     gradient is replaced by zeros before it is accumulated. Remove the handles after the pass."""
-    return [p.register_hook(torch.zeros_like) for p in params if p.requires_grad]
+    return [p.register_hook(torch.zeros_like) for p in params if p.requires_grad]  # type: ignore[no-untyped-call]

@@ -70,9 +70,9 @@ class MixinGuards:
         if self.blocks == self._blocks_before and (outputs is not None or first):
             returned = "returned a loss but " if outputs is not None else ""
             raise RuntimeError(
-                f"`{type(module).__name__}.training_step` {returned}ran no `with self.accumulate(batch) as acc:` block, so "
-                "nothing was back-propagated or stepped (with `AccumulationMixin` the optimization is manual). Wrap "
-                "the backward pass: `with self.accumulate(batch) as acc: acc.backward(loss)`."
+                f"`{type(module).__name__}.training_step` {returned}ran no `with self.accumulate(batch) as acc:` "
+                "block, so nothing was back-propagated or stepped (with `AccumulationMixin` the optimization is "
+                "manual). Wrap the backward pass: `with self.accumulate(batch) as acc: acc.backward(loss)`."
             )
         self._blocks_before = self.blocks
 

@@ -124,7 +124,7 @@ def check_multiplier(value: object, schedule: object, progress: Progress) -> flo
             f"`lr_schedule` {schedule!r} returned {value!r} at {progress}; it must return a finite learning-rate "
             "multiplier >= 0."
         )
-    if value > MAX_MULTIPLIER:
+    if float(value) > MAX_MULTIPLIER:
         raise ValueError(
             f"`lr_schedule` {schedule!r} returned {value!r} at {progress}: a multiplier of the optimizer's learning "
             f"rate above {MAX_MULTIPLIER:g} is surely a mistake. Return a factor (e.g. in [0, 1]) and set the peak "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from lightning_accum import collectives, gradients, schedulers
 from lightning_accum._lightning import log_window, loss_scale
 from lightning_accum.groups import GroupKey
@@ -42,8 +43,9 @@ def close(driver: MixinDriver, trainer: Any, key: GroupKey) -> None:
         return
     # the window's normalised gradient is `.grad * scale / loss scale`
     engine.measure_window(strategy, gradients.grads_of(params), closing.scale / loss_scale(trainer))
+    rescaled: set[int] = set()
     for optimizer in stepped:
-        driver.pending[id(optimizer.optimizer)] = closing.scale, engine
+        driver.pending[id(optimizer.optimizer)] = closing.scale, engine, rescaled
         engine.scale_lr(optimizer)
         driver.guards.stepping = True
         try:
@@ -56,7 +58,8 @@ def close(driver: MixinDriver, trainer: Any, key: GroupKey) -> None:
                 "The window's gradient was not normalised: Lightning did not call the callbacks' "
                 "`on_before_optimizer_step` during `optimizer.step()`."
             )
-    schedulers.step_schedulers(driver.module, trainer, driver.monitors, "step", engine.progress.step + 1, [o.optimizer for o in stepped])
+    raw = [o.optimizer for o in stepped]
+    schedulers.step_schedulers(driver.module, trainer, driver.monitors, "step", engine.progress.step + 1, raw)
     if config.decay is not None:
         config.decay.after_step()
     _reset(config, stepped)

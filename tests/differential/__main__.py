@@ -10,6 +10,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 from .compare import check
 from .configs import Config, generate
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", default="0/1", help="i/m: run every m-th configuration from the i-th")
     args = parser.parse_args(argv)
     if args.replay or args.replay_file:
-        lines = [args.replay] if args.replay else open(args.replay_file).read().splitlines()
+        lines = [args.replay] if args.replay else Path(args.replay_file).read_text().splitlines()
         configs = [Config.from_json(line) for line in lines if line.strip()]
     else:
         rng = random.Random(args.seed)
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             print(json.dumps({"config": json.loads(c.to_json()), "differences": diffs}), flush=True)
         if (i + 1) % 100 == 0:
-            print(f"# {i + 1} run, {failed} diverged, {(time.time() - start) / 60:.1f} min", file=sys.stderr, flush=True)
+            minutes = (time.time() - start) / 60
+            print(f"# {i + 1} run, {failed} diverged, {minutes:.1f} min", file=sys.stderr, flush=True)
     minutes = (time.time() - start) / 60
     print(f"# {len(configs)} configurations, {len(configs) - failed} agreed, {failed} diverged, {minutes:.1f} min")
     return 1 if failed else 0

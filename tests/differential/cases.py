@@ -8,7 +8,7 @@ from typing import Any
 from .configs import Config
 
 _ITEMS = {"normalize": "items", "count": True}
-_EMPTY_WINDOW = {**_ITEMS, "n": 24, "batch_size": 4, "schedule": {"family": "constant", "k": 2}, "empty_batches": [2, 3]}
+_EMPTY_WINDOW = {**_ITEMS, "n": 24, "schedule": {"family": "constant", "k": 2}, "empty_batches": [2, 3]}  # batches of 4
 
 CASES: dict[str, dict[str, Any]] = {
     # issue 21, 3: a hand-written masked mean over a micro-batch without items made every parameter NaN
@@ -52,6 +52,9 @@ CASES: dict[str, dict[str, Any]] = {
     "plateau_resumed_mid_epoch": {"seed": 117, "n": 13, "batch_size": 2, "epochs": 3, "optimizer": "adam", "lr": 0.01,
                                   "schedule": {"family": "constant", "k": 1}, "scheduler": {"kind": "plateau"},
                                   "interruptions": [["on_train_batch_end", 1, 3]]},
+    # two optimizers in one window sharing a parameter: its gradient was rescaled once per optimizer
+    "two_optimizers_sharing_a_parameter": {"adapter": "mixin", "optimizers": 2, "shared": True, "n": 22,
+                                           "schedule": {"family": "constant", "k": 4}},
     # every option at once, through two resumes
     "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
                    "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},

@@ -42,6 +42,8 @@ class Config:
     count: bool = False  # whether `count=` is given (always with "items")
     empty_batches: list[int] = dataclasses.field(default_factory=list)  # batch indices whose samples hold no item
     optimizer: str = "sgd"  # "sgd" | "momentum" | "adam"
+    optimizers: int = 1  # the mixin: 2 optimizers in one window, the first layer's and the last's
+    shared: bool = False  # with 2: the first also holds the last layer's bias
     lr: float = 0.1
     clip: list[Any] | None = None  # [value, "norm" | "value"]
     lr_scaling: str | None = None
@@ -51,6 +53,7 @@ class Config:
     val_every: int | None = None  # validation every n training batches (inside windows)
     interruptions: list[list[Any]] = dataclasses.field(default_factory=list)  # [kind, epoch, batch]; "save" or a hook
     callbacks: list[str] = dataclasses.field(default_factory=list)  # "model_checkpoint", "lr_monitor", "early_stopping"
+    swa: list[float] | None = None  # StochasticWeightAveraging: [swa_lrs, swa_epoch_start (from 1: epoch 0)]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -102,6 +105,8 @@ def generate(rng: random.Random) -> Config:
         mean_items = c.normalize == "items" and c.reduction == "mean"  # `acc.backward(mean, items=n)`
         c.mode = rng.choice(["backward", "items_int"] if mean_items else ["backward", "each", "heads"])
     c.optimizer = rng.choice(["sgd", "momentum", "adam"])
+    if c.adapter == "mixin" and c.mode != "heads" and rng.random() < 0.3:
+        c.optimizers, c.shared = 2, rng.random() < 0.5
     c.lr = 0.01 if c.optimizer == "adam" else 0.1
     if rng.random() < 0.3:
         c.clip = [rng.choice([0.05, 0.5]), rng.choice(["norm", "value"])]
@@ -114,7 +119,7 @@ def generate(rng: random.Random) -> Config:
         c.scheduler = {"kind": "step", "interval": "epoch", "step_size": 1}
     elif r < 0.4:
         c.scheduler = {"kind": "plateau"}
-    if rng.random() < 0.25:
+    if rng.random() < 0.25 and not c.shared:  # (one residual per optimizer: a shared parameter would get two)
         mode = rng.choice(["sum", "ema"])
         c.decay = [rng.choice([0.0, 0.5, 0.9]), mode, mode == "ema" and rng.random() < 0.5]
     if rng.random() < 0.25:
@@ -122,11 +127,14 @@ def generate(rng: random.Random) -> Config:
     for name in ("model_checkpoint", "lr_monitor", "early_stopping"):
         if rng.random() < 0.15:
             c.callbacks.append(name)
+    if c.optimizers == 1 and rng.random() < 0.15:
+        c.swa = [c.lr / 2, rng.randint(1, c.epochs)]
     total = batches * c.epochs
-    for _ in range(rng.choice([0, 0, 1, 2])):
+    # (Lightning's SWA resumed inside an epoch does not step its SWALR at that epoch's end, package or not)
+    for _ in range(0 if c.swa else rng.choice([0, 0, 1, 2])):
         kind = "save" if rng.random() < 0.4 else rng.choice(FAILURES)
         at = rng.randrange(total)
-        if kind == "save" and c.monitors() and at % batches == batches - 1:
+        if c.monitors() and at % batches == batches - 1:
             continue  # (see `Config.monitors`)
         c.interruptions.append([kind, at // batches, at % batches])
     c.interruptions.sort(key=lambda i: (i[1], i[2]))

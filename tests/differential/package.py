@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     OnExceptionCheckpoint,
+    StochasticWeightAveraging,
 )
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
@@ -28,7 +29,7 @@ from lightning_accum.lr import WarmupCosine
 
 from .configs import Config
 from .model import Data, count_tokens, errors, make_net, micro_loss, probe_loss
-from .reference import Result, make_optimizer, make_scheduler
+from .reference import Result, make_optimizers, make_scheduler, optimizer_state
 
 LAMBDA_FNS = {
     "cycle3": lambda p: 1 + p.step % 3,
@@ -75,14 +76,14 @@ class _Base(pl.LightningModule):
         self.log("val", micro_loss(self.net, batch)[0], batch_size=len(batch["x"]))
 
     def configure_optimizers(self) -> Any:
-        opt = make_optimizer(self.c, self.parameters())
-        sched = make_scheduler(self.c, opt)
+        opts = make_optimizers(self.c, self.net)
+        sched = make_scheduler(self.c, opts[0])
         if sched is None:
-            return opt
+            return opts
         config = {"scheduler": sched, "interval": self.c.scheduler.get("interval", "epoch")}  # type: ignore[union-attr]
         if self.c.scheduler["kind"] == "plateau":  # type: ignore[index]
             config["monitor"] = "probe"
-        return {"optimizer": opt, "lr_scheduler": config}
+        return opts, [config]
 
     def maybe_fail(self) -> None:
         fault = getattr(self, "fault", None)
@@ -284,6 +285,8 @@ def _fit(
         callbacks.append(LearningRateMonitor("step"))
     if "early_stopping" in c.callbacks:
         callbacks.append(EarlyStopping("probe", patience=1, mode="min", check_on_train_epoch_end=True))
+    if c.swa is not None:
+        callbacks.append(StochasticWeightAveraging(swa_lrs=c.swa[0], swa_epoch_start=int(c.swa[1])))
     callbacks += [saver, OnExceptionCheckpoint(tmp, "on_exception")]
     if fault is not None:
         callbacks.append(fault)
@@ -349,14 +352,6 @@ def run(c: Config) -> Result:
                 recorder.lrs.clear()  # the on-exception checkpoint when given none)
                 (tmp / "on_exception.ckpt").unlink()
         trainer = model.trainer
-        opt = trainer.optimizers[0]
-        adam = None
-        if c.optimizer == "adam":
-            adam = [
-                {key: torch.as_tensor(v, dtype=torch.float64) for key, v in opt.state[p].items()}
-                for p in model.net.parameters()
-                if p in opt.state
-            ]
         params = [p.detach().clone() for p in model.net.parameters()]
         lrs = [recorder.lrs[s] for s in sorted(recorder.lrs)]
-        return Result(params, trainer.global_step, lrs, adam)
+        return Result(params, trainer.global_step, lrs, optimizer_state(c, trainer.optimizers))

@@ -7,7 +7,8 @@ its gradient is the mean of its micro-batch gradients (``"mean"``) or the sum ov
 divided by their count (``"items"``; a micro-batch without items adds nothing, a window
 without any is not stepped and changes nothing, decay included). Then decay, clipping, the LR
 (scheduler x ``lr_scaling`` x ``lr_schedule``), the step, step-interval schedulers; at each
-epoch's end the probe, ``EarlyStopping`` and epoch-interval schedulers (as Lightning orders them).
+epoch's end the probe, ``EarlyStopping`` and epoch-interval schedulers (as Lightning orders them);
+``StochasticWeightAveraging`` as Lightning's callback does it (its ``SWALR`` from torch).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim.swa_utils import SWALR
 
 from .configs import Config
 from .model import Data, make_net, micro_loss, probe_loss
@@ -27,8 +29,8 @@ from .model import Data, make_net, micro_loss, probe_loss
 class Result:
     params: list[Tensor]
     global_step: int
-    lrs: list[list[float]]  # per optimizer step: each group's LR as the step used it
-    adam: list[dict[str, Tensor]] | None  # per parameter: exp_avg, exp_avg_sq, step
+    lrs: list[list[float]]  # per optimizer step (each optimizer's, in order): each group's LR as the step used it
+    adam: list[dict[str, Tensor]] | None  # per optimizer and parameter: exp_avg, exp_avg_sq, step
 
 
 def schedule_k(spec: dict[str, Any], p: dict[str, float]) -> int:
@@ -70,6 +72,28 @@ def make_optimizer(c: Config, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=c.lr, momentum=0.9 if c.optimizer == "momentum" else 0.0)
 
 
+def make_optimizers(c: Config, net: nn.Module) -> list[torch.optim.Optimizer]:
+    """One optimizer; or two (the mixin): the first layer's and the last's, and with ``shared`` the first
+    holds the last layer's bias too."""
+    if c.optimizers == 1:
+        return [make_optimizer(c, net.parameters())]
+    first, last = list(net[0].parameters()), list(net[2].parameters())
+    return [make_optimizer(c, first + (last[1:] if c.shared else [])), make_optimizer(c, last)]
+
+
+def optimizer_state(c: Config, opts: list[torch.optim.Optimizer]) -> list[dict[str, Tensor]] | None:
+    """Adam's state per optimizer and parameter (``None`` for SGD)."""
+    if c.optimizer != "adam":
+        return None
+    return [
+        {key: torch.as_tensor(v, dtype=torch.float64) for key, v in opt.state[prm].items()}
+        for opt in opts
+        for group in opt.param_groups
+        for prm in group["params"]
+        if prm in opt.state
+    ]
+
+
 def make_scheduler(c: Config, opt: torch.optim.Optimizer) -> Any:
     if c.scheduler is None:
         return None
@@ -81,8 +105,11 @@ def make_scheduler(c: Config, opt: torch.optim.Optimizer) -> Any:
 def run(c: Config) -> Result:
     data = Data(c)
     net = make_net(c.seed)
-    opt = make_optimizer(c, net.parameters())
-    sched = make_scheduler(c, opt)
+    opts = make_optimizers(c, net)
+    sched = make_scheduler(c, opts[0])
+    interval = None if c.scheduler is None else c.scheduler.get("interval", "epoch")
+    plateau = c.scheduler is not None and c.scheduler["kind"] == "plateau"
+    average: list[Tensor] = []  # StochasticWeightAveraging's, of the parameters at each SWA epoch's start
     p = {"epoch": 0, "step": 0, "samples": 0, "items": 0}
     first_k: int | None = None
     residual: list[Tensor] | None = None
@@ -92,6 +119,18 @@ def run(c: Config) -> Result:
     done = False
     for epoch in range(c.epochs):
         p["epoch"] = epoch
+        if c.swa is not None and epoch >= c.swa[1] - 1:  # SWA (from epoch `swa_epoch_start - 1`): its SWALR
+            # replaces the scheduler; the average takes the parameters at each epoch's start
+            if not average:
+                for g in opts[0].param_groups:
+                    g["initial_lr"] = c.swa[0]
+                sched = SWALR(opts[0], swa_lr=[c.swa[0]] * len(opts[0].param_groups), anneal_epochs=10,
+                              anneal_strategy="cos", last_epoch=c.epochs)  # fmt: skip
+                interval, plateau = "epoch", False
+                average = [prm.detach().clone() for prm in net.parameters()]
+            else:
+                n = epoch - (c.swa[1] - 1)  # (averaged so far)
+                average = [a + (prm.detach() - a) / (n + 1) for a, prm in zip(average, net.parameters(), strict=True)]
         i = 0
         while i < batches and not done:
             k = schedule_k(c.schedule, p)
@@ -112,7 +151,7 @@ def run(c: Config) -> Result:
                         loss = loss + total / tokens
                 else:
                     loss = loss + total / positions / len(window)
-            opt.zero_grad(set_to_none=False)
+            net.zero_grad(set_to_none=False)
             loss.backward()
             if c.decay is not None:
                 f, mode, bias = c.decay
@@ -122,23 +161,25 @@ def run(c: Config) -> Result:
                 if bias:
                     for prm in net.parameters():
                         prm.grad = prm.grad / (1 - f ** (p["step"] + 1))
-            if c.clip is not None:
-                if c.clip[1] == "norm":
-                    nn.utils.clip_grad_norm_(list(net.parameters()), c.clip[0])
-                else:
-                    nn.utils.clip_grad_value_(list(net.parameters()), c.clip[0])
             factor = 1.0
             if c.lr_scaling is not None:
                 factor = k / first_k if c.lr_scaling == "linear" else math.sqrt(k / first_k)
             if c.lr_schedule is not None:
                 factor *= warmup_cosine(c.lr_schedule, p)
-            saved = [g["lr"] for g in opt.param_groups]
-            for g in opt.param_groups:
-                g["lr"] = g["lr"] * factor
-            lrs.append([g["lr"] for g in opt.param_groups])
-            opt.step()
-            for g, lr in zip(opt.param_groups, saved, strict=True):
-                g["lr"] = lr
+            for opt in opts:  # in order; each clips its own parameters, in place
+                params = [prm for g in opt.param_groups for prm in g["params"]]
+                if c.clip is not None:
+                    if c.clip[1] == "norm":
+                        nn.utils.clip_grad_norm_(params, c.clip[0])
+                    else:
+                        nn.utils.clip_grad_value_(params, c.clip[0])
+                saved = [g["lr"] for g in opt.param_groups]
+                for g in opt.param_groups:
+                    g["lr"] = g["lr"] * factor
+                lrs.append([g["lr"] for g in opt.param_groups])
+                opt.step()
+                for g, lr in zip(opt.param_groups, saved, strict=True):
+                    g["lr"] = lr
             if c.decay is not None:
                 f, _, bias = c.decay
                 correction = 1 - f ** (p["step"] + 1) if bias else 1.0
@@ -146,9 +187,9 @@ def run(c: Config) -> Result:
             p["step"] += 1
             p["samples"] += samples
             p["items"] += int(tokens)
-            if c.scheduler is not None and c.scheduler.get("interval") == "step":
+            if interval == "step":
                 sched.step()
-            if p["step"] == c.max_steps:
+            if c.max_steps != -1 and p["step"] * len(opts) >= c.max_steps:  # (manual: each optimizer's step counts)
                 done = True
         # the epoch's end (also one cut short by max_steps)
         probe = probe_loss(net, data)
@@ -158,16 +199,13 @@ def run(c: Config) -> Result:
             else:
                 wait += 1
                 done = done or wait >= 1
-        if c.scheduler is not None and c.scheduler.get("interval", "epoch") == "epoch" and i >= batches:
-            # (Lightning: not when `max_steps` cut the epoch short)
-            sched.step(probe) if c.scheduler["kind"] == "plateau" else sched.step()
+        if interval == "epoch" and i >= batches:  # (Lightning: not when `max_steps` cut the epoch short)
+            sched.step(probe) if plateau else sched.step()
         if done:
             break
-    adam = None
-    if c.optimizer == "adam":
-        adam = [
-            {key: torch.as_tensor(v, dtype=torch.float64) for key, v in opt.state[prm].items()}
-            for prm in net.parameters()
-            if prm in opt.state
-        ]
-    return Result([prm.detach().clone() for prm in net.parameters()], p["step"], lrs, adam)
+    if average and epoch == c.epochs - 1:  # SWA's average goes into the model when the last epoch ran
+        with torch.no_grad():
+            for prm, a in zip(net.parameters(), average, strict=True):
+                prm.copy_(a)
+    steps = p["step"] * len(opts)  # (manual optimization counts each optimizer's step)
+    return Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts))

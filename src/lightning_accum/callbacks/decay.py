@@ -132,6 +132,15 @@ class GradientDecay(Callback):
 
     def attach(self, optimizers: Sequence[Optimizer]) -> None:
         """Start managing these optimizers' gradients (called at train start)."""
+        seen: set[int] = set()
+        for optimizer in optimizers:
+            ids = {id(p) for p in gradients.optimizer_params(optimizer)}
+            if ids & seen:
+                raise ValueError(
+                    "`GradientDecay` keeps one residual per optimizer, but two optimizers hold the same parameter, "
+                    "which would get both residuals. Give each optimizer its own parameters."
+                )
+            seen |= ids
         self._optimizers = list(optimizers)
         for i, optimizer in enumerate(self._optimizers):
             self._hooks.append(optimizer.register_step_post_hook(lambda *_, i=i: self._stepped.add(i)))
