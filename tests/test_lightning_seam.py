@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -12,13 +14,21 @@ from lightning_accum import AccumulationScheduler, Piecewise
 from lightning_accum._seam import (
     backward_skipped,
     batch_processed,
+    batches_ran_out,
+    keep_progress_consistent,
+    keep_scheduler_monitors,
+    resume_after_finished_epoch,
     set_divisor,
+    set_up_training_loader,
     show_in_progress_bar,
+    step_plateau_after_resume,
+    suspend_clipping,
+    uncount_step,
     zero_grad_like_lightning,
 )
 from lightning_accum.window import lightning_divisor
 
-from helpers import TokenData, TokenModel, loader, trainer
+from helpers import ManualTokenModel, TokenData, TokenModel, loader, trainer
 
 
 @given(st.integers(0, 500), st.integers(1, 64))
@@ -134,3 +144,98 @@ def test_progress_bar_metrics_seam_shows_the_k_in_force_every_step() -> None:
     probe = pl.Trainer(logger=False, enable_progress_bar=False)
     show_in_progress_bar(probe, "x", 2.0)
     assert probe.progress_bar_metrics["x"] == 2.0
+
+
+class StepSeams(pl.Callback):
+    """The seams an optimizer step that moves nothing, and the end of an epoch, lean on."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.ran_out: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        restore = suspend_clipping(trainer)
+        assert trainer.gradient_clip_val is None
+        restore()
+        assert trainer.gradient_clip_val == 0.5
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        before = trainer.global_step
+        uncount_step(trainer)  # every step: global_step stays 0, and `max_steps` never ends the fit
+        assert trainer.global_step == before - 1
+        self.steps.append(trainer.global_step)
+        self.ran_out.append(batches_ran_out(trainer))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        assert trainer.fit_loop.restarting is False
+        step_plateau_after_resume(trainer)
+        assert trainer.fit_loop._restarting is False
+
+
+def test_step_and_epoch_end_seams() -> None:
+    seams = StepSeams()
+    t = trainer(callbacks=[seams], max_epochs=1, max_steps=2, gradient_clip_val=0.5)
+    t.fit(RawLossModel(), loader(TokenData(12), 4))
+    assert seams.steps == [0, 0, 0]  # all 3 batches ran though max_steps=2: Lightning reads the counter uncounted
+    assert seams.ran_out == [False, False, True]
+
+
+class ProgressSeams(pl.Callback):
+    """Lightning's batch and epoch counters, put off as a second resume finds them, and put right."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        loop = trainer.fit_loop
+        batches, epochs = loop.epoch_loop.batch_progress, loop.epoch_progress
+        want = (batches.total.ready, batches.total.started, epochs.total.ready, epochs.current.processed)
+        batches.total.ready += 1  # a batch counted twice
+        epochs.total.ready -= 1  # an epoch not counted as started
+        keep_progress_consistent(trainer)
+        assert (batches.total.ready, batches.total.started, epochs.total.ready, epochs.current.processed) == want
+        if trainer.current_epoch == 1 and batch_idx == 0:  # what a checkpoint written after an epoch's end holds
+            saved = batches.current.state_dict()
+            batches.current.completed = trainer.num_training_batches
+            epochs.current.ready = epochs.current.started = 1
+            loop._restarting = True
+            resume_after_finished_epoch(trainer)
+            assert batches.current.completed == 0
+            loop._restarting = False
+            epochs.current.ready = epochs.current.started = 2
+            batches.current.load_state_dict(saved)
+
+
+def test_progress_seams() -> None:
+    trainer(callbacks=[ProgressSeams()], max_epochs=2).fit(RawLossModel(), loader(TokenData(12), 4))
+
+
+class PlateauManual(ManualTokenModel):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "x", "strict": False}}
+
+
+def test_scheduler_monitors_are_kept_from_configure_optimizers() -> None:
+    """Lightning drops `monitor` and `strict` in manual optimization; the seam catches them first."""
+    model, found = PlateauManual(), {}  # type: ignore[var-annotated]
+    keep_scheduler_monitors(model, found)
+    t = trainer(max_epochs=1, limit_train_batches=1)
+    with pytest.warns(RuntimeWarning, match="keys will be ignored"):
+        t.fit(model, loader(TokenData(8), 4))
+    config = t.lr_scheduler_configs[0]
+    assert config.monitor is None and found == {id(config.scheduler): ("x", False)}
+    assert "configure_optimizers" not in vars(model)  # the class's method again
+
+
+class CountsSteps(TokenModel):
+    def configure_optimizers(self) -> Any:
+        release = set_up_training_loader(self.trainer)
+        self.batches = self.trainer.num_training_batches
+        assert self.trainer.fit_loop._combined_loader is not None
+        release()
+        return super().configure_optimizers()
+
+
+def test_training_loader_seam(tmp_path: Any) -> None:
+    model = CountsSteps()
+    trainer(max_epochs=1).fit(model, loader(TokenData(12), 4))
+    assert model.batches == 3

@@ -116,7 +116,7 @@ def keep_scheduler_monitors(module: Any, found: dict[int, tuple[str | None, bool
     original = module.configure_optimizers
 
     def configure_optimizers() -> Any:
-        del module.configure_optimizers  # the class's method again
+        vars(module).pop("configure_optimizers", None)  # the class's method again
         conf = original()
         _monitors(conf, None, found)
         return conf
