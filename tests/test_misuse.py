@@ -252,7 +252,7 @@ def test_swa_batchnorm_epoch_does_not_step(decay: bool) -> None:
     mine = [AccumulationScheduler(2)] + ([GradientDecay(0.5)] if decay else [])
     t, seen, model = run(mine)
     assert all(torch.equal(a, b) for a, b in zip(params_of(model), seen.start, strict=True))
-    assert t.global_step == lightning.global_step - 1 == 3 * 2
+    assert t.global_step == lightning.global_step - 1 == 3 * 3  # 3 epochs of 3 windows
 
 
 PADDING = TokenData(24)
