@@ -30,7 +30,8 @@ LAMBDAS = ("cycle3", "epoch_up", "samples_tier")
 class Config:
     seed: int = 0
     adapter: str = "callback"  # "callback" | "mixin"
-    mode: str = "backward"  # mixin: "backward" | "each" | "heads" | "items_int" (acc.backward(mean, items=int))
+    # the mixin: "backward" | "each" | "heads" | "microbatches" | "cached" | "items_int" (acc.backward(mean, items=int))
+    mode: str = "backward"
     n: int = 24  # samples
     batch_size: int = 4
     epochs: int = 2
@@ -103,7 +104,8 @@ def generate(rng: random.Random) -> Config:
     c.count = c.normalize == "items" or "items" in c.units() or rng.random() < 0.3
     if c.adapter == "mixin":
         mean_items = c.normalize == "items" and c.reduction == "mean"  # `acc.backward(mean, items=n)`
-        c.mode = rng.choice(["backward", "items_int"] if mean_items else ["backward", "each", "heads"])
+        modes = ["backward", "items_int"] if mean_items else ["backward", "each", "heads", "microbatches", "cached"]
+        c.mode = rng.choice(modes)
     c.optimizer = rng.choice(["sgd", "momentum", "adam"])
     if c.adapter == "mixin" and c.mode != "heads" and rng.random() < 0.3:
         c.optimizers, c.shared = 2, rng.random() < 0.5

@@ -121,6 +121,11 @@ class Manual(la.AccumulationMixin, _Base):
             return [x / err.numel() for x in parts]
         return parts
 
+    def _whole(self, batch: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
+        """The micro-batch's loss as `training_step` of the callback's model returns it (not `mean` over items)."""
+        err = errors(self.net(batch["x"]) if out is None else out, batch)
+        return err.sum() / err.numel() if self.c.normalize == "mean" else err.sum()
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.maybe_fail()
         c, n = self.c, batch["mask"].sum()
@@ -134,6 +139,11 @@ class Manual(la.AccumulationMixin, _Base):
                     acc.backward(total / n, items=int(n) if c.mode == "items_int" else n)
                 else:
                     acc.backward(total)
+            elif c.mode == "microbatches":  # split in parts of 2 samples
+                acc.backward_microbatches(lambda part: self._whole(part), size=2)
+            elif c.mode == "cached":  # the representations (per-token outputs), then the loss on all of them
+                acc.backward_cached([lambda b: self.net(b["x"])], [batch], lambda out: self._whole(batch, out),
+                                    chunk_size=2)  # fmt: skip
             elif c.mode == "each":
                 acc.backward_each([lambda i=i: self._parts(self.net(batch["x"]), batch)[i] for i in (0, 1)])
             else:
