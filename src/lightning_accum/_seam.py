@@ -141,7 +141,7 @@ def _monitors(conf: Any, monitor: str | None, found: dict[int, tuple[str | None,
 
 
 def keep_progress_consistent(trainer: Any) -> None:
-    """Called at each training batch's start: Lightning's loop counters as an uninterrupted run has them.
+    """Called at a fit's first training batch: Lightning's loop counters as an uninterrupted run has them.
 
     A second resume reads the ``total`` counters to tell where the checkpoint was written
     (``_TrainingEpochLoop.update_restart_stage``, ``_FitLoop.update_restart_stage``), but the first

@@ -196,7 +196,8 @@ class MixinDriver(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Count the training batch before ``training_step`` can change it (``batch.pop("labels")``)."""
-        _seam.keep_progress_consistent(trainer)
+        if not self._trained:  # (the first batch after a resume: where Lightning's counters go off)
+            _seam.keep_progress_consistent(trainer)
         self._batch_counts = None
         if self.config.count is not None:
             needed_by = self._samples_needed_by()

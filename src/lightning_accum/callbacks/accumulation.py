@@ -110,7 +110,9 @@ class AccumulationScheduler(Callback):
         self._batch_idx = 0
         self._frequencies = _seam.SchedulerFrequencies()
         self._lr_hook: RemovableHandle | None = None
-        self._pass = contextlib.ExitStack()  # what holds for one backward pass (sync skipped, hooks), till its end
+        # what holds for one backward pass (sync skipped, hooks) or a step that moves nothing, till its end
+        self._pass = contextlib.ExitStack()
+        self._holding = False  # whether `_pass` holds anything (closing an empty one costs on the hot path)
         # on each loss's gradient, before any parameter sees it: Lightning's divisor over the window's (k), or
         # under DeepSpeed each micro-batch's whole weight
         self._loss_factor = 1.0
@@ -155,7 +157,7 @@ class AccumulationScheduler(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning runs checkpoint callbacks' `on_exception` after this one: leave the state (and the optimizer
         # whose gradient a checkpoint saves) as a checkpoint written now must hold to resume exactly
-        self._pass.close()
+        self._release()
         self._uncount = False
         self._engine.restore_lr()
         if self._optimizer is not None:
@@ -168,7 +170,7 @@ class AccumulationScheduler(Callback):
 
     def _teardown(self, trainer: pl.Trainer) -> None:
         """Leave the Trainer, the model's sync flags and the LR scheduler configs as the user made them."""
-        self._pass.close()
+        self._release()
         if self._user_divisor is not None:
             set_divisor(trainer, self._user_divisor)
             self._user_divisor = None
@@ -184,8 +186,9 @@ class AccumulationScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         engine = self._engine
-        _seam.keep_progress_consistent(trainer)
-        self._trained = True
+        if not self._trained:  # (the first batch after a resume: where Lightning's counters go off)
+            _seam.keep_progress_consistent(trainer)
+            self._trained = True
         if engine.window is None:
             if _seam.backward_skipped(trainer):
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
@@ -228,19 +231,21 @@ class AccumulationScheduler(Callback):
             assert self._optimizer is not None
             for handle in gradients.add_nothing(gradients.optimizer_params(self._optimizer)):
                 self._pass.callback(handle.remove)
+            self._holding = True
             if self._redoing:
                 return
         sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._pass.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
+            self._holding = True
             window.synced = final
         engine.count(*self._counts)
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
             engine.metrics.add_loss((weigh(loss, self._counts[1]) if mean else loss) * self._divisor)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._pass.close()
+        self._release()
         engine = self._engine
         engine.backward_done()
         if not engine.wants_prefix() or self._optimizer is None or self._redoing:
@@ -279,11 +284,18 @@ class AccumulationScheduler(Callback):
         engine.scale_lr(optimizer)
         self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
 
+    def _release(self) -> None:
+        """End what `_pass` holds."""
+        if self._holding:
+            self._pass.close()
+            self._holding = False
+
     def _move_nothing(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
         """Make the step Lightning is taking move nothing (no gradient, no clipping) and not count."""
         for p in gradients.optimizer_params(optimizer):
             p.grad = None
         self._pass.callback(_seam.suspend_clipping(trainer))  # (till the batch's end)
+        self._holding = True
         self._uncount = not self._deepspeed
 
     def on_train_batch_end(
@@ -291,7 +303,7 @@ class AccumulationScheduler(Callback):
     ) -> None:
         engine = self._engine
         engine.batch_done()
-        self._pass.close()  # (after a step that moved nothing: clipping back on)
+        self._release()  # (after a step that moved nothing: clipping back on)
         if self._uncount:  # Lightning counted the step that moved nothing
             _seam.uncount_step(trainer)
             self._uncount = False
