@@ -239,3 +239,15 @@ def test_training_loader_seam(tmp_path: Any) -> None:
     model = CountsSteps()
     trainer(max_epochs=1).fit(model, loader(TokenData(12), 4))
     assert model.batches == 3
+
+
+class Indexed(ManualTokenModel):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        from lightning_accum._seam import batch_index
+
+        assert batch_index(self.trainer) == batch_idx
+        super().training_step(batch, batch_idx)
+
+
+def test_batch_index_seam() -> None:
+    trainer(max_epochs=2).fit(Indexed(schedule=2), loader(TokenData(12), 4))

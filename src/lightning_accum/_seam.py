@@ -33,6 +33,12 @@ def zero_grad_like_lightning(trainer: Any, batch_idx: int, optimizer: Optimizer)
     loop._optimizer_zero_grad(batch_idx, optimizer)
 
 
+def batch_index(trainer: Any) -> int:
+    """The index, within its epoch, of the batch being trained: in manual optimization no hook is
+    handed it where the mixin's block runs (``_TrainingEpochLoop.batch_idx``)."""
+    return int(trainer.fit_loop.epoch_loop.batch_idx)
+
+
 def epoch_ends_after_this_batch(trainer: Any) -> bool:
     """Whether the batch being trained is the epoch's last (data exhausted or the batch limit).
 

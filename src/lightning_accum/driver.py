@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_accum import _seam, gradients, groups, multitask, recovery, schedulers, sync, window_step
 from lightning_accum._lightning import Callback, loss_scale, pl
@@ -61,6 +62,7 @@ class MixinDriver(Callback):
         self._trained = False
 
     @property
+    @override
     def state_key(self) -> str:
         return "AccumulationMixin"
 
@@ -95,11 +97,13 @@ class MixinDriver(Callback):
     def check(self, trainer: Any) -> None:
         self.guards.check_fit(self.module, trainer, self, configured=True)
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.monitors = {}
             _seam.keep_scheduler_monitors(self.module, self.monitors)
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guards.check_fit(self.module, trainer, self, self.configured)
         sync.refuse_deepspeed(trainer.strategy, "AccumulationMixin")
@@ -113,6 +117,7 @@ class MixinDriver(Callback):
     def _open_engines(self) -> list[WindowEngine]:
         return [self.engines[key] for key in sorted(self.engines) if self.engines[key].window is not None]
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _seam.resume_after_finished_epoch(trainer)
         self._trained = False  # whether a batch of this fit ended yet
@@ -128,15 +133,17 @@ class MixinDriver(Callback):
             self.config.decay.attach(trainer.optimizers)
         self.guards.attach(trainer.optimizers)
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.config.decay is not None:
             self.config.decay.detach()
         self.guards.detach()
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # before the checkpoint callbacks' `on_exception`: the state a checkpoint written now must hold
         processed, in_backward = recovery.where(trainer, exception)
-        batch, rescaled = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx), self.rescaled
+        batch, rescaled = (trainer.current_epoch, _seam.batch_index(trainer)), self.rescaled
         for key, engine in self.engines.items():
             open_pass = key == self._open_block and self._block_passes > 0
             recovery.settle(
@@ -148,6 +155,7 @@ class MixinDriver(Callback):
             self.config.decay.detach(restore_residual=False)
         self.guards.detach()
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -192,6 +200,7 @@ class MixinDriver(Callback):
             multitask._autograd_backward(features, grad)
 
     # ------------------------------------------------------------------ one window
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -217,7 +226,7 @@ class MixinDriver(Callback):
         if key not in self.engines:
             groups.check_disjoint(self.module, key, self.engines)
         engine = self.engine(key)
-        epoch, batch_idx = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx
+        epoch, batch_idx = trainer.current_epoch, _seam.batch_index(trainer)
         window = engine.window or engine.open(epoch, batch_idx, trainer.strategy)
         # a batch whose gradient a checkpoint holds already (saved on an exception after its block) adds nothing
         self._redoing = engine.redo == (epoch, batch_idx)
@@ -264,6 +273,7 @@ class MixinDriver(Callback):
             )
         return samples
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guards.epoch_end()
         if _seam.batches_ran_out(trainer):  # (as Lightning: not after `max_steps` cut the epoch short)
@@ -271,6 +281,7 @@ class MixinDriver(Callback):
                 self.module, trainer, self.monitors, "epoch", trainer.current_epoch + 1, plateau=True
             )
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
@@ -296,6 +307,7 @@ class MixinDriver(Callback):
             )
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
         groups = {",".join(map(str, key)): engine.state_dict() for key, engine in self.engines.items()}
         state: dict[str, Any] = {"groups": groups}
@@ -307,6 +319,7 @@ class MixinDriver(Callback):
         state["schedule"] = self.config.schedule.state_dict()
         return state
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.engines = {}
         for name, group in state_dict["groups"].items():

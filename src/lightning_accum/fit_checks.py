@@ -9,11 +9,10 @@ from lightning_accum import sync
 from lightning_accum._lightning import gradient_accumulation_schedulers
 
 
-def refuse_scheduler_misuse(callback: Any, trainer: Any, pl_module: Any) -> None:
+def refuse_scheduler_misuse(callback: Any, trainer: Any, pl_module: Any, decay_type: type) -> None:
     """A mixin model, manual optimization, ``Trainer(accumulate_grad_batches)``, a second
-    accumulation callback beside ``callback``, or DeepSpeed with what it cannot do."""
-    from lightning_accum.callbacks.accumulation import AccumulationScheduler
-
+    accumulation callback beside ``callback`` (an ``AccumulationScheduler``), a ``decay_type``
+    callback (``GradientDecay``) before it, or DeepSpeed with what it cannot do."""
     if hasattr(pl_module, "configure_accumulation"):
         raise RuntimeError(
             f"`{type(pl_module).__name__}` uses `AccumulationMixin`, which accumulates by itself in manual "
@@ -35,12 +34,20 @@ def refuse_scheduler_misuse(callback: Any, trainer: Any, pl_module: Any) -> None
     others = [
         type(cb).__name__
         for cb in trainer.callbacks  # type: ignore[attr-defined]
-        if cb is not callback and isinstance(cb, (AccumulationScheduler, *gradient_accumulation_schedulers()))
+        if cb is not callback and isinstance(cb, (type(callback), *gradient_accumulation_schedulers()))
     ]
     if others:
         raise ValueError(
             f"Only one accumulation callback can drive the Trainer; found {', '.join(others)} besides this "
             "`AccumulationScheduler`. Keep one (a dict schedule replaces `GradientAccumulationScheduler`)."
+        )
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    mine = next((i for i, cb in enumerate(callbacks) if cb is callback), len(callbacks))
+    if any(isinstance(cb, decay_type) for cb in callbacks[:mine]):
+        raise ValueError(
+            "`GradientDecay` must come after `AccumulationScheduler` in `callbacks`, so that it adds the "
+            "residual to the normalised window gradient: e.g. `callbacks=[AccumulationScheduler(...), "
+            "GradientDecay(...)]`."
         )
     if callback.normalize == "items":
         sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", "(normalize='items')")

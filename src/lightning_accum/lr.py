@@ -16,6 +16,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from typing_extensions import override
+
 from lightning_accum.noise import NoiseScaleEstimator
 from lightning_accum.schedules import UNITS, Progress, _check_unit
 
@@ -70,6 +72,7 @@ class _Warmup(LRSchedule):
         self.final = _fraction(final, "final")
         self.start = _fraction(start, "start")
 
+    @override
     def multiplier(self, progress: Progress) -> float:
         x = float(progress.value(self.unit))
         if x < self.warmup:
@@ -80,6 +83,7 @@ class _Warmup(LRSchedule):
     def _decay(self, t: float) -> float:
         raise NotImplementedError
 
+    @override
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self.warmup:g}, {self.total:g}, unit={self.unit!r}, final={self.final:g}, "
@@ -98,6 +102,7 @@ class WarmupCosine(_Warmup):
         [0.0, 0.5, 1.0, 0.55, 0.1, 0.1]
     """
 
+    @override
     def _decay(self, t: float) -> float:
         return 0.5 * (1.0 + math.cos(math.pi * t))
 
@@ -113,6 +118,7 @@ class WarmupLinear(_Warmup):
         [0.0, 0.5, 1.0, 0.5, 0.0]
     """
 
+    @override
     def _decay(self, t: float) -> float:
         return 1.0 - t
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_accum import microbatch
 from lightning_accum._lightning import Callback, pl
@@ -115,11 +116,13 @@ class AccumulationMixin(_ModuleBase):
         )
 
     # ------------------------------------------------------------------ Lightning hooks
+    @override
     def configure_callbacks(self) -> Sequence[Callback] | Callback:
         callbacks = super().configure_callbacks()  # type: ignore[misc]
         callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
         return [*callbacks, self._accumulation]
 
+    @override
     def on_validation_model_zero_grad(self) -> None:
         """Lightning zeroes gradients before validation; keep them while a window is open."""
         if not self._accumulation.window_open():
@@ -159,6 +162,7 @@ class AccumulationMixin(_ModuleBase):
             acc._open = False
         driver.finish(trainer, key, acc.passes, acc.items, last)
 
+    @override
     def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         """Refused during training outside the accumulator: use ``acc.backward(loss)`` in the block."""
         self._accumulation.guards.check_manual_backward(self)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 Backward = Callable[[Tensor], None]
 
@@ -138,6 +139,7 @@ class GraphMemory:
         self.alive = 0
         self.peak = 0
 
+    @override
     def __repr__(self) -> str:
         return f"GraphMemory(peak={self.peak / 2**20:.2f} MiB, alive={self.alive / 2**20:.2f} MiB)"
 

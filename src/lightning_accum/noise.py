@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from typing_extensions import override
+
 from lightning_accum.schedules import Progress, Schedule, _check_k
 
 
@@ -259,6 +261,7 @@ class NoiseScale(Schedule):
         """The k in force: what the next window gets unless a measurement moves it."""
         return self._k
 
+    @override
     def k(self, progress: Progress) -> int:
         ready = self.estimator.updates >= self.warmup and progress.step - self._changed_at >= self.every
         b = self.estimator.noise_scale
@@ -270,10 +273,12 @@ class NoiseScale(Schedule):
                 self._k, self._changed_at = target, progress.step
         return self._k
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         numbers = {"k": self._k, "changed_at": self._changed_at, "units": self._units}
         return {"estimator": self.estimator.state_dict(), **numbers}
 
+    @override
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         if "estimator" not in state_dict:
             warnings.warn(
@@ -288,6 +293,7 @@ class NoiseScale(Schedule):
         units = state_dict.get("units", (state_dict.get("per_microbatch", 0.0), 1.0))  # (before: the last window's)
         self._units = [float(x) for x in units]
 
+    @override
     def __repr__(self) -> str:
         return (
             f"NoiseScale({self.min_k}, {self.max_k}, start={self.start}, every={self.every}, warmup={self.warmup}, "

@@ -9,14 +9,14 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from lightning_accum.callbacks.decay import GradientDecay
+from lightning_accum.decay import ResidualDecay
 from lightning_accum.lr import LRSchedule, check_multiplier
 from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
 from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
 
 LRScaling = Literal["linear", "sqrt", "adascale"]
-Reset = Literal["zero", "none"] | GradientDecay
+Reset = Literal["zero", "none"] | ResidualDecay  # (a `GradientDecay`)
 Count = Callable[[Any], int | Tensor]
 LRMultiplier = Callable[[Progress], float]
 
@@ -127,7 +127,7 @@ class AccumulationConfig:
         check_common("configure_accumulation", *args)
         check_flag("log", self.log)
         reset, clip = self.reset, self.gradient_clip_val
-        if not (isinstance(reset, GradientDecay) or reset in ("zero", "none")):
+        if not (isinstance(reset, ResidualDecay) or reset in ("zero", "none")):
             raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")
         if clip is not None and (
             isinstance(clip, bool) or not isinstance(clip, int | float) or not math.isfinite(clip) or clip <= 0
@@ -139,6 +139,6 @@ class AccumulationConfig:
             )
 
     @property
-    def decay(self) -> GradientDecay | None:
+    def decay(self) -> ResidualDecay | None:
         """The reset policy when it is a ``GradientDecay``."""
-        return self.reset if isinstance(self.reset, GradientDecay) else None
+        return self.reset if isinstance(self.reset, ResidualDecay) else None

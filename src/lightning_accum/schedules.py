@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from typing_extensions import override
+
 Unit = Literal["epoch", "step", "samples", "items"]
 UNITS: tuple[str, ...] = ("epoch", "step", "samples", "items", "scaled_steps")
 
@@ -112,9 +114,11 @@ class Schedule:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned; stateless schedules have nothing to restore."""
 
+    @override
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and repr(self) == repr(other)
 
+    @override
     def __hash__(self) -> int:
         return hash(repr(self))
 
@@ -133,9 +137,11 @@ class Constant(Schedule):
     def __init__(self, k: int) -> None:
         self._k = _check_k(k, "k")
 
+    @override
     def k(self, progress: Progress) -> int:
         return self._k
 
+    @override
     def __repr__(self) -> str:
         return f"Constant({self._k})"
 
@@ -179,10 +185,12 @@ class Piecewise(Schedule):
         """A copy of the ``{milestone: k}`` table, sorted."""
         return dict(zip(self._milestones, self._ks, strict=True))
 
+    @override
     def k(self, progress: Progress) -> int:
         i = bisect.bisect_right(self._milestones, progress.value(self.unit))  # type: ignore[arg-type]
         return self._ks[i - 1] if i else 1
 
+    @override
     def __repr__(self) -> str:
         return f"Piecewise({self.milestones!r}, unit={self.unit!r})"
 
@@ -229,6 +237,7 @@ class Ramp(Schedule):
                 f"`end`={end} is not a multiple of `multiple_of`={multiple_of}; the ramp could never reach it."
             )
 
+    @override
     def k(self, progress: Progress) -> int:
         t = progress.value(self.unit) / self.over  # type: ignore[arg-type]
         if t >= 1:
@@ -241,6 +250,7 @@ class Ramp(Schedule):
         k = math.floor(raw / self.multiple_of + 1e-9) * self.multiple_of
         return min(max(k, min(self.start, self.end)), max(self.start, self.end))
 
+    @override
     def __repr__(self) -> str:
         return (
             f"Ramp({self.start}, {self.end}, over={self.over}, unit={self.unit!r}, "
@@ -263,9 +273,11 @@ class Lambda(Schedule):
         self.fn = fn
         self.unit = None if unit is None else _check_unit(unit, UNITS)
 
+    @override
     def k(self, progress: Progress) -> int:
         return self.fn(progress)
 
+    @override
     def __repr__(self) -> str:
         suffix = "" if self.unit is None else f", unit={self.unit!r}"
         return f"Lambda({self.fn!r}{suffix})"

@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning_accum import _seam
 from lightning_accum._lightning import rank_zero_warn
+from lightning_accum.callbacks.accumulation import AccumulationScheduler
 from lightning_accum.noise import NoiseScale
 from lightning_accum.schedules import Constant, Progress, Schedule
 
@@ -73,8 +74,6 @@ def estimated_stepping_batches(trainer: Any) -> int | float:
 def _active_schedule(trainer: Any) -> tuple[Schedule, bool] | None:
     """The schedule of the Trainer's ``AccumulationScheduler`` or of the module's mixin, and
     whether a ``count`` is given."""
-    from lightning_accum.callbacks.accumulation import AccumulationScheduler
-
     for callback in trainer.callbacks:
         if isinstance(callback, AccumulationScheduler):
             return callback.schedule, callback.count is not None

@@ -9,10 +9,12 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
 from lightning_accum import _seam, fit_checks, gradients, recovery, sync
 from lightning_accum._lightning import Callback, log_window, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
+from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.metrics import weigh
@@ -127,15 +129,17 @@ class AccumulationScheduler(Callback):
         return self._engine.progress
 
     # ------------------------------------------------------------------ checks
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._user_divisor = trainer.accumulate_grad_batches  # what teardown gives back
-        fit_checks.refuse_scheduler_misuse(self, trainer, pl_module)
+        fit_checks.refuse_scheduler_misuse(self, trainer, pl_module, decay_type=GradientDecay)
         plan = self._engine.plan = sync.plan(trainer.strategy, self.sync)
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
         self._engine.metrics.log_every = trainer.log_every_n_steps if self._log else 0  # type: ignore[attr-defined]
         check_noise_under(plan, self.schedule, self.lr_scaling)
 
     # ------------------------------------------------------------------ fit lifetime
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after checkpoint restore: put back the divisor Lightning's loop state was saved with
         set_divisor(trainer, self._divisor)
@@ -151,9 +155,11 @@ class AccumulationScheduler(Callback):
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._teardown(trainer)
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning runs checkpoint callbacks' `on_exception` after this one: leave the state (and the optimizer
         # whose gradient a checkpoint saves) as a checkpoint written now must hold to resume exactly
@@ -182,6 +188,7 @@ class AccumulationScheduler(Callback):
         self._optimizer = None
 
     # ------------------------------------------------------------------ one window
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -217,6 +224,7 @@ class AccumulationScheduler(Callback):
             length = window.divisor
         self._loss_factor = self._divisor / length
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         engine, window = self._engine, self._engine.window
         if window is None:
@@ -244,6 +252,7 @@ class AccumulationScheduler(Callback):
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
             engine.metrics.add_loss((weigh(loss, self._counts[1]) if mean else loss) * self._divisor)
 
+    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._release()
         engine = self._engine
@@ -260,6 +269,7 @@ class AccumulationScheduler(Callback):
         assert window is not None
         return self._batch_idx >= window.start + window.k - 1 or _seam.epoch_ends_after_this_batch(trainer)
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
@@ -298,6 +308,7 @@ class AccumulationScheduler(Callback):
         self._holding = True
         self._uncount = not self._deepspeed
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -316,6 +327,7 @@ class AccumulationScheduler(Callback):
             metrics = engine.window_metrics(closing)
             log_window(pl_module, "accum/", every, closing, engine.progress, engine.noise_scale, metrics)
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._optimizer is not None and self._trained:  # (so the epoch's metrics are this fit's)
             _seam.step_plateau_after_resume(trainer)
@@ -324,6 +336,7 @@ class AccumulationScheduler(Callback):
             self._engine.discard()
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
         state = self._engine.state_dict()
         state["divisor"] = self._divisor
@@ -333,6 +346,7 @@ class AccumulationScheduler(Callback):
             state.update(save_partial(self._strategy, local_numbers(self._engine), params, self._saved_grads))
         return state
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._engine.load_state_dict(state_dict)
         self._divisor = int(state_dict.get("divisor", 1))

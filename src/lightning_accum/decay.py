@@ -1,0 +1,187 @@
+"""The residual gradient of ``GradientDecay``: a decaying memory of earlier windows' gradients.
+
+Plain torch, no Lightning: the callback (``lightning_accum.callbacks.GradientDecay``) and the
+mixin's ``reset=`` drive it from their hooks, as ``torch.optim.swa_utils.AveragedModel`` sits
+beneath Lightning's weight averaging.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_accum import gradients
+
+Factor = float | Callable[[int], float]
+
+
+class ResidualDecay:
+    """The maths of ``GradientDecay`` (see there): the residual beside the window's gradient,
+    combined with it before each step, kept after it.
+
+    Example:
+
+        >>> decay = ResidualDecay(0.5)
+        >>> decay.factor_at(0), decay.mode
+        (0.5, 'sum')
+    """
+
+    def __init__(
+        self,
+        factor: Factor,
+        *,
+        mode: Literal["sum", "ema"] = "sum",
+        bias_correction: bool = False,
+        save_residual: bool = True,
+    ) -> None:
+        if callable(factor):
+            if bias_correction:
+                raise ValueError("`bias_correction` needs a constant `factor`; give a float in [0, 1].")
+        else:
+            _check_factor(factor)
+        if mode not in ("sum", "ema"):
+            raise ValueError(f"`mode` must be 'sum' or 'ema'; got {mode!r}.")
+        if bias_correction and mode != "ema":
+            raise ValueError("`bias_correction` applies to `mode='ema'` (a weighted mean); use mode='ema'.")
+        if mode == "ema" and not callable(factor) and float(factor) == 1.0:
+            raise ValueError(
+                "`factor=1` with `mode='ema'` gives every new window the weight 1 - factor = 0, so nothing would ever "
+                "be learned (and bias correction would divide by 1 - 1 = 0). Use a factor < 1, or `mode='sum'` with "
+                "factor=1 for plain accumulation across steps."
+            )
+        self.factor = factor
+        self.mode = mode
+        self.bias_correction = bias_correction
+        self.save_residual = save_residual
+        self.steps = 0  # optimizer steps taken with this policy
+        self._residual: dict[int, list[Tensor | None]] = {}  # optimizer index -> G_{t-1} per parameter
+        self._combined: dict[int, float] = {}  # optimizer index -> f used, for a step under way
+        self._stepped: set[int] = set()
+        self._optimizers: list[Optimizer] = []
+        self._hooks: list[RemovableHandle] = []
+
+    def factor_at(self, step: int) -> float:
+        """The decay factor for the window that ends with optimizer step ``step + 1``."""
+        f = _check_factor(self.factor(step) if callable(self.factor) else self.factor)
+        if f == 1.0 and self.mode == "ema":
+            raise ValueError(
+                f"`factor({step})` returned 1 with `mode='ema'`: the new window would get the weight 1 - 1 = 0. Return "
+                "a factor < 1 in ema mode."
+            )
+        return f
+
+    def settle(self, processed: bool) -> None:
+        """After an exception: a step under way is finished if Lightning counts its batch as done
+        (``processed``), else forgotten (the residual stays G_{t-1}). ``.grad`` is left as it is,
+        for a checkpoint written next."""
+        if self._combined and processed:
+            self.after_step()
+        self._combined.clear()
+        self._stepped.clear()
+
+    def attach(self, optimizers: Sequence[Optimizer]) -> None:
+        """Start managing these optimizers' gradients (called at train start)."""
+        seen: set[int] = set()
+        for optimizer in optimizers:
+            ids = {id(p) for p in gradients.optimizer_params(optimizer)}
+            if ids & seen:
+                raise ValueError(
+                    "`GradientDecay` keeps one residual per optimizer, but two optimizers hold the same parameter, "
+                    "which would get both residuals. Give each optimizer its own parameters."
+                )
+            seen |= ids
+        self._optimizers = list(optimizers)
+        for i, optimizer in enumerate(self._optimizers):
+            self._hooks.append(optimizer.register_step_post_hook(lambda *_, i=i: self._stepped.add(i)))
+            if i in self._residual:  # restored from a checkpoint: checked and put on the parameters' devices
+                self._residual[i] = gradients.placed(gradients.optimizer_params(optimizer), self._residual[i])
+
+    def detach(self, restore_residual: bool = True) -> None:
+        """Stop managing; the residual goes back into ``.grad`` (unless the fit failed) so that it is
+        visible after fit."""
+        for i, optimizer in enumerate(self._optimizers):
+            residual = self._residual.get(i) if restore_residual else None
+            if residual is not None:
+                for p, r in zip(gradients.optimizer_params(optimizer), residual, strict=True):
+                    if p.grad is None and r is not None:
+                        p.grad = r
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._optimizers = [], []
+
+    def combine(self, optimizer: Optimizer) -> None:
+        """``.grad`` <- G_t from the window's gradient and the residual (bias-corrected if asked)."""
+        i = self._index(optimizer)
+        params = gradients.optimizer_params(optimizer)
+        new = [p.grad for p in params]
+        if all(g is None for g in new):  # a window nothing went into is not stepped: the residual waits
+            return
+        f = self.factor_at(self.steps)
+        residual = self._residual.get(i) or [None] * len(params)
+        both = [(g, r) for g, r in zip(new, residual, strict=True) if g is not None and r is not None]
+        alone = [g for g, r in zip(new, residual, strict=True) if g is not None and r is None]
+        if self.mode == "ema":  # one fused pass: lerp(g, r, f) = (1 - f) g + f r
+            if both:
+                torch._foreach_lerp_([g for g, _ in both], [r for _, r in both], f)
+            gradients.scale_(alone, 1.0 - f)
+        elif both and f != 0.0:
+            torch._foreach_add_([g for g, _ in both], [r for _, r in both], alpha=f)
+        for p, g, r in zip(params, new, residual, strict=True):
+            if g is None and r is not None:  # no gradient in this window: the residual alone (zeros if f=0)
+                p.grad = r.mul_(f)
+        if self.bias_correction:
+            gradients.scale_(gradients.grads_of(params), 1.0 / (1.0 - f ** (self.steps + 1)))
+        self._combined[i] = f
+
+    def after_step(self) -> None:
+        """Move G_t aside as the next residual (or keep the old one if the step was skipped)."""
+        if not self._combined:
+            return
+        stepped_any = False
+        for i, f in self._combined.items():
+            params = gradients.optimizer_params(self._optimizers[i])
+            if i in self._stepped:
+                stepped_any = True
+                if self.bias_correction:  # keep G_t, not the corrected gradient, as the residual
+                    gradients.scale_(gradients.grads_of(params), 1.0 - f ** (self.steps + 1))
+                self._residual[i] = [p.grad for p in params]
+            for p in params:  # the window's gradient leaves `.grad`: zero_grad and validation cannot touch it
+                p.grad = None
+        if stepped_any:
+            self.steps += 1
+        self._combined.clear()
+        self._stepped.clear()
+
+    def _index(self, optimizer: Optimizer) -> int:
+        for i, o in enumerate(self._optimizers):
+            if o is optimizer:
+                return i
+        raise RuntimeError("`GradientDecay` got an optimizer it was not attached to; attach it at train start.")
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"steps": self.steps}
+        if self.save_residual:
+            state["residual"] = {
+                i: [None if r is None else r.detach().to("cpu", copy=True) for r in residual]
+                for i, residual in self._residual.items()
+            }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._combined.clear()  # nothing of a step that was under way when an earlier fit failed
+        self._stepped.clear()
+        self.steps = int(state_dict.get("steps", 0))
+        self._residual = {int(i): list(r) for i, r in state_dict.get("residual", {}).items()}
+
+
+def _check_factor(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"`factor` must be a number in [0, 1] (0 zeroes, 1 keeps everything); got {value!r}.")
+    return float(value)
