@@ -10,7 +10,6 @@ from typing import Any
 from torch import Tensor
 
 from lightning_accum import collectives, gradients
-from lightning_accum.engine import WindowEngine
 
 Partial = list[Tensor | None]
 
@@ -41,23 +40,3 @@ def load_partial(state: Mapping[str, Any], strategy: Any, rank: int) -> tuple[li
         )
     numbers, grads = ranks[rank]
     return list(numbers), list(grads)
-
-
-NUMBERS = 7  # per engine: microbatches, samples, items, and the probe's four
-
-
-def local_numbers(engine: WindowEngine) -> list[float]:
-    """This rank's own part of the engine's open window: its counts and the noise probe's prefixes so far."""
-    window = engine.window
-    assert window is not None
-    chain = [0.0] * 4 if engine.probe is None else engine.probe.numbers()
-    return [window.microbatches, window.samples, window.local_items(), *chain]
-
-
-def load_local_numbers(engine: WindowEngine, values: Sequence[float]) -> None:
-    """Put back what ``local_numbers`` gave on this rank."""
-    window = engine.window
-    assert window is not None
-    window.microbatches, window.samples, window.items = (int(v) for v in values[:3])
-    if engine.probe is not None:
-        engine.probe.load_numbers(values[3:7])

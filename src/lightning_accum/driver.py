@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_accum import _seam, gradients, groups, multitask, recovery, schedulers, sync, window_step
 from lightning_accum._lightning import Callback, loss_scale, pl
-from lightning_accum.checkpoint import NUMBERS, load_local_numbers, load_partial, local_numbers, save_partial
+from lightning_accum.checkpoint import load_partial, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.groups import GroupKey
 from lightning_accum.guards import MixinGuards
@@ -124,7 +124,7 @@ class MixinDriver(Callback):
         if self._partial is not None:  # resumed inside a window: this rank's own part of it
             numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
             for i, engine in enumerate(self._open_engines() if numbers is not None else []):
-                load_local_numbers(engine, numbers[NUMBERS * i : NUMBERS * (i + 1)])  # type: ignore[index]
+                engine.load_local_numbers(numbers[engine.NUMBERS * i : engine.NUMBERS * (i + 1)])  # type: ignore[index]
             self._partial = None
         if self._saved_grads is not None:
             gradients.restore(self.params(), self._saved_grads)
@@ -312,7 +312,7 @@ class MixinDriver(Callback):
         groups = {",".join(map(str, key)): engine.state_dict() for key, engine in self.engines.items()}
         state: dict[str, Any] = {"groups": groups}
         if any(g["window"] is not None and g["window"]["microbatches"] for g in groups.values()):
-            numbers = [v for e in self._open_engines() for v in local_numbers(e)]
+            numbers = [v for e in self._open_engines() for v in e.local_numbers()]
             state.update(save_partial(self.module.trainer.strategy, numbers, self.params(), self._saved_grads))
         if self.config.decay is not None:
             state["decay"] = self.config.decay.state_dict()

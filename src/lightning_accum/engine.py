@@ -228,6 +228,42 @@ class WindowEngine:
         self.window, self.closing = None, None
         return closing
 
+    def settle(
+        self, batch: tuple[int, int], *, processed: bool, in_backward: bool, open_pass: bool, rescaled: bool
+    ) -> str | None:
+        """After an exception: the state a checkpoint written now must hold (``lightning_accum.recovery``).
+        ``batch``: (epoch, index) of the batch under way; ``processed``: Lightning will not train it again;
+        ``open_pass``: a backward pass ran in a block that did not finish (the mixin); ``rescaled``: a closing
+        window's gradient was changed in place for its step. Returns what a checkpoint written now loses,
+        if anything."""
+        if self.closing is not None and not rescaled and not processed:
+            self.closing = None  # the step had not touched the gradient: the window is as it was
+        window, inflight = self.window, self.inflight
+        self.inflight = None
+        if processed:
+            if self.closing is not None:
+                self.advance(batch[0])
+            self.redo = None
+            return None
+        if inflight is None and not (in_backward or open_pass):
+            return None  # nothing of this batch reached the window
+        if window is None:
+            return "this batch's accumulation window was stepped already, and the batch will be trained again"
+        if self.closing is None and not (in_backward or open_pass):
+            if self.backward_finished:
+                self.redo = batch  # trained again, it adds nothing
+            else:
+                window.remove(*inflight)  # type: ignore[misc]
+            return None
+        stepping, lost = self.closing is not None, window.microbatches
+        self.discard()
+        if not (lost or stepping):
+            return None  # the window's first micro-batch, trained again from its start: nothing is lost
+        what = "the accumulation window was being stepped" if stepping else (
+            "a backward pass into the accumulation window was cut short"
+        )  # fmt: skip
+        return f"{what}: a checkpoint written now leaves its {lost} micro-batch(es) out"
+
     def discard(self) -> None:
         """Forget the open window without stepping (nothing went in, or the loop stopped inside it)."""
         self.window, self.closing, self.inflight, self.redo = None, None, None, None
@@ -254,6 +290,24 @@ class WindowEngine:
         self._scaled_lrs = []
 
     # ------------------------------------------------------------------ checkpoints
+    #: how many numbers `local_numbers` gives: microbatches, samples, items, and the probe's four
+    NUMBERS = 7
+
+    def local_numbers(self) -> list[float]:
+        """This rank's own part of the open window: its counts and the noise probe's prefixes so far
+        (under DDP each rank's differ until the window's end; Lightning saves one rank's callback state)."""
+        window = self.window
+        assert window is not None
+        chain = [0.0] * 4 if self.probe is None else self.probe.numbers()
+        return [window.microbatches, window.samples, window.local_items(), *chain]
+
+    def load_local_numbers(self, values: Sequence[float]) -> None:
+        """Put back what `local_numbers` gave on this rank."""
+        assert self.window is not None
+        self.window.set_counts(*(int(v) for v in values[:3]))
+        if self.probe is not None:
+            self.probe.load_numbers(values[3:7])
+
     def holds_partial_window(self) -> bool:
         """Whether a checkpoint now holds an open, not yet stepped window (warns if the strategy
         keeps its partial gradient where a checkpoint cannot reach it, and leaves it out)."""

@@ -33,43 +33,15 @@ def settle(
     open_pass: bool = False,
     rescaled: bool = True,
 ) -> None:
-    """Leave ``engine`` as a checkpoint written now must hold it. ``batch``: (epoch, index) of the
-    batch under way; ``open_pass``: a backward pass ran in a block that did not finish (the
-    mixin); ``rescaled``: a closing window's gradient was changed in place for its step."""
-    if engine.closing is not None and not rescaled and not processed:
-        engine.closing = None  # the step had not touched the gradient: the window is as it was
-    window, inflight = engine.window, engine.inflight
-    engine.inflight = None
-    if processed:
-        if engine.closing is not None:
-            engine.advance(batch[0])
-        engine.redo = None
-        return
-    if inflight is None and not (in_backward or open_pass):
-        return  # nothing of this batch reached the window
-    if window is None:
-        what = "this batch's accumulation window was stepped already, and the batch will be trained again"
-    elif engine.closing is None and not (in_backward or open_pass):
-        if engine.backward_finished:
-            engine.redo = batch
-        else:
-            window.remove(*inflight)  # type: ignore[misc]
-        return
-    else:
-        stepping = engine.closing is not None
-        lost = window.microbatches
-        engine.discard()
-        if not (lost or stepping):
-            return  # the window's first micro-batch, trained again from its start: nothing is lost
-        what = "the accumulation window was being stepped" if stepping else (
-            "a backward pass into the accumulation window was cut short"
-        )  # fmt: skip
-        what += f": a checkpoint written now leaves its {lost} micro-batch(es) out"
-    warnings.warn(
-        f"An exception came while {what}, so a run resumed from a checkpoint written now does not continue "
-        "exactly. Resume from the last checkpoint saved at an optimizer step to continue exactly.",
-        stacklevel=3,
-    )
+    """Leave ``engine`` as a checkpoint written now must hold it (``WindowEngine.settle``), and
+    warn if that checkpoint cannot hold the window."""
+    lost = engine.settle(batch, processed=processed, in_backward=in_backward, open_pass=open_pass, rescaled=rescaled)
+    if lost is not None:
+        warnings.warn(
+            f"An exception came while {lost}, so a run resumed from a checkpoint written now does not continue "
+            "exactly. Resume from the last checkpoint saved at an optimizer step to continue exactly.",
+            stacklevel=3,
+        )
 
 
 def raised_in_backward(error: BaseException) -> bool:

@@ -69,6 +69,10 @@ class Window:
         self.microbatches -= 1
         self.samples -= samples
 
+    def set_counts(self, microbatches: int, samples: int, items: int) -> None:
+        """This rank's counts as a checkpoint held them."""
+        self.microbatches, self.samples, self.items = microbatches, samples, items
+
     def local_items(self) -> int:
         """This rank's item count; resolves device counts with one host transfer."""
         if self.pending_items:

@@ -15,7 +15,7 @@ from lightning_accum import _seam, fit_checks, gradients, recovery, sync
 from lightning_accum._lightning import Callback, log_window, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.callbacks.decay import GradientDecay
-from lightning_accum.checkpoint import load_local_numbers, load_partial, local_numbers, save_partial
+from lightning_accum.checkpoint import load_partial, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.metrics import weigh
 from lightning_accum.options import (
@@ -148,7 +148,7 @@ class AccumulationScheduler(Callback):
         if self._partial is not None:  # resumed inside a window: this rank's own part of it
             numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
             if numbers is not None:
-                load_local_numbers(self._engine, numbers)
+                self._engine.load_local_numbers(numbers)
             self._partial = None
         self._frequencies = _seam.SchedulerFrequencies(trainer)
         self._trained = False  # whether this fit trained a batch yet
@@ -343,7 +343,7 @@ class AccumulationScheduler(Callback):
         if state["window"] is not None and state["window"]["microbatches"] and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
             params = gradients.optimizer_params(self._optimizer)
-            state.update(save_partial(self._strategy, local_numbers(self._engine), params, self._saved_grads))
+            state.update(save_partial(self._strategy, self._engine.local_numbers(), params, self._saved_grads))
         return state
 
     @override
