@@ -106,7 +106,7 @@ def test_items_exact_with_splitting_and_oom(size: int | str, fits: int | None) -
     assert max_diff(params_of(model), expected) <= 1e-12
     assert model.accumulation_progress.samples == 2 * len(data)  # every sample counted exactly once
     if size == "auto":
-        assert model.ooms > 0 and model._accumulation.auto_size == (2 if fits == 3 else 1)
+        assert model.ooms > 0 and model._accumulation.auto.size == (2 if fits == 3 else 1)
         # after the back-off every part fits, and each epoch's samples went through (again where a window was redone)
         assert max(model.seen) <= fits
 

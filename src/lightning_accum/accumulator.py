@@ -40,6 +40,10 @@ class Accumulator:
         self._open = True
         self._auto = 0  # `backward_microbatches(size="auto")` calls of this block
 
+    def _close(self) -> None:
+        """The block exited: no more passes into this micro-batch (called by the mixin)."""
+        self._open = False
+
     def _check_open(self, auto: bool = False) -> None:
         """The block is open, and its passes do not mix ``backward_microbatches(size="auto")`` with other
         passes in one window: after an out-of-memory error only the former can be redone."""
@@ -48,7 +52,7 @@ class Accumulator:
                 "`acc.backward*` was called outside its `with self.accumulate(batch) as acc:` block; "
                 "call it inside the block, which closes the window on exit."
             )
-        replayed = len(self._driver.replay.get(self._key, ())) + self._auto
+        replayed = len(self._driver.auto.replay(self._key)) + self._auto
         others = self._window.microbatches + (self.passes > 0) - replayed
         if (auto and others > 0) or (not auto and replayed > 0):
             raise ValueError(
@@ -142,7 +146,7 @@ class Accumulator:
         self._auto += 1
         redo: list[tuple[Any, Callable[[Any], Tensor]]] = []
         while True:
-            size = driver.auto_size or microbatch.batch_length(self._batch)
+            size = driver.auto.size_for(self._batch)
             try:
                 for past_batch, past_fn in redo:
                     self._run_parts(past_batch, past_fn, size)
@@ -159,12 +163,12 @@ class Accumulator:
             # outside the `except` block, so that the error's frames (and their tensors) are freed
             for p in driver.params(self._key):
                 p.grad = None
-            driver.engines[self._key].metrics.losses.clear()  # (the window is redone from its start)
+            driver.engines[self._key].metrics.restart()  # (the window is redone from its start)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            driver.auto_size = max(1, size // 2)
-            redo = list(driver.replay.get(self._key, []))
-        driver.replay.setdefault(self._key, []).append((self._batch, loss_fn))
+            driver.auto.halve(size)
+            redo = driver.auto.replay(self._key)
+        driver.auto.remember(self._key, self._batch, loss_fn)
         return losses
 
     def _run_parts(self, batch: Any, loss_fn: Callable[[Any], Tensor], size: int) -> Tensor:

@@ -12,25 +12,25 @@ checkpoints.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum import _seam, gradients, groups, multitask, recovery, schedulers, sync, window_step
+from lightning_accum import _seam, gradients, groups, multitask, recovery, schedulers, sync
 from lightning_accum._lightning import Callback, loss_scale, pl
 from lightning_accum.checkpoint import load_partial, save_partial
 from lightning_accum.engine import WindowEngine
 from lightning_accum.groups import GroupKey
 from lightning_accum.guards import MixinGuards
+from lightning_accum.microbatch import AutoSize
 from lightning_accum.options import AccumulationConfig
 from lightning_accum.probe import check_noise_under
 from lightning_accum.schedules import as_schedule
 from lightning_accum.window import Window, sample_count
-
-Replay = list[tuple[Any, Callable[[Any], Tensor]]]
+from lightning_accum.window_step import WindowStep
 
 
 class MixinDriver(Callback):
@@ -40,14 +40,10 @@ class MixinDriver(Callback):
         self.module = module
         self.config = AccumulationConfig(schedule=as_schedule(1))
         self.engines: dict[GroupKey, WindowEngine] = {}
-        # with `backward_microbatches(size="auto")`: each window's (batch, loss_fn), to redo it after an OOM
-        self.replay: dict[GroupKey, Replay] = {}
-        self.auto_size: int | None = None  # samples per micro-batch found by `backward_microbatches`
+        self.auto = AutoSize()  # `backward_microbatches(size="auto")`: the size found, each window's passes
         self.plan = sync.SyncPlan()
         self._log_every = 0  # the loggers' cadence in optimizer steps, while logging
-        # id(optimizer) -> the window's gradient scale and engine, during its step
-        # (and the ids of the parameters rescaled so far: one held by two optimizers is rescaled once)
-        self.pending: dict[int, tuple[float, WindowEngine, set[int]]] = {}
+        self.step = WindowStep()  # the window-end step
         self._saved_grads: list[Tensor | None] | None = None
         self._partial: dict[str, Any] | None = None  # a resumed window's checkpoint state, until train start
         self.configured = False  # whether `configure_accumulation` was called
@@ -57,7 +53,6 @@ class MixinDriver(Callback):
         self._open_block: GroupKey | None = None  # the group of the `accumulate` block under way
         self._block_passes = 0
         self._redoing = False  # the block's micro-batch is one a checkpoint already holds
-        self.rescaled = False  # whether the closing window's gradient was rescaled for its step yet
         self.monitors: schedulers.Monitors = {}  # the LR schedulers' monitors, which Lightning drops here
         self._trained = False
 
@@ -76,7 +71,7 @@ class MixinDriver(Callback):
         if engine is None:
             c = self.config
             engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
-            engine.plan, engine.metrics.log_every = self.plan, self._log_every
+            engine.start_fit(self.plan, self._log_every)
         return engine
 
     # ------------------------------------------------------------------ the module's optimizers
@@ -110,7 +105,7 @@ class MixinDriver(Callback):
         self.plan = sync.plan(trainer.strategy, self.config.sync)
         self._log_every = getattr(trainer, "log_every_n_steps", 0) if self.config.log else 0
         for engine in self.engines.values():
-            engine.plan, engine.metrics.log_every = self.plan, self._log_every
+            engine.start_fit(self.plan, self._log_every)
         check_noise_under(self.plan, self.config.schedule, self.config.lr_scaling)
         sync.refuse_fsdp_root_skip(self.plan, trainer.strategy.model)
 
@@ -143,7 +138,7 @@ class MixinDriver(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # before the checkpoint callbacks' `on_exception`: the state a checkpoint written now must hold
         processed, in_backward = recovery.where(trainer, exception)
-        batch, rescaled = (trainer.current_epoch, _seam.batch_index(trainer)), self.rescaled
+        batch, rescaled = (trainer.current_epoch, _seam.batch_index(trainer)), self.step.rescaled
         for key, engine in self.engines.items():
             open_pass = key == self._open_block and self._block_passes > 0
             recovery.settle(
@@ -180,12 +175,10 @@ class MixinDriver(Callback):
         self._block_passes += 1
         # a checkpoint holds this batch's gradient already: it adds nothing
         handles = gradients.add_nothing(self.params()) if self._redoing else []
-        self.guards.in_pass = True
         try:
-            with self.no_sync(final):
+            with self.guards.own_pass(), self.no_sync(final):
                 self.module.manual_backward(loss)
         finally:
-            self.guards.in_pass = False
             for handle in handles:
                 handle.remove()
 
@@ -255,11 +248,24 @@ class MixinDriver(Callback):
             samples, counted = self._block_counts
             engine.count(samples, self._items(items, counted, samples))
             engine.backward_done()
-            window.synced = last
+            window.mark_synced(last)
             if not last and engine.wants_prefix():
                 engine.measure_prefix(gradients.grads_of(self.params(key)), loss_scale(trainer))
         if last:
-            window_step.close(self, trainer, key)
+            self.step.close(
+                trainer,
+                self.module,
+                key,
+                engine,
+                [self.optimizers()[i] for i in key],
+                self.params(key),
+                config=self.config,
+                plan=self.plan,
+                guards=self.guards,
+                auto=self.auto,
+                monitors=self.monitors,
+                log_prefix="accum/" if len(self.engines) == 1 else f"accum/opt{'_'.join(map(str, key))}/",
+            )
 
     def _items(self, items: int | Tensor | None, counted: int | Tensor | None, samples: int) -> int | Tensor:
         if items is not None:
@@ -285,26 +291,16 @@ class MixinDriver(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        pending = self.pending.pop(id(optimizer), None)
-        if pending is None:
-            return
-        scale, engine, done = pending
-        params = [p for p in gradients.optimizer_params(optimizer) if id(p) not in done]
-        done.update(id(p) for p in params)
-        grads = gradients.grads_of(params)
-        self.rescaled = True
-        gradients.scale_(grads, scale)
-        if not self.plan.sharded:  # (a shard's norm is not the window's)
-            engine.metrics.add_grad_norm(grads)
         config = self.config
-        if config.decay is not None:
-            config.decay.combine(optimizer)
-        if config.gradient_clip_val is not None:
+
+        def clip(optimizer: Optimizer) -> None:
             pl_module.clip_gradients(
                 optimizer,
                 gradient_clip_val=config.gradient_clip_val,
                 gradient_clip_algorithm=config.gradient_clip_algorithm,
             )
+
+        self.step.before_optimizer_step(optimizer, config, self.plan.sharded, clip)
 
     # ------------------------------------------------------------------ checkpoints
     @override

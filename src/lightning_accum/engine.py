@@ -103,6 +103,11 @@ class WindowEngine:
         self.metrics = WindowMetrics()  # the loss and gradient norm of the windows that are logged
         self.configure(schedule, normalize, lr_scaling, lr_schedule)
 
+    def start_fit(self, plan: sync.SyncPlan, log_every: int) -> None:
+        """What a fit gives: its sync plan, and the loggers' cadence in optimizer steps (0: no logging)."""
+        self.plan = plan
+        self.metrics.every(log_every)
+
     def configure(
         self, schedule: Schedule, normalize: str, lr_scaling: str | None, lr_schedule: LRMultiplier | None = None
     ) -> None:

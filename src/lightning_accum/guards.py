@@ -4,7 +4,8 @@ not set up for it, an ``optimizer.step()`` or a ``self.manual_backward`` of the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch.optim import Optimizer
@@ -16,8 +17,8 @@ class MixinGuards:
     """Flags the mixin's driver sets around its own backward passes and steps, and the checks on them."""
 
     def __init__(self) -> None:
-        self.in_pass = False  # inside the accumulator's own backward pass
-        self.stepping = False  # inside the window-end `optimizer.step()`
+        self._in_pass = False  # inside the accumulator's own backward pass
+        self._stepping = False  # inside the window-end `optimizer.step()`
         self.blocks = self.passes = 0  # this epoch's `accumulate` blocks, and their backward passes
         self._blocks_before = 0  # `blocks` when the batch under way started
         self._hooks: list[Any] = []
@@ -39,6 +40,24 @@ class MixinGuards:
                 "(...)`, so every micro-batch is a window of its own (k = 1). Call it in `__init__` to accumulate."
             )
 
+    @contextlib.contextmanager
+    def own_pass(self) -> Iterator[None]:
+        """A backward pass the accumulator makes, which the ``manual_backward`` guard lets through."""
+        self._in_pass = True
+        try:
+            yield
+        finally:
+            self._in_pass = False
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """The mixin's own window-end ``optimizer.step()``, which the step guard lets through."""
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
+
     def attach(self, optimizers: Sequence[Optimizer]) -> None:
         self._hooks = [o.register_step_pre_hook(self._refuse_user_step) for o in optimizers]
 
@@ -46,10 +65,10 @@ class MixinGuards:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self.in_pass = self.stepping = False
+        self._in_pass = self._stepping = False
 
     def _refuse_user_step(self, *_: Any) -> None:
-        if not self.stepping:
+        if not self._stepping:
             raise RuntimeError(
                 "`optimizer.step()` was called inside `training_step`, but `AccumulationMixin` steps the optimizers "
                 "itself when a window closes: remove the `optimizer.step()` (and `zero_grad()`) calls."
@@ -57,7 +76,7 @@ class MixinGuards:
 
     def check_manual_backward(self, module: Any) -> None:
         """Refuse a ``self.manual_backward`` the accumulator did not make during training."""
-        if not self.in_pass and getattr(module, "_trainer", None) is not None and module.trainer.training:
+        if not self._in_pass and getattr(module, "_trainer", None) is not None and module.trainer.training:
             raise RuntimeError(
                 "`self.manual_backward(loss)` was called directly, but with `AccumulationMixin` the backward passes "
                 "go through the window: inside `with self.accumulate(batch) as acc:` call `acc.backward(loss)` "

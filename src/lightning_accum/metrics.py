@@ -82,11 +82,19 @@ class WindowMetrics:
         self.losses = WindowLoss()
         self._grad_sq: Tensor | None = None
 
+    def every(self, steps: int) -> None:
+        """Track the windows whose step is logged: every ``steps`` optimizer steps (0: none) and the first."""
+        self.log_every = steps
+
     def start(self, step: int) -> None:
         """A window opens that ends with optimizer step ``step``."""
         self.tracking = bool(self.log_every) and (step % self.log_every == 0 or step == 1)
         self.losses.clear()
         self._grad_sq = None
+
+    def restart(self) -> None:
+        """Forget the losses added so far (the window is redone from its start)."""
+        self.losses.clear()
 
     def add_loss(self, loss: Tensor, name: str = "loss") -> None:
         """A micro-batch's loss as it went into backward (before the window's division), or a task's."""

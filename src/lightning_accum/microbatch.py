@@ -88,3 +88,46 @@ def split(batch: Any, size: int) -> list[Any]:
 def is_oom(error: BaseException) -> bool:
     """Whether ``error`` is a (CUDA) out-of-memory error."""
     return isinstance(error, OOM_ERRORS) or ("out of memory" in str(error).lower() and isinstance(error, RuntimeError))
+
+
+class AutoSize:
+    """``backward_microbatches(size="auto")``: the micro-batch size found on out-of-memory, and each
+    window's batches and loss functions, so that the window can be redone from its start at a
+    smaller size. All ranks agree on their smallest size at each window's end.
+
+    Example:
+
+        >>> auto = AutoSize()
+        >>> auto.remember((0,), {"x": torch.zeros(8)}, lambda part: part["x"].sum())
+        >>> auto.size_for({"x": torch.zeros(8)}), len(auto.replay((0,)))
+        (8, 1)
+        >>> auto.halve(8); auto.size
+        4
+    """
+
+    def __init__(self) -> None:
+        self.size: int | None = None  # samples per micro-batch, once an out-of-memory error set it
+        self._replay: dict[tuple[int, ...], list[tuple[Any, Any]]] = {}  # window group -> its (batch, loss_fn)
+
+    def size_for(self, batch: Any) -> int:
+        """The size to split ``batch`` with: the size found, or the whole batch."""
+        return self.size or batch_length(batch)
+
+    def replay(self, key: tuple[int, ...]) -> list[tuple[Any, Any]]:
+        """The window's auto-sized passes so far, in order."""
+        return list(self._replay.get(key, ()))
+
+    def remember(self, key: tuple[int, ...], batch: Any, loss_fn: Any) -> None:
+        self._replay.setdefault(key, []).append((batch, loss_fn))
+
+    def halve(self, size: int) -> None:
+        """After out-of-memory at ``size``."""
+        self.size = max(1, size // 2)
+
+    def window_closed(self, key: tuple[int, ...], strategy: Any, world: int) -> None:
+        """Forget the window's passes; if it auto-sized (on every rank), all take the smallest size."""
+        if self._replay.pop(key, None) and world > 1:
+            unset = 2**62
+            size = torch.tensor(self.size or unset, device=strategy.root_device)
+            agreed = int(strategy.reduce(size, reduce_op="min"))
+            self.size = None if agreed == unset else agreed

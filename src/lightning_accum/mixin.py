@@ -159,7 +159,7 @@ class AccumulationMixin(_ModuleBase):
         try:
             yield acc
         finally:
-            acc._open = False
+            acc._close()
         driver.finish(trainer, key, acc.passes, acc.items, last)
 
     @override

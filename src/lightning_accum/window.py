@@ -69,6 +69,10 @@ class Window:
         self.microbatches -= 1
         self.samples -= samples
 
+    def mark_synced(self, synced: bool) -> None:
+        """Whether the latest backward pass ran with the gradient sync on."""
+        self.synced = synced
+
     def set_counts(self, microbatches: int, samples: int, items: int) -> None:
         """This rank's counts as a checkpoint held them."""
         self.microbatches, self.samples, self.items = microbatches, samples, items

@@ -1,82 +1,128 @@
-"""The mixin's window-end step: the gradient made global, the group's optimizers and their
+"""The mixin's window-end step: the gradient made global, the group's optimizers stepped (the
+rescale, decay and clipping inside each ``optimizer.step()``, after AMP unscaling), their
 step-interval LR schedulers stepped, the gradients reset for the next window, the window logged.
 
-``close`` runs when the ``accumulate`` block of a window's last micro-batch exits. The rescale,
-decay and clipping happen inside ``optimizer.step()``, in the driver's
-``on_before_optimizer_step`` (after AMP unscaling).
+``WindowStep.close`` runs when the ``accumulate`` block of a window's last micro-batch exits;
+``WindowStep.before_optimizer_step`` from the driver's ``on_before_optimizer_step`` inside each
+optimizer's step. It is handed the engine, the optimizers and the parameters, not the driver.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import torch
+from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_accum import collectives, gradients, schedulers
 from lightning_accum._lightning import log_window, loss_scale
-from lightning_accum.groups import GroupKey
+from lightning_accum.engine import WindowEngine
+from lightning_accum.guards import MixinGuards
+from lightning_accum.microbatch import AutoSize
 from lightning_accum.options import AccumulationConfig
-
-if TYPE_CHECKING:
-    from lightning_accum.driver import MixinDriver
+from lightning_accum.sync import SyncPlan
 
 
-def close(driver: MixinDriver, trainer: Any, key: GroupKey) -> None:
-    """Make the window's gradient global, step its optimizers and schedulers, reset, log."""
-    config, engine, strategy = driver.config, driver.engines[key], trainer.strategy
-    assert engine.window is not None
-    world = collectives.world_size(strategy)
-    if not engine.window.microbatches and world == 1:  # nothing went in: nothing to step
-        engine.discard()
-        return
-    params = driver.params(key)
-    if world > 1 and driver.plan.family == "ddp":
-        closing = engine.close(strategy, [int(p.grad is not None) for p in params])
-        collectives.all_reduce_gradients(strategy, params, closing.extra)
-    else:  # single device, or FSDP's own (reduce-)scatter on the last micro-batch made the gradient global
-        closing = engine.close(strategy)
-    stepped = [driver.optimizers()[i] for i in key]
-    driver.rescaled = False
-    if closing.empty:  # nothing went in, over all ranks: no step (it would move Adam's state)
-        _reset(config, stepped)
+class WindowStep:
+    """The window-end step of the mixin and what it holds while an optimizer steps.
+
+    Attributes:
+        rescaled: whether the closing window's gradient was changed in place for its step yet (what
+            an exception then leaves cannot be resumed exactly).
+    """
+
+    def __init__(self) -> None:
+        # id(optimizer) -> the window's gradient scale, its engine, and the ids of the parameters
+        # rescaled so far (one held by two optimizers of the group is rescaled once)
+        self._pending: dict[int, tuple[float, WindowEngine, set[int]]] = {}
+        self.rescaled = False
+
+    def close(
+        self,
+        trainer: Any,
+        module: Any,
+        key: tuple[int, ...],
+        engine: WindowEngine,
+        optimizers: Sequence[Any],
+        params: Sequence[Tensor],
+        *,
+        config: AccumulationConfig,
+        plan: SyncPlan,
+        guards: MixinGuards,
+        auto: AutoSize,
+        monitors: schedulers.Monitors,
+        log_prefix: str,
+    ) -> None:
+        """Make the window's gradient global, step ``optimizers`` (the group's, Lightning-wrapped) and their
+        schedulers, reset, log."""
+        strategy = trainer.strategy
+        assert engine.window is not None
+        world = collectives.world_size(strategy)
+        if not engine.window.microbatches and world == 1:  # nothing went in: nothing to step
+            engine.discard()
+            return
+        if world > 1 and plan.family == "ddp":
+            closing = engine.close(strategy, [int(p.grad is not None) for p in params])
+            collectives.all_reduce_gradients(strategy, params, closing.extra)
+        else:  # single device, or FSDP's own (reduce-)scatter on the last micro-batch made the gradient global
+            closing = engine.close(strategy)
+        self.rescaled = False
+        if closing.empty:  # nothing went in, over all ranks: no step (it would move Adam's state)
+            _reset(config, optimizers)
+            engine.advance(trainer.current_epoch)
+            return
+        # the window's normalised gradient is `.grad * scale / loss scale`
+        engine.measure_window(strategy, gradients.grads_of(params), closing.scale / loss_scale(trainer))
+        rescaled: set[int] = set()
+        for optimizer in optimizers:
+            self._pending[id(optimizer.optimizer)] = closing.scale, engine, rescaled
+            engine.scale_lr(optimizer)
+            try:
+                with guards.stepping():
+                    optimizer.step()
+            finally:
+                engine.restore_lr()
+            if self._pending.pop(id(optimizer.optimizer), None) is not None:
+                raise RuntimeError(
+                    "The window's gradient was not normalised: Lightning did not call the callbacks' "
+                    "`on_before_optimizer_step` during `optimizer.step()`."
+                )
+        raw = [o.optimizer for o in optimizers]
+        schedulers.step_schedulers(module, trainer, monitors, "step", engine.progress.step + 1, raw)
+        if config.decay is not None:
+            config.decay.after_step()
+        _reset(config, optimizers)
         engine.advance(trainer.current_epoch)
-        return
-    # the window's normalised gradient is `.grad * scale / loss scale`
-    engine.measure_window(strategy, gradients.grads_of(params), closing.scale / loss_scale(trainer))
-    rescaled: set[int] = set()
-    for optimizer in stepped:
-        driver.pending[id(optimizer.optimizer)] = closing.scale, engine, rescaled
-        engine.scale_lr(optimizer)
-        driver.guards.stepping = True
-        try:
-            optimizer.step()
-        finally:
-            driver.guards.stepping = False
-            engine.restore_lr()
-        if driver.pending.pop(id(optimizer.optimizer), None) is not None:
-            raise RuntimeError(
-                "The window's gradient was not normalised: Lightning did not call the callbacks' "
-                "`on_before_optimizer_step` during `optimizer.step()`."
-            )
-    raw = [o.optimizer for o in stepped]
-    schedulers.step_schedulers(driver.module, trainer, driver.monitors, "step", engine.progress.step + 1, raw)
-    if config.decay is not None:
-        config.decay.after_step()
-    _reset(config, stepped)
-    engine.advance(trainer.current_epoch)
-    if driver.replay.pop(key, None) and world > 1:  # auto-sizing ran on every rank: all take the smallest
-        unset = 2**62
-        size = torch.tensor(driver.auto_size or unset, device=strategy.root_device)
-        agreed = int(strategy.reduce(size, reduce_op="min"))
-        driver.auto_size = None if agreed == unset else agreed
-    if config.log:
-        prefix = "accum/" if len(driver.engines) == 1 else f"accum/opt{'_'.join(map(str, key))}/"
-        every = trainer.log_every_n_steps
-        metrics = engine.window_metrics(closing)
-        log_window(driver.module, prefix, every, closing, engine.progress, engine.noise_scale, metrics)
+        auto.window_closed(key, strategy, world)
+        if config.log:
+            metrics = engine.window_metrics(closing)
+            log_window(module, log_prefix, trainer.log_every_n_steps, closing, engine.progress, engine.noise_scale,
+                       metrics)  # fmt: skip
+
+    def before_optimizer_step(
+        self, optimizer: Optimizer, config: AccumulationConfig, sharded: bool, clip: Callable[[Optimizer], None]
+    ) -> None:
+        """Inside the step of a window's optimizer, after AMP unscaling: normalise the window's gradient,
+        add the decayed residual, ``clip``."""
+        pending = self._pending.pop(id(optimizer), None)
+        if pending is None:
+            return
+        scale, engine, done = pending
+        params = [p for p in gradients.optimizer_params(optimizer) if id(p) not in done]
+        done.update(id(p) for p in params)
+        grads = gradients.grads_of(params)
+        self.rescaled = True
+        gradients.scale_(grads, scale)
+        if not sharded:  # (a shard's norm is not the window's)
+            engine.metrics.add_grad_norm(grads)
+        if config.decay is not None:
+            config.decay.combine(optimizer)
+        if config.gradient_clip_val is not None:
+            clip(optimizer)
 
 
-def _reset(config: AccumulationConfig, stepped: list[Any]) -> None:
+def _reset(config: AccumulationConfig, stepped: Sequence[Any]) -> None:
     """Open the next window: zero the gradients (keeping the buffers) or set them to ``None``."""
     for optimizer in stepped:
         if config.reset == "none":

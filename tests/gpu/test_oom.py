@@ -36,5 +36,5 @@ def test_real_oom_back_off() -> None:
     model = Hungry("auto", reduction="sum", schedule=schedule, normalize="items", count=count_tokens)
     trainer(accelerator="gpu", devices=1, max_epochs=2).fit(model, loader(data, 8))
     expected, _ = Reference(schedule, normalize="items").run([rank_batches(data, 8)] * 2)
-    assert model._accumulation.auto_size == 2 and max(model.seen) == 2
+    assert model._accumulation.auto.size == 2 and max(model.seen) == 2
     assert max_diff([p.double().cpu() for p in params_of(model)], expected) <= 1e-10

@@ -133,9 +133,9 @@ class AccumulationScheduler(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._user_divisor = trainer.accumulate_grad_batches  # what teardown gives back
         fit_checks.refuse_scheduler_misuse(self, trainer, pl_module, decay_type=GradientDecay)
-        plan = self._engine.plan = sync.plan(trainer.strategy, self.sync)
+        plan = sync.plan(trainer.strategy, self.sync)
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
-        self._engine.metrics.log_every = trainer.log_every_n_steps if self._log else 0  # type: ignore[attr-defined]
+        self._engine.start_fit(plan, trainer.log_every_n_steps if self._log else 0)  # type: ignore[attr-defined]
         check_noise_under(plan, self.schedule, self.lr_scaling)
 
     # ------------------------------------------------------------------ fit lifetime
@@ -247,7 +247,7 @@ class AccumulationScheduler(Callback):
             final = self._closes_window(trainer)
             self._pass.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
             self._holding = True
-            window.synced = final
+            window.mark_synced(final)
         engine.count(*self._counts)
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
             engine.metrics.add_loss((weigh(loss, self._counts[1]) if mean else loss) * self._divisor)
