@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import collectives, sync
-from lightning_accum.lr import adascale_gain, check_multiplier
+from lightning_accum.lr import LRMultiplier, adascale_gain, check_multiplier
 from lightning_accum.metrics import WindowMetrics
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
 from lightning_accum.probe import NoiseProbe, measured
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Window, lr_factor
-
-LRMultiplier = Callable[[Progress], float]
 
 
 class Closing(NamedTuple):

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from typing_extensions import override
 
 from lightning_accum.noise import NoiseScaleEstimator
 from lightning_accum.schedules import UNITS, Progress, _check_unit
+
+#: what ``lr_schedule=`` takes: the learning-rate multiplier for the step of a window that opened at a ``Progress``
+LRMultiplier = Callable[[Progress], float]
 
 
 class LRSchedule:

@@ -19,7 +19,8 @@ from lightning_accum import microbatch
 from lightning_accum._lightning import Callback, pl
 from lightning_accum.accumulator import Accumulator
 from lightning_accum.driver import MixinDriver
-from lightning_accum.options import AccumulationConfig, LRMultiplier, Reset
+from lightning_accum.lr import LRMultiplier
+from lightning_accum.options import AccumulationConfig, Reset
 from lightning_accum.schedules import Progress, Schedule, as_schedule
 from lightning_accum.sync import SyncMode
 from lightning_accum.window import Normalize

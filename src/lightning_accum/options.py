@@ -10,7 +10,7 @@ from typing import Any, Literal
 from torch import Tensor
 
 from lightning_accum.decay import ResidualDecay
-from lightning_accum.lr import LRSchedule, check_multiplier
+from lightning_accum.lr import LRMultiplier, LRSchedule, check_multiplier
 from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
 from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
@@ -18,7 +18,6 @@ from lightning_accum.window import NORMALIZE
 LRScaling = Literal["linear", "sqrt", "adascale"]
 Reset = Literal["zero", "none"] | ResidualDecay  # (a `GradientDecay`)
 Count = Callable[[Any], int | Tensor]
-LRMultiplier = Callable[[Progress], float]
 
 
 def check_common(

@@ -17,10 +17,10 @@ from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.checkpoint import load_partial, save_partial
 from lightning_accum.engine import WindowEngine
+from lightning_accum.lr import LRMultiplier
 from lightning_accum.metrics import weigh
 from lightning_accum.options import (
     Count,
-    LRMultiplier,
     LRScaling,
     Reduction,
     check_callback_items,
