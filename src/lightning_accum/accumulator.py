@@ -14,11 +14,10 @@ import torch
 from torch import Tensor
 
 from lightning_accum import cached, collectives, gradients, microbatch, multitask
-from lightning_accum.driver import MixinDriver
-from lightning_accum.groups import GroupKey
+from lightning_accum.block import Block
 from lightning_accum.metrics import weigh
+from lightning_accum.microbatch import AutoSize
 from lightning_accum.options import check_flag
-from lightning_accum.window import Window
 
 
 class Accumulator:
@@ -30,13 +29,12 @@ class Accumulator:
         last: whether the window closes after this micro-batch (``k`` reached or epoch end).
     """
 
-    def __init__(self, driver: MixinDriver, key: GroupKey, window: Window, batch: Any, last: bool) -> None:
-        self._driver, self._key, self._window, self._batch = driver, key, window, batch
-        self.k = window.k
-        self.index = window.microbatches
-        self.last = last
-        self.items: int | Tensor | None = None
-        self.passes = 0
+    def __init__(self, block: Block, batch: Any, auto: AutoSize) -> None:
+        self._block, self._batch, self._auto_size = block, batch, auto
+        self._window = block.window
+        self.k = block.window.k
+        self.index = block.window.microbatches
+        self.last = block.last
         self._open = True
         self._auto = 0  # `backward_microbatches(size="auto")` calls of this block
 
@@ -52,8 +50,8 @@ class Accumulator:
                 "`acc.backward*` was called outside its `with self.accumulate(batch) as acc:` block; "
                 "call it inside the block, which closes the window on exit."
             )
-        replayed = len(self._driver.auto.replay(self._key)) + self._auto
-        others = self._window.microbatches + (self.passes > 0) - replayed
+        replayed = len(self._auto_size.replay(self._block.key)) + self._auto
+        others = self._window.microbatches + (self._block.passes > 0) - replayed
         if (auto and others > 0) or (not auto and replayed > 0):
             raise ValueError(
                 '`acc.backward_microbatches(loss_fn, size="auto")` cannot share a window with other backward passes '
@@ -64,13 +62,8 @@ class Accumulator:
 
     def _backward(self, loss: Tensor) -> None:
         """``manual_backward(loss / divisor)`` with gradient sync skipped as the plan says."""
-        self._driver.record_loss(self._key, loss)
-        self._driver.backward(loss / self._window.divisor, self.last)
-        self.passes += 1
-
-    def _add_items(self, items: int | Tensor | None) -> None:
-        if items is not None:
-            self.items = items if self.items is None else self.items + items
+        self._block.record_loss(loss)
+        self._block.backward(loss / self._window.divisor)
 
     def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
         """Back-propagate one loss into the window.
@@ -84,21 +77,17 @@ class Accumulator:
             _check_items(items)
             if gradients.no_items(items):  # a mean over no items (NaN): counted, adds nothing
                 self._backward_nothing(loss)
-                self._add_items(items)
+                self._block.add_items(items)
                 return
         self._backward(loss if items is None else weigh(loss, items))
-        self._add_items(items)
+        self._block.add_items(items)
 
     def _backward_nothing(self, loss: Tensor) -> None:
         """A pass of a micro-batch without items: it counts, and adds nothing to any gradient."""
         if loss.requires_grad:  # (run, so that a sync the window's last pass makes still happens)
-            handles = gradients.add_nothing(self._driver.params(self._key))
-            try:
-                self._driver.backward(loss, self.last)
-            finally:
-                for handle in handles:
-                    handle.remove()
-        self.passes += 1
+            self._block.backward(loss, nothing=True)
+        else:
+            self._block.count_pass()
 
     def backward_each(
         self,
@@ -115,7 +104,7 @@ class Accumulator:
         logged as ``accum/loss/<name>`` (``names``, default ``task0``, ``task1``, ...).
         """
         self._check_open()
-        params = self._driver.params() if grad_norms else None
+        params = self._block.windows.params() if grad_norms else None
         losses, norms = multitask.backward_each(self._backward, closures, weights, grad_norms_of=params)
         self._record_tasks(losses, names)
         return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
@@ -127,7 +116,7 @@ class Accumulator:
         if len(names) != len(losses):
             raise ValueError(f"`names` has {len(names)} entries for {len(losses)} tasks; give one name per task.")
         for name, loss in zip(names, losses, strict=True):
-            self._driver.record_loss(self._key, loss, f"loss/{name}")
+            self._block.record_loss(loss, f"loss/{name}")
 
     def backward_microbatches(self, loss_fn: Callable[[Any], Tensor], size: int | Literal["auto"] = "auto") -> Tensor:
         """Split this micro-batch's ``batch`` along dim 0 and back-propagate ``loss_fn(part)`` for
@@ -140,13 +129,13 @@ class Accumulator:
         for later batches and agreed on by all ranks (their minimum) at each window's end.
         """
         self._check_open(auto=size == "auto")
-        driver = self._driver
+        auto = self._auto_size
         if size != "auto":
             return self._run_parts(self._batch, loss_fn, size)
         self._auto += 1
         redo: list[tuple[Any, Callable[[Any], Tensor]]] = []
         while True:
-            size = driver.auto.size_for(self._batch)
+            size = auto.size_for(self._batch)
             try:
                 for past_batch, past_fn in redo:
                     self._run_parts(past_batch, past_fn, size)
@@ -161,19 +150,19 @@ class Accumulator:
                         "model or sequence size, or use a strategy that shards it (FSDP)."
                     ) from error
             # outside the `except` block, so that the error's frames (and their tensors) are freed
-            for p in driver.params(self._key):
+            for p in self._block.params():
                 p.grad = None
-            driver.engines[self._key].metrics.restart()  # (the window is redone from its start)
+            self._block.engine.metrics.restart()  # (the window is redone from its start)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            driver.auto.halve(size)
-            redo = driver.auto.replay(self._key)
-        driver.auto.remember(self._key, self._batch, loss_fn)
+            auto.halve(size)
+            redo = auto.replay(self._block.key)
+        auto.remember(self._block.key, self._batch, loss_fn)
         return losses
 
     def _run_parts(self, batch: Any, loss_fn: Callable[[Any], Tensor], size: int) -> Tensor:
         n = microbatch.batch_length(batch)
-        mean = self._driver.config.normalize == "mean"
+        mean = self._block.windows.config.normalize == "mean"
         losses = []
         for part in microbatch.split(batch, size):
             loss = multitask.check_loss(loss_fn(part), "the loss returned by `loss_fn`")
@@ -209,8 +198,8 @@ class Accumulator:
         """
         self._check_open()
         check_flag("gather", gather)
-        driver = self._driver
-        strategy = driver.module.trainer.strategy
+        block = self._block
+        strategy = block.strategy
         world = collectives.world_size(strategy) if gather else 1
 
         def loss_backward(loss: Tensor) -> None:
@@ -222,8 +211,7 @@ class Accumulator:
         def reps_backward(reps: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
             # (FSDP, FSDP2: every chunk of the window's last batch syncs, since each module
             # reduce-scatters in its own backward and two towers end at different chunks)
-            driver.trunk_backward(reps, grads, self.last)
-            self.passes += 1
+            block.trunk_backward(reps, grads)
 
         def gather_rows(reps: Sequence[Tensor]) -> tuple[list[Tensor], int]:
             return collectives.gather_rows(strategy, reps)
@@ -237,9 +225,9 @@ class Accumulator:
             reps_backward,
             gather=gather_rows if world > 1 else None,
             world=world,
-            modules=[driver.module],
+            modules=[block.module],
         )
-        self._add_items(items)
+        self._block.add_items(items)
         return loss
 
     def backward_heads(
@@ -257,8 +245,7 @@ class Accumulator:
         self._check_open()
 
         def trunk_backward(features: Tensor, grad: Tensor) -> None:
-            self._driver.trunk_backward(features, grad, self.last)
-            self.passes += 1
+            self._block.trunk_backward(features, grad)
 
         losses = multitask.backward_heads(self._backward, features, heads, weights, trunk_backward=trunk_backward)
         self._record_tasks(losses, names)

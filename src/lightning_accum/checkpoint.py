@@ -40,3 +40,51 @@ def load_partial(state: Mapping[str, Any], strategy: Any, rank: int) -> tuple[li
         )
     numbers, grads = ranks[rank]
     return list(numbers), list(grads)
+
+
+class PartialWindow:
+    """A window a checkpoint holds part of, for either adapter: saved with its partial gradient; after
+    a resume put back in two steps, this rank's numbers at train start (``numbers``) and the gradient
+    where the resumed window may add to it (``put_back``: after any zeroing of its next batch).
+
+    Example:
+
+        >>> partial = PartialWindow()
+        >>> partial.load({"window": None})  # a checkpoint without a partial gradient
+        >>> partial.numbers(strategy=None, rank=0) is None
+        True
+    """
+
+    def __init__(self) -> None:
+        self._state: Mapping[str, Any] | None = None  # the checkpoint's state, until train start
+        self._grads: Partial | None = None  # the partial gradient, until it is put back
+
+    def save(self, strategy: Any, numbers: Sequence[float], params: Sequence[Tensor]) -> dict[str, Any]:
+        """What a checkpoint holds of the open window (``numbers``: this rank's counts)."""
+        return save_partial(strategy, numbers, params, self._grads)
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        self._state = state if "grads" in state else None
+
+    @property
+    def loaded(self) -> bool:
+        return self._state is not None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a partial gradient waits to be put back."""
+        return self._grads is not None
+
+    def numbers(self, strategy: Any, rank: int) -> list[float] | None:
+        """At train start: this rank's numbers (``None`` without a partial window or in a one-process checkpoint)."""
+        if self._state is None:
+            return None
+        numbers, self._grads = load_partial(self._state, strategy, rank)
+        self._state = None
+        return numbers
+
+    def put_back(self, params: Sequence[Tensor]) -> None:
+        """Put the partial gradient back into ``params`` (once)."""
+        if self._grads is not None:
+            gradients.restore(params, self._grads)
+            self._grads = None

@@ -83,6 +83,12 @@ class MixinGuards:
                 "(or `acc.backward_each` / `acc.backward_heads`)."
             )
 
+    def block_opened(self) -> None:
+        self.blocks += 1
+
+    def passes_made(self, passes: int) -> None:
+        self.passes += passes
+
     def batch_end(self, module: Any, outputs: Any, first: bool) -> None:
         """Refuse a ``training_step`` that ran no ``accumulate`` block and returned a loss (the
         automatic-optimization habit: nothing would ever be trained), or ran none on the fit's first batch."""

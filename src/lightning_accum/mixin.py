@@ -126,7 +126,7 @@ class AccumulationMixin(_ModuleBase):
     @override
     def on_validation_model_zero_grad(self) -> None:
         """Lightning zeroes gradients before validation; keep them while a window is open."""
-        if not self._accumulation.window_open():
+        if not self._accumulation.windows.window_open():
             super().on_validation_model_zero_grad()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ windows
@@ -139,8 +139,8 @@ class AccumulationMixin(_ModuleBase):
     @property
     def accumulation_progress(self) -> Progress:
         """``Progress`` of the window group of all optimizers (or the only group)."""
-        driver = self._accumulation
-        engine = driver.engines.get(driver.key(None))
+        windows = self._accumulation.windows
+        engine = windows.engines.get(windows.key(None))
         return Progress() if engine is None else engine.progress
 
     @contextlib.contextmanager
@@ -154,14 +154,13 @@ class AccumulationMixin(_ModuleBase):
         """
         trainer, driver = self.trainer, self._accumulation  # type: ignore[attr-defined]
         driver.check(trainer)
-        key = driver.key(optimizer)
-        window, last = driver.begin(trainer, key, batch)
-        acc = Accumulator(driver, key, window, batch, last)
+        block = driver.begin(trainer, optimizer, batch)
+        acc = Accumulator(block, batch, driver.auto)
         try:
             yield acc
         finally:
             acc._close()
-        driver.finish(trainer, key, acc.passes, acc.items, last)
+        driver.finish(trainer, block)
 
     @override
     def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:

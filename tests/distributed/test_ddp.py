@@ -63,7 +63,7 @@ class Report(pl.Callback):
             "explicit": EXPLICIT[0],
             "progress": progress.__dict__,
             "steps": trainer.global_step,
-            "auto_size": getattr(getattr(pl_module, "_accumulation", None), "auto_size", None),
+            "auto_size": getattr(getattr(getattr(pl_module, "_accumulation", None), "auto", None), "size", None),
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 

@@ -15,7 +15,7 @@ from lightning_accum import _seam, fit_checks, gradients, recovery, sync
 from lightning_accum._lightning import Callback, log_window, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.callbacks.decay import GradientDecay
-from lightning_accum.checkpoint import load_partial, save_partial
+from lightning_accum.checkpoint import PartialWindow
 from lightning_accum.engine import WindowEngine
 from lightning_accum.lr import LRMultiplier
 from lightning_accum.metrics import weigh
@@ -102,8 +102,7 @@ class AccumulationScheduler(Callback):
         self.sync = sync
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule)
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
-        self._saved_grads: list[Tensor | None] | None = None  # a resumed window's gradient, until it is put back
-        self._partial: dict[str, Any] | None = None  # a resumed window's checkpoint state, until train start
+        self._partial = PartialWindow()  # a resumed window's part a checkpoint held
         self._strategy: Any = None
         # per fit
         self._optimizer: Optimizer | None = None
@@ -145,11 +144,9 @@ class AccumulationScheduler(Callback):
         set_divisor(trainer, self._divisor)
         _seam.resume_after_finished_epoch(trainer)
         self._optimizer, self._strategy = trainer.optimizers[0], trainer.strategy
-        if self._partial is not None:  # resumed inside a window: this rank's own part of it
-            numbers, self._saved_grads = load_partial(self._partial, trainer.strategy, trainer.global_rank)
-            if numbers is not None:
-                self._engine.load_local_numbers(numbers)
-            self._partial = None
+        numbers = self._partial.numbers(trainer.strategy, trainer.global_rank)  # resumed inside a window
+        if numbers is not None:
+            self._engine.load_local_numbers(numbers)
         self._frequencies = _seam.SchedulerFrequencies(trainer)
         self._trained = False  # whether this fit trained a batch yet
         if self.lr_scaling is not None or self.lr_schedule is not None:
@@ -229,10 +226,8 @@ class AccumulationScheduler(Callback):
         engine, window = self._engine, self._engine.window
         if window is None:
             return
-        if self._saved_grads is not None:  # resumed inside a window: its gradient, after any zeroing of this batch
-            assert self._optimizer is not None
-            gradients.restore(gradients.optimizer_params(self._optimizer), self._saved_grads)
-            self._saved_grads = None
+        if self._partial.pending and self._optimizer is not None:  # resumed inside a window: its gradient, after
+            self._partial.put_back(gradients.optimizer_params(self._optimizer))  # any zeroing of this batch
         mean = self.reduction == "mean"  # a mean over the micro-batch's items: weighted by their count
         if self._redoing or (mean and gradients.no_items(self._counts[1])):
             # in the window already, or a mean over no items (NaN): the pass adds nothing
@@ -343,15 +338,15 @@ class AccumulationScheduler(Callback):
         if state["window"] is not None and state["window"]["microbatches"] and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
             params = gradients.optimizer_params(self._optimizer)
-            state.update(save_partial(self._strategy, self._engine.local_numbers(), params, self._saved_grads))
+            state.update(self._partial.save(self._strategy, self._engine.local_numbers(), params))
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._engine.load_state_dict(state_dict)
         self._divisor = int(state_dict.get("divisor", 1))
-        self._partial = state_dict if "grads" in state_dict else None
+        self._partial.load(state_dict)
         window = self._engine.window
         self._loss_factor = 1.0 if window is None else self._divisor / window.divisor
-        if window is not None and window.microbatches and self._partial is None:
+        if window is not None and window.microbatches and not self._partial.loaded:
             rank_zero_warn("The checkpoint was saved inside an accumulation window without its gradients.")

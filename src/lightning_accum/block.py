@@ -1,0 +1,124 @@
+"""The open ``accumulate`` block: one micro-batch of a window group, what it counted, and its
+backward passes under the sync plan (``Accumulator`` is the user's handle over it)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightning_accum import gradients, multitask, sync
+from lightning_accum.engine import WindowEngine
+from lightning_accum.guards import MixinGuards
+from lightning_accum.window import Window
+from lightning_accum.windows import GroupKey, MixinWindows
+
+
+class Block:
+    """One ``with self.accumulate(batch) as acc:`` block.
+
+    Attributes:
+        key: the window group.
+        engine, window: the group's engine and its open window.
+        last: whether the window closes after this micro-batch.
+        redoing: the micro-batch is one a checkpoint already holds (trained again, it adds nothing).
+        passes: backward passes made so far.
+    """
+
+    def __init__(
+        self,
+        windows: MixinWindows,
+        key: GroupKey,
+        window: Window,
+        *,
+        last: bool,
+        redoing: bool,
+        counts: tuple[int, int | Tensor | None],
+        plan: sync.SyncPlan,
+        guards: MixinGuards,
+    ) -> None:
+        self.windows, self.key = windows, key
+        self.engine: WindowEngine = windows.engines[key]
+        self.window, self.last, self.redoing = window, last, redoing
+        self._samples, self._counted = counts  # (counted before the block's code ran)
+        self._items: int | Tensor | None = None  # what `items=` declared
+        self._plan, self._guards = plan, guards
+        self.passes = 0
+
+    @property
+    def module(self) -> Any:
+        return self.windows.module
+
+    @property
+    def strategy(self) -> Any:
+        return self.module.trainer.strategy
+
+    def params(self) -> list[Tensor]:
+        """The group's parameters."""
+        return self.windows.params(self.key)
+
+    # ------------------------------------------------------------------ backward passes
+    def _no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """DDP: always no-sync (the window is all-reduced explicitly at its end). FSDP, FSDP2: sync skipped
+        before the window's last micro-batch if planned."""
+        if self._plan.family == "ddp":
+            return sync.ddp_no_sync(self.strategy)
+        return sync.skip_sync(self._plan, self.strategy, self.last)
+
+    def backward(self, loss: Tensor, *, nothing: bool = False) -> None:
+        """``manual_backward(loss)`` into the window (``nothing``: the pass adds nothing to any gradient,
+        NaN included, as a redone micro-batch's)."""
+        self.passes += 1
+        handles = gradients.add_nothing(self.windows.params()) if nothing or self.redoing else []
+        try:
+            with self._guards.own_pass(), self._no_sync():
+                self.module.manual_backward(loss)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def trunk_backward(self, features: Tensor | Sequence[Tensor], grad: Tensor | Sequence[Tensor]) -> None:
+        """Back-propagate ``grad`` from ``features`` (a shared trunk's, or cached representations)."""
+        self.passes += 1
+        with self._no_sync():
+            multitask._autograd_backward(features, grad)
+
+    def count_pass(self) -> None:
+        """A micro-batch without items that made no backward pass still went in."""
+        self.passes += 1
+
+    def record_loss(self, loss: Tensor, name: str = "loss") -> None:
+        """A pass's loss (before the window's division), or a task's, for the logged window loss."""
+        if not self.redoing:
+            self.engine.metrics.add_loss(loss, name)
+
+    def add_items(self, items: int | Tensor | None) -> None:
+        if items is not None:
+            self._items = items if self._items is None else self._items + items
+
+    # ------------------------------------------------------------------ the block's end
+    def finish(self, loss_scale: Callable[[], float]) -> None:
+        """Count a micro-batch that back-propagated into the window (and the noise probe's prefix)."""
+        if self.redoing or not self.passes:  # (a micro-batch that back-propagated nothing does not count)
+            return
+        self._guards.passes_made(self.passes)
+        engine = self.engine
+        engine.count(self._samples, self._item_count())
+        engine.backward_done()
+        self.window.mark_synced(self.last)
+        if not self.last and engine.wants_prefix():
+            engine.measure_prefix(gradients.grads_of(self.params()), loss_scale())
+
+    def _item_count(self) -> int | Tensor:
+        if self._items is not None:
+            return self._items
+        if self._counted is not None:
+            return self._counted
+        if self.windows.config.normalize == "items":
+            raise ValueError(
+                "`normalize='items'` needs the micro-batch's item count: give `count=` to "
+                "`configure_accumulation`, or call `acc.backward(loss, items=n)`."
+            )
+        return self._samples

@@ -1,0 +1,154 @@
+"""The mixin's window bookkeeping: which of the module's optimizers step together (a window group,
+keyed by their sorted indices in ``self.optimizers()``), their parameters, and one
+``WindowEngine`` per group, with the groups' checkpoint state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from lightning_accum import gradients, sync
+from lightning_accum.engine import WindowEngine
+from lightning_accum.options import AccumulationConfig
+from lightning_accum.schedules import as_schedule
+
+GroupKey = tuple[int, ...]
+
+
+class MixinWindows:
+    """The window groups of one module, one engine each.
+
+    Example:
+
+        >>> windows = MixinWindows(module=None)
+        >>> windows.engine((0,)).schedule
+        Constant(1)
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.config = AccumulationConfig(schedule=as_schedule(1))
+        self.engines: dict[GroupKey, WindowEngine] = {}
+        self._plan = sync.SyncPlan()
+        self._log_every = 0  # the loggers' cadence in optimizer steps, while logging
+
+    def configure(self, config: AccumulationConfig) -> None:
+        self.config = config
+        for engine in self.engines.values():
+            engine.configure(config.schedule, config.normalize, config.lr_scaling, config.lr_schedule)
+
+    def start_fit(self, plan: sync.SyncPlan, log_every: int) -> None:
+        self._plan, self._log_every = plan, log_every
+        for engine in self.engines.values():
+            engine.start_fit(plan, log_every)
+
+    def engine(self, key: GroupKey) -> WindowEngine:
+        """The group's engine (made now if it has none)."""
+        engine = self.engines.get(key)
+        if engine is None:
+            c = self.config
+            engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
+            engine.start_fit(self._plan, self._log_every)
+        return engine
+
+    def samples_needed_by(self) -> str | None:
+        """What needs each micro-batch's sample count (the same for every group)."""
+        engine = next(iter(self.engines.values()), None)
+        if engine is None:
+            c = self.config
+            engine = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
+        return engine.samples_needed_by
+
+    # ------------------------------------------------------------------ optimizer groups
+    def optimizers(self) -> list[Any]:
+        """The module's (Lightning-wrapped) optimizers, as a list."""
+        found = self.module.optimizers()
+        return list(found) if isinstance(found, list | tuple) else [found]
+
+    def key(self, optimizer: Any) -> GroupKey:
+        """The group of ``optimizer``: ``None`` (all), an optimizer, its index, or a list of them."""
+        known = self.optimizers() if getattr(self.module, "_trainer", None) is not None else []
+        if optimizer is None:
+            return tuple(range(len(known)))
+        chosen = []
+        for o in optimizer if isinstance(optimizer, list | tuple) else [optimizer]:
+            if isinstance(o, int) and 0 <= o < len(known):
+                chosen.append(o)
+                continue
+            raw = getattr(o, "optimizer", o)
+            matches = [i for i, lo in enumerate(known) if lo is o or lo.optimizer is raw]
+            if not matches:
+                raise ValueError(f"`optimizer` must be one of `self.optimizers()` or its index; got {o!r}.")
+            chosen.append(matches[0])
+        return tuple(sorted(set(chosen)))
+
+    def params(self, key: GroupKey | None = None) -> list[Tensor]:
+        """The parameters of the group's optimizers (all optimizers for ``None``), in order."""
+        known = self.optimizers()
+        chosen = range(len(known)) if key is None else key
+        return [p for i in chosen for p in gradients.optimizer_params(known[i].optimizer)]
+
+    def check_disjoint(self, new: GroupKey) -> None:
+        """Refuse a window group whose parameters another group's window also accumulates into: each
+        window's step would take the other's gradient too."""
+        if new in self.engines:
+            return
+        mine = {id(p) for p in self.params(new)}
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        for other in self.engines:
+            shared = [names.get(id(p), "?") for p in self.params(other) if id(p) in mine]
+            if shared:
+                listed = ", ".join(shared[:5]) + (", ..." if len(shared) > 5 else "")
+                raise ValueError(
+                    f"The windows of optimizers {list(new)} and {list(other)} would share parameters ({listed}), so "
+                    "each window's step would take the other window's gradient too. Accumulate them in one window "
+                    "(`self.accumulate(batch, optimizer=[...])` naming all of them, or no `optimizer=`), or give each "
+                    "optimizer its own parameters."
+                )
+
+    # ------------------------------------------------------------------ windows
+    def window_open(self) -> bool:
+        """Whether some window holds gradient that is not stepped yet."""
+        return any(e.window is not None and e.window.microbatches for e in self.engines.values())
+
+    def open_engines(self) -> list[WindowEngine]:
+        return [self.engines[key] for key in sorted(self.engines) if self.engines[key].window is not None]
+
+    def batch_done(self) -> None:
+        for engine in self.engines.values():
+            engine.batch_done()
+
+    def settle(
+        self, batch: tuple[int, int], *, processed: bool, in_backward: bool, open_key: GroupKey | None, rescaled: bool
+    ) -> list[str]:
+        """After an exception (``WindowEngine.settle``): what a checkpoint written now loses, per group."""
+        lost = []
+        for key, engine in self.engines.items():
+            what = engine.settle(
+                batch, processed=processed, in_backward=in_backward, open_pass=key == open_key, rescaled=rescaled
+            )
+            if what is not None:
+                lost.append(what)
+        return lost
+
+    # ------------------------------------------------------------------ checkpoints
+    def local_numbers(self) -> list[float]:
+        """This rank's own part of every open window (``WindowEngine.local_numbers``)."""
+        return [v for engine in self.open_engines() for v in engine.local_numbers()]
+
+    def load_local_numbers(self, numbers: Sequence[float]) -> None:
+        for i, engine in enumerate(self.open_engines()):
+            engine.load_local_numbers(numbers[engine.NUMBERS * i : engine.NUMBERS * (i + 1)])
+
+    def holds_partial_window(self, groups: Iterable[dict[str, Any]]) -> bool:
+        return any(g["window"] is not None and g["window"]["microbatches"] for g in groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {",".join(map(str, key)): engine.state_dict() for key, engine in self.engines.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engines = {}
+        for name, group in state.items():
+            self.engine(tuple(int(i) for i in name.split(",") if i)).load_state_dict(group)
