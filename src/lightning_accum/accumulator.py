@@ -50,7 +50,7 @@ class Accumulator:
                 "`acc.backward*` was called outside its `with self.accumulate(batch) as acc:` block; "
                 "call it inside the block, which closes the window on exit."
             )
-        replayed = len(self._auto_size.replay(self._block.key)) + self._auto
+        replayed = self._auto_size.passes(self._block.key) + self._auto
         others = self._window.microbatches + (self._block.passes > 0) - replayed
         if (auto and others > 0) or (not auto and replayed > 0):
             raise ValueError(

@@ -117,6 +117,10 @@ class AutoSize:
         """The window's auto-sized passes so far, in order."""
         return list(self._replay.get(key, ()))
 
+    def passes(self, key: tuple[int, ...]) -> int:
+        """How many auto-sized passes the window holds."""
+        return len(self._replay.get(key, ()))
+
     def remember(self, key: tuple[int, ...], batch: Any, loss_fn: Any) -> None:
         self._replay.setdefault(key, []).append((batch, loss_fn))
 

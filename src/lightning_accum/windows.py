@@ -33,6 +33,7 @@ class MixinWindows:
         self.engines: dict[GroupKey, WindowEngine] = {}
         self._plan = sync.SyncPlan()
         self._log_every = 0  # the loggers' cadence in optimizer steps, while logging
+        self._optimizers: list[Any] | None = None  # the fit's (Lightning asks its strategy on every call)
 
     def configure(self, config: AccumulationConfig) -> None:
         self.config = config
@@ -41,6 +42,7 @@ class MixinWindows:
 
     def start_fit(self, plan: sync.SyncPlan, log_every: int) -> None:
         self._plan, self._log_every = plan, log_every
+        self._optimizers = None
         for engine in self.engines.values():
             engine.start_fit(plan, log_every)
 
@@ -63,9 +65,11 @@ class MixinWindows:
 
     # ------------------------------------------------------------------ optimizer groups
     def optimizers(self) -> list[Any]:
-        """The module's (Lightning-wrapped) optimizers, as a list."""
-        found = self.module.optimizers()
-        return list(found) if isinstance(found, list | tuple) else [found]
+        """The module's (Lightning-wrapped) optimizers, as a list (read once a fit)."""
+        if self._optimizers is None:
+            found = self.module.optimizers()
+            self._optimizers = list(found) if isinstance(found, list | tuple) else [found]
+        return self._optimizers
 
     def key(self, optimizer: Any) -> GroupKey:
         """The group of ``optimizer``: ``None`` (all), an optimizer, its index, or a list of them."""
