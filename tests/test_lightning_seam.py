@@ -251,3 +251,12 @@ class Indexed(ManualTokenModel):
 
 def test_batch_index_seam() -> None:
     trainer(max_epochs=2).fit(Indexed(schedule=2), loader(TokenData(12), 4))
+
+
+def test_attached_seam() -> None:
+    model = TokenModel()
+    from lightning_accum._seam import attached
+
+    assert not attached(model)
+    trainer(max_epochs=1).fit(model, loader(TokenData(8), 4))
+    assert attached(model)

@@ -33,6 +33,12 @@ def zero_grad_like_lightning(trainer: Any, batch_idx: int, optimizer: Optimizer)
     loop._optimizer_zero_grad(batch_idx, optimizer)
 
 
+def attached(module: Any) -> bool:
+    """Whether a Trainer is attached to ``module`` (``LightningModule.trainer`` raises when none is;
+    Lightning keeps it in ``_trainer``)."""
+    return getattr(module, "_trainer", None) is not None
+
+
 def batch_index(trainer: Any) -> int:
     """The index, within its epoch, of the batch being trained: in manual optimization no hook is
     handed it where the mixin's block runs (``_TrainingEpochLoop.batch_idx``)."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
+from lightning_accum import _seam
 from lightning_accum._lightning import rank_zero_warn
 
 
@@ -76,7 +77,7 @@ class MixinGuards:
 
     def check_manual_backward(self, module: Any) -> None:
         """Refuse a ``self.manual_backward`` the accumulator did not make during training."""
-        if not self._in_pass and getattr(module, "_trainer", None) is not None and module.trainer.training:
+        if not self._in_pass and _seam.attached(module) and module.trainer.training:
             raise RuntimeError(
                 "`self.manual_backward(loss)` was called directly, but with `AccumulationMixin` the backward passes "
                 "go through the window: inside `with self.accumulate(batch) as acc:` call `acc.backward(loss)` "

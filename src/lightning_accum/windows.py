@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_accum import gradients, sync
+from lightning_accum import _seam, gradients, sync
 from lightning_accum.engine import WindowEngine
 from lightning_accum.options import AccumulationConfig
 from lightning_accum.schedules import as_schedule
@@ -73,7 +73,7 @@ class MixinWindows:
 
     def key(self, optimizer: Any) -> GroupKey:
         """The group of ``optimizer``: ``None`` (all), an optimizer, its index, or a list of them."""
-        known = self.optimizers() if getattr(self.module, "_trainer", None) is not None else []
+        known = self.optimizers() if _seam.attached(self.module) else []
         if optimizer is None:
             return tuple(range(len(known)))
         chosen = []
