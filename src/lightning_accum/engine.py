@@ -248,17 +248,18 @@ class WindowEngine:
                 self.advance(batch[0])
             self.redo = None
             return None
-        if inflight is None and not (in_backward or open_pass):
-            return None  # nothing of this batch reached the window
+        stepping = self.closing is not None  # (and its gradient changed in place for the step)
+        if inflight is None and not (in_backward or open_pass or stepping):
+            return None  # nothing of this batch reached the window (a batch trained again adds nothing)
         if window is None:
             return "this batch's accumulation window was stepped already, and the batch will be trained again"
-        if self.closing is None and not (in_backward or open_pass):
+        if not (stepping or in_backward or open_pass):
             if self.backward_finished:
                 self.redo = batch  # trained again, it adds nothing
             else:
                 window.remove(*inflight)  # type: ignore[misc]
             return None
-        stepping, lost = self.closing is not None, window.microbatches
+        lost = window.microbatches
         self.discard()
         if not (lost or stepping):
             return None  # the window's first micro-batch, trained again from its start: nothing is lost

@@ -41,23 +41,21 @@ class MixinGuards:
                 "(...)`, so every micro-batch is a window of its own (k = 1). Call it in `__init__` to accumulate."
             )
 
-    @contextlib.contextmanager
-    def own_pass(self) -> Iterator[None]:
+    def own_pass(self) -> contextlib.AbstractContextManager[None]:
         """A backward pass the accumulator makes, which the ``manual_backward`` guard lets through."""
-        self._in_pass = True
-        try:
-            yield
-        finally:
-            self._in_pass = False
+        return self._while("_in_pass")
+
+    def stepping(self) -> contextlib.AbstractContextManager[None]:
+        """The mixin's own window-end ``optimizer.step()``, which the step guard lets through."""
+        return self._while("_stepping")
 
     @contextlib.contextmanager
-    def stepping(self) -> Iterator[None]:
-        """The mixin's own window-end ``optimizer.step()``, which the step guard lets through."""
-        self._stepping = True
+    def _while(self, flag: str) -> Iterator[None]:
+        setattr(self, flag, True)
         try:
             yield
         finally:
-            self._stepping = False
+            setattr(self, flag, False)
 
     def attach(self, optimizers: Sequence[Optimizer]) -> None:
         self._hooks = [o.register_step_pre_hook(self._refuse_user_step) for o in optimizers]

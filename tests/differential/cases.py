@@ -52,6 +52,11 @@ CASES: dict[str, dict[str, Any]] = {
     "plateau_resumed_mid_epoch": {"seed": 117, "n": 13, "batch_size": 2, "epochs": 3, "optimizer": "adam", "lr": 0.01,
                                   "schedule": {"family": "constant", "k": 1}, "scheduler": {"kind": "plateau"},
                                   "interruptions": [["on_train_batch_end", 1, 3]]},
+    # a batch trained again after a resume (its gradient already in the window), then a failure inside its
+    # window's step after the rescale: the checkpoint kept the rescaled window, without a warning
+    "redone_batch_then_failure_in_its_step": {"seed": 681, "n": 27, "schedule": {"family": "constant", "k": 2},
+                                              "interruptions": [["on_after_backward", 0, 5],
+                                                                ["on_before_optimizer_step", 0, 5]]},
     # two optimizers in one window sharing a parameter: its gradient was rescaled once per optimizer
     "two_optimizers_sharing_a_parameter": {"adapter": "mixin", "optimizers": 2, "shared": True, "n": 22,
                                            "schedule": {"family": "constant", "k": 4}},
