@@ -31,7 +31,6 @@ class Accumulator:
 
     def __init__(self, block: Block, batch: Any, auto: AutoSize) -> None:
         self._block, self._batch, self._auto_size = block, batch, auto
-        self._window = block.window
         self.k = block.window.k
         self.index = block.window.microbatches
         self.last = block.last
@@ -51,7 +50,7 @@ class Accumulator:
                 "call it inside the block, which closes the window on exit."
             )
         replayed = self._auto_size.passes(self._block.key) + self._auto
-        others = self._window.microbatches + (self._block.passes > 0) - replayed
+        others = self._block.window.microbatches + (self._block.passes > 0) - replayed
         if (auto and others > 0) or (not auto and replayed > 0):
             raise ValueError(
                 '`acc.backward_microbatches(loss_fn, size="auto")` cannot share a window with other backward passes '
@@ -63,7 +62,7 @@ class Accumulator:
     def _backward(self, loss: Tensor) -> None:
         """``manual_backward(loss / divisor)`` with gradient sync skipped as the plan says."""
         self._block.record_loss(loss)
-        self._block.backward(loss / self._window.divisor)
+        self._block.backward(loss / self._block.window.divisor)
 
     def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
         """Back-propagate one loss into the window.

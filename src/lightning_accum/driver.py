@@ -102,11 +102,12 @@ class MixinDriver(Callback):
         processed, in_backward = recovery.where(trainer, exception)
         block, self._block = self._block, None
         open_key = block.key if block is not None and block.passes else None
-        batch = (trainer.current_epoch, _seam.batch_index(trainer))
-        for lost in self.windows.settle(
-            batch, processed=processed, in_backward=in_backward, open_key=open_key, rescaled=self.step.rescaled
-        ):
-            recovery.warn_lost(lost)
+        batch, rescaled = (trainer.current_epoch, _seam.batch_index(trainer)), self.step.rescaled
+        for key, engine in self.windows.engines.items():
+            open_pass = key == open_key
+            recovery.settle(
+                engine, batch, processed=processed, in_backward=in_backward, open_pass=open_pass, rescaled=rescaled
+            )
         if self.config.decay is not None:
             self.config.decay.settle(processed)
             self.config.decay.detach(restore_residual=False)
@@ -207,7 +208,7 @@ class MixinDriver(Callback):
     def state_dict(self) -> dict[str, Any]:
         groups = self.windows.state_dict()
         state: dict[str, Any] = {"groups": groups}
-        if self.windows.holds_partial_window(groups.values()):
+        if any(g["window"] is not None and g["window"]["microbatches"] for g in groups.values()):
             strategy, params = self.module.trainer.strategy, self.windows.params()
             state.update(self.partial.save(strategy, self.windows.local_numbers(), params))
         if self.config.decay is not None:

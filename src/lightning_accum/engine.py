@@ -53,6 +53,17 @@ class Closing(NamedTuple):
     gain: float = 1.0
 
 
+def samples_needed_by(schedule: Schedule, normalize: str, lr_scaling: str | None) -> str | None:
+    """What needs each micro-batch's sample count, named for an error (``None``: nothing does): a
+    schedule keyed on samples, or the gradient noise (``NoiseScale``, AdaScale) measured in samples."""
+    if schedule.unit == "samples":
+        return f"The schedule {schedule!r}"
+    measures = isinstance(schedule, NoiseScale) or lr_scaling == "adascale"
+    if measures and normalize == "mean":
+        return "Measuring the gradient noise in samples (`normalize='mean'`)"
+    return None
+
+
 class WindowEngine:
     """One window group's lifecycle and state.
 
@@ -118,11 +129,7 @@ class WindowEngine:
         elif lr_scaling == "adascale":
             self.probe = NoiseProbe(self.adascale, normalize)
         #: what needs each micro-batch's sample count, if anything (else an unknown count is 0)
-        self.samples_needed_by: str | None = None
-        if schedule.unit == "samples":
-            self.samples_needed_by = f"The schedule {schedule!r}"
-        elif self.probe is not None and normalize == "mean":  # (NoiseScale or AdaScale, measuring in samples)
-            self.samples_needed_by = "Measuring the gradient noise in samples (`normalize='mean'`)"
+        self.samples_needed_by = samples_needed_by(schedule, normalize, lr_scaling)
 
     # ------------------------------------------------------------------ one window
     def open(self, epoch: int, start: int, strategy: Any = None) -> Window:

@@ -37,16 +37,11 @@ def settle(
     warn if that checkpoint cannot hold the window."""
     lost = engine.settle(batch, processed=processed, in_backward=in_backward, open_pass=open_pass, rescaled=rescaled)
     if lost is not None:
-        warn_lost(lost)
-
-
-def warn_lost(lost: str) -> None:
-    """Say what a checkpoint written now leaves out (``lost``, as ``WindowEngine.settle`` gives it)."""
-    warnings.warn(
-        f"An exception came while {lost}, so a run resumed from a checkpoint written now does not continue "
-        "exactly. Resume from the last checkpoint saved at an optimizer step to continue exactly.",
-        stacklevel=4,
-    )
+        warnings.warn(
+            f"An exception came while {lost}, so a run resumed from a checkpoint written now does not continue "
+            "exactly. Resume from the last checkpoint saved at an optimizer step to continue exactly.",
+            stacklevel=3,
+        )
 
 
 def raised_in_backward(error: BaseException) -> bool:

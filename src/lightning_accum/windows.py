@@ -4,13 +4,13 @@ keyed by their sorted indices in ``self.optimizers()``), their parameters, and o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor
 
 from lightning_accum import _seam, gradients, sync
-from lightning_accum.engine import WindowEngine
+from lightning_accum.engine import WindowEngine, samples_needed_by
 from lightning_accum.options import AccumulationConfig
 from lightning_accum.schedules import as_schedule
 
@@ -57,11 +57,8 @@ class MixinWindows:
 
     def samples_needed_by(self) -> str | None:
         """What needs each micro-batch's sample count (the same for every group)."""
-        engine = next(iter(self.engines.values()), None)
-        if engine is None:
-            c = self.config
-            engine = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
-        return engine.samples_needed_by
+        c = self.config
+        return samples_needed_by(c.schedule, c.normalize, c.lr_scaling)
 
     # ------------------------------------------------------------------ optimizer groups
     def optimizers(self) -> list[Any]:
@@ -124,19 +121,6 @@ class MixinWindows:
         for engine in self.engines.values():
             engine.batch_done()
 
-    def settle(
-        self, batch: tuple[int, int], *, processed: bool, in_backward: bool, open_key: GroupKey | None, rescaled: bool
-    ) -> list[str]:
-        """After an exception (``WindowEngine.settle``): what a checkpoint written now loses, per group."""
-        lost = []
-        for key, engine in self.engines.items():
-            what = engine.settle(
-                batch, processed=processed, in_backward=in_backward, open_pass=key == open_key, rescaled=rescaled
-            )
-            if what is not None:
-                lost.append(what)
-        return lost
-
     # ------------------------------------------------------------------ checkpoints
     def local_numbers(self) -> list[float]:
         """This rank's own part of every open window (``WindowEngine.local_numbers``)."""
@@ -145,9 +129,6 @@ class MixinWindows:
     def load_local_numbers(self, numbers: Sequence[float]) -> None:
         for i, engine in enumerate(self.open_engines()):
             engine.load_local_numbers(numbers[engine.NUMBERS * i : engine.NUMBERS * (i + 1)])
-
-    def holds_partial_window(self, groups: Iterable[dict[str, Any]]) -> bool:
-        return any(g["window"] is not None and g["window"]["microbatches"] for g in groups)
 
     def state_dict(self) -> dict[str, Any]:
         return {",".join(map(str, key)): engine.state_dict() for key, engine in self.engines.items()}
