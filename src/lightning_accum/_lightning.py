@@ -8,8 +8,6 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from lightning_accum import _seam
-
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 else:
@@ -39,27 +37,6 @@ def loss_scale(trainer: Any) -> float:
     return 1.0 if scaler is None else float(scaler.get_scale())
 
 
-def log_window(
-    module: Any, prefix: str, every: int, closing: Any, progress: Any, noise_scale: float | None, metrics: Any = None
-) -> None:
-    """Log a closed window's ``accum/*`` metrics. ``self.log`` costs ~0.3 ms a call, so only at
-    the cadence the loggers are written at (every ``every`` optimizer steps) and at the first
-    step. The progress bar's k is written directly at every step (a dict entry; logged with
-    ``prog_bar=True`` it would show the k of the last logged step until the next one)."""
-    step = progress.step
-    _seam.show_in_progress_bar(module.trainer, f"{prefix}k", float(closing.k))
-    if step % every and step != 1:
-        return
-    module.log(f"{prefix}k", float(closing.k), on_step=True, on_epoch=False, batch_size=1)
-    for name, value in (metrics or {}).items():  # the window's loss, its tasks' losses, its gradient norm
-        module.log(f"{prefix}{name}", value, prog_bar=name == "loss", on_step=True, on_epoch=False, batch_size=1)
-    values = {"effective_batch": closing.samples, "samples": progress.samples, "items": progress.items}
-    if noise_scale is not None:
-        values["noise_scale"] = noise_scale
-    for name, value in values.items():
-        module.log(f"{prefix}{name}", float(value), on_step=True, on_epoch=False, batch_size=1)
-
-
 Callback = pl.Callback
 LightningModule = pl.LightningModule
 Trainer = pl.Trainer
@@ -72,7 +49,6 @@ __all__ = [
     "Trainer",
     "extract_batch_size",
     "gradient_accumulation_schedulers",
-    "log_window",
     "loss_scale",
     "pl",
     "rank_zero_warn",

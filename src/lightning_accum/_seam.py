@@ -7,7 +7,7 @@ gradients before the backward of the batch where ``batch_idx % trainer.accumulat
 at a window's first batch, to ``lightning_accum.window.lightning_divisor``, makes the loop
 close the window exactly where the schedule says. It also reads the loop's batch progress
 (which part of a batch had run when an exception came), calls the loop's zero-grad path and
-writes the progress bar's metrics.
+writes the metrics its logger connector keeps (progress bar, callbacks', logged).
 ``tests/test_lightning_seam.py`` fails if Lightning changes any of these.
 """
 
@@ -67,6 +67,24 @@ def show_in_progress_bar(trainer: Any, name: str, value: float) -> None:
     """Put ``value`` in the progress bar's metrics now, without ``self.log`` (~0.3 ms a call):
     the bar reads the logger connector's dict, which ``self.log(prog_bar=True)`` also fills."""
     trainer._logger_connector._progress_bar_metrics[name] = value
+
+
+def put_callback_metrics(trainer: Any, metrics: dict[str, Any]) -> None:
+    """Put ``metrics`` where monitors read them (``trainer.callback_metrics``: ``EarlyStopping``,
+    ``ModelCheckpoint(monitor=)``, ``ReduceLROnPlateau``) without ``self.log``, whose result
+    collection Lightning reprocesses every batch: the property returns the logger connector's own
+    dict, which only a metric of the same name logged later overwrites."""
+    trainer._logger_connector._callback_metrics.update(metrics)
+
+
+def write_to_loggers(trainer: Any, metrics: dict[str, float]) -> None:
+    """Write ``metrics`` to every logger at the step Lightning writes this batch's logged metrics
+    (``_TrainingEpochLoop._batches_that_stepped``, as ``LearningRateMonitor`` does), and keep them
+    in ``trainer.logged_metrics``."""
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+    trainer._logger_connector._logged_metrics.update(metrics)
 
 
 def backward_skipped(trainer: Any) -> bool:

@@ -59,10 +59,10 @@ class Accumulator:
                 "for every pass of the window, or give `size` a number."
             )
 
-    def _backward(self, loss: Tensor) -> None:
+    def _backward(self, loss: Tensor, nothing_if: Tensor | None = None) -> None:
         """``manual_backward(loss / divisor)`` with gradient sync skipped as the plan says."""
         self._block.record_loss(loss)
-        self._block.backward(loss / self._block.window.divisor)
+        self._block.backward(loss / self._block.window.divisor, nothing_if=nothing_if)
 
     def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
         """Back-propagate one loss into the window.
@@ -72,13 +72,15 @@ class Accumulator:
         """
         self._check_open()
         loss = multitask.check_loss(loss, "the loss passed to `acc.backward`")
-        if items is not None:
-            _check_items(items)
-            if gradients.no_items(items):  # a mean over no items (NaN): counted, adds nothing
-                self._backward_nothing(loss)
-                self._block.add_items(items)
-                return
-        self._backward(loss if items is None else weigh(loss, items))
+        if items is None:
+            self._backward(loss)
+            return
+        _check_items(items)
+        empty = gradients.no_items(items)
+        if empty is True:  # a mean over no items (NaN): counted, adds nothing
+            self._backward_nothing(loss)
+        else:  # (for a tensor count, nothing is added where it is 0: decided on the device)
+            self._backward(weigh(loss, items), nothing_if=empty if isinstance(empty, Tensor) else None)
         self._block.add_items(items)
 
     def _backward_nothing(self, loss: Tensor) -> None:
@@ -151,7 +153,7 @@ class Accumulator:
             # outside the `except` block, so that the error's frames (and their tensors) are freed
             for p in self._block.params():
                 p.grad = None
-            self._block.engine.metrics.restart()  # (the window is redone from its start)
+            self._block.engine.metrics.clear()  # (the window is redone from its start)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             auto.halve(size)

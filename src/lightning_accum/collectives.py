@@ -23,12 +23,34 @@ def world_size(strategy: Any) -> int:
     return int(getattr(strategy, "world_size", 1) or 1)
 
 
-def sum_over_ranks(strategy: Any, values: Sequence[int]) -> list[int]:
-    """``values`` summed element-wise over all ranks; one collective, none on a single device."""
-    if world_size(strategy) == 1:
-        return [int(v) for v in values]
-    tensor = torch.tensor(list(values), dtype=torch.int64, device=strategy.root_device)
-    return [int(v) for v in strategy.reduce(tensor, reduce_op="sum").tolist()]
+def sum_over_ranks(
+    strategy: Any, values: Sequence[float | Tensor], local: Sequence[float | Tensor] = ()
+) -> tuple[list[float], list[float]]:
+    """``values`` summed element-wise over all ranks, and ``local`` as this rank has them, on the host:
+    one collective (none on a single device) and one host read (none when all are Python numbers on a
+    single device). Through float64: integers are exact below 2**53."""
+    single = world_size(strategy) == 1
+    if single and not any(isinstance(v, Tensor) for v in (*values, *local)):
+        return [float(v) for v in values], [float(v) for v in local]
+    device = _device_of(strategy, (*values, *local))
+    summed = _stack(values, device)
+    if not single:
+        summed = strategy.reduce(summed, reduce_op="sum")
+    flat = torch.cat([summed, _stack(local, device)]).tolist()  # the one host read
+    return flat[: len(values)], flat[len(values) :]
+
+
+def _device_of(strategy: Any, values: Sequence[float | Tensor]) -> torch.device:
+    device = getattr(strategy, "root_device", None)
+    if device is not None:
+        return torch.device(device)
+    return next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
+
+
+def _stack(values: Sequence[float | Tensor], device: torch.device) -> Tensor:
+    if not values:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values])
 
 
 def check_same_k(strategy: Any, k: int, schedule: object) -> None:
@@ -48,13 +70,12 @@ def check_same_k(strategy: Any, k: int, schedule: object) -> None:
     )
 
 
-def mean_over_ranks(strategy: Any, values: Sequence[Tensor | float]) -> list[float]:
-    """Float values (scalars or 0-d tensors) averaged over ranks in one collective, as floats."""
-    device = getattr(strategy, "root_device", None)
-    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
-    if world_size(strategy) > 1:
-        tensor = strategy.reduce(tensor, reduce_op="mean")
-    return [float(v) for v in tensor.tolist()]
+def mean_over_ranks(strategy: Any, values: Sequence[float]) -> list[float]:
+    """Floats averaged over ranks in one collective (as they are on a single device)."""
+    if world_size(strategy) == 1:
+        return [float(v) for v in values]
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=strategy.root_device)
+    return [float(v) for v in strategy.reduce(tensor, reduce_op="mean").tolist()]
 
 
 def all_reduce_gradients(strategy: Any, params: Sequence[Tensor], present_anywhere: Sequence[int]) -> int:

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum import _seam, recovery, schedulers, sync
+from lightning_accum import _seam, recovery, schedulers, steps, sync
 from lightning_accum._lightning import Callback, loss_scale, pl
 from lightning_accum.block import Block
 from lightning_accum.checkpoint import PartialWindow
@@ -74,7 +74,7 @@ class MixinDriver(Callback):
         self.guards.check_fit(self.module, trainer, self, self.configured)
         sync.refuse_deepspeed(trainer.strategy, "AccumulationMixin")
         self.plan = sync.plan(trainer.strategy, self.config.sync)
-        self.windows.start_fit(self.plan, getattr(trainer, "log_every_n_steps", 0) if self.config.log else 0)
+        self.windows.start_fit(self.plan, self.config.log)
         check_noise_under(self.plan, self.config.schedule, self.config.lr_scaling)
         sync.refuse_fsdp_root_skip(self.plan, trainer.strategy.model)
 
@@ -89,6 +89,7 @@ class MixinDriver(Callback):
         if self.config.decay is not None:
             self.config.decay.attach(trainer.optimizers)
         self.guards.attach(trainer.optimizers)
+        steps.warn_scheduler_horizons(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import collectives, sync
+from lightning_accum.gradients import squared_norm, unique
 from lightning_accum.lr import LRMultiplier, adascale_gain, check_multiplier
 from lightning_accum.metrics import WindowMetrics
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
@@ -40,6 +41,8 @@ class Closing(NamedTuple):
         scale: the factor that turns the accumulated gradient into the window's normalised one.
         lr_factor: the learning-rate multiplier for this step (``lr_scaling``, ``lr_schedule``).
         gain: AdaScale's gain for this step (1 without it): what it adds to ``Progress.scaled_steps``.
+        losses: the window's loss (``"loss"``) and its tasks', over all ranks, while tracking.
+        norm_sq: the squared norm of the window's normalised gradient, where it was measured at the close.
     """
 
     k: int
@@ -51,6 +54,8 @@ class Closing(NamedTuple):
     lr_factor: float
     empty: bool
     gain: float = 1.0
+    losses: dict[str, float] | None = None
+    norm_sq: float | None = None
 
 
 def samples_needed_by(schedule: Schedule, normalize: str, lr_scaling: str | None) -> str | None:
@@ -109,13 +114,15 @@ class WindowEngine:
         #: after a resume from a checkpoint written on an exception: it must then add nothing
         self.redo: tuple[int, int] | None = None
         self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
-        self.metrics = WindowMetrics()  # the loss and gradient norm of the windows that are logged
+        self.metrics = WindowMetrics()  # the windows' losses, while logging
+        #: the learning rates the closing window's step used: (optimizer, each group's LR)
+        self.used_lrs: list[tuple[Any, list[Any]]] = []
         self.configure(schedule, normalize, lr_scaling, lr_schedule)
 
-    def start_fit(self, plan: sync.SyncPlan, log_every: int) -> None:
-        """What a fit gives: its sync plan, and the loggers' cadence in optimizer steps (0: no logging)."""
+    def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
+        """What a fit gives: its sync plan, and whether the windows' losses are tracked (for logging)."""
         self.plan = plan
-        self.metrics.every(log_every)
+        self.metrics.tracking = track
 
     def configure(
         self, schedule: Schedule, normalize: str, lr_scaling: str | None, lr_schedule: LRMultiplier | None = None
@@ -144,12 +151,9 @@ class WindowEngine:
             self.first_k = k
         self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
         self.closing = None
-        self.metrics.start(self.progress.step + 1)
+        self.metrics.clear()
+        self.used_lrs = []
         return self.window
-
-    def window_metrics(self, closing: Closing) -> dict[str, Tensor]:
-        """The logged window's loss (and its tasks'), over all ranks, and its gradient norm."""
-        return self.metrics.compute(closing.microbatches if self.normalize == "mean" else closing.items)
 
     def count(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch into the open window (before its backward pass)."""
@@ -158,8 +162,9 @@ class WindowEngine:
         self.inflight, self.backward_finished = (samples, items), False
 
     def backward_done(self) -> None:
-        """The counted micro-batch's backward pass finished: its gradient is in the window."""
+        """The counted micro-batch's backward pass finished: its gradient (and loss) is in the window."""
         self.backward_finished = True
+        self.metrics.commit()
 
     def batch_done(self) -> None:
         """The batch is over (nothing of it can be trained again)."""
@@ -176,19 +181,42 @@ class WindowEngine:
         assert self.probe is not None and self.window is not None
         self.probe.prefix(grads, self.window, loss_scale)
 
-    def close(self, strategy: Any, extra: Sequence[int] = ()) -> Closing:
-        """The window's global counts (with ``extra``, in one all-reduce) and its step's factors."""
+    def close(
+        self,
+        strategy: Any,
+        extra: Sequence[int] = (),
+        grads: Sequence[Tensor] | None = None,
+        loss_scale: Callable[[], float] = lambda: 1.0,
+    ) -> Closing:
+        """The window's global counts (with ``extra``) and its step's factors, with its losses while
+        tracking, in one all-reduce and one host read. ``grads``: the window's gradient if it is global
+        already (times the AMP ``loss_scale()``), whose norm is then measured in the same read."""
         window = self.window
         assert window is not None
         sync.check_window_synced(self.plan, window)
-        local = [window.microbatches, window.samples, window.local_items(), *extra]
-        counts = collectives.sum_over_ranks(strategy, local)
+        pending = list(window.pending_items)
+        names, sums = self.metrics.local_sums() if self.metrics.tracking else ([], [])
+        local: list[Tensor | float] = [*pending]
+        measure = grads is not None and (self.metrics.tracking or self.probe is not None)
+        if measure:
+            local.append(squared_norm(unique(grads)))  # type: ignore[arg-type]
+        if self.probe is not None:
+            local += self.probe.pending()
+        summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *sums]
+        totals, mine = collectives.sum_over_ranks(strategy, summed, local)
+        window.settle_items(mine[: len(pending)])
+        counts = [round(v) for v in totals[: 3 + len(extra)]]
         scale = window.gradient_scale(
             self.normalize,
             world_size=collectives.world_size(strategy),
             global_microbatches=counts[0],
             global_items=counts[2],
         )
+        norm_sq = None
+        if measure:
+            norm_sq = mine[len(pending)] * (scale / loss_scale()) ** 2
+        if self.probe is not None:
+            self.probe.settle(mine[len(pending) + measure :])
         units = counts[1] if self.normalize == "mean" else counts[2]
         if self.first_units is None:
             self.first_units = units
@@ -200,16 +228,24 @@ class WindowEngine:
         if self.lr_schedule is not None:  # keyed on the progress the window opened with
             factor *= check_multiplier(self.lr_schedule(self.progress), self.lr_schedule, self.progress)
         empty = not counts[0] or (self.normalize == "items" and not counts[2])
-        self.closing = Closing(window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor, empty, gain)
+        denominator = counts[0] if self.normalize == "mean" else counts[2]
+        losses = None
+        if self.metrics.tracking and denominator:
+            losses = {name: total / denominator for name, total in zip(names, totals[3 + len(extra) :], strict=True)}
+        self.closing = Closing(
+            window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor, empty, gain, losses, norm_sq
+        )
         if empty:
             self._warn_empty(counts[0])
         return self.closing
 
-    def measure_window(self, strategy: Any, grads: Sequence[Tensor], factor: float = 1.0) -> None:
-        """Noise probe: ``grads * factor`` is the closing window's normalised gradient."""
+    def measure_window(self, strategy: Any, grads: Sequence[Tensor] = (), factor: float = 1.0) -> None:
+        """Noise probe: the closing window's normalised gradient (measured at the close, else
+        ``grads * factor``: one host read)."""
         if self.probe is not None and self.closing is not None:
             c = self.closing
-            self.probe.window_end(strategy, grads, [c.microbatches, c.samples, c.items], factor)
+            final_sq = c.norm_sq if c.norm_sq is not None else float(squared_norm(grads)) * factor**2
+            self.probe.window_end(strategy, final_sq, [c.microbatches, c.samples, c.items])
 
     def _warn_empty(self, microbatches: int) -> None:
         if self._warned_empty:
@@ -265,6 +301,7 @@ class WindowEngine:
                 self.redo = batch  # trained again, it adds nothing
             else:
                 window.remove(*inflight)  # type: ignore[misc]
+                self.metrics.drop()
             return None
         lost = window.microbatches
         self.discard()
@@ -278,6 +315,7 @@ class WindowEngine:
     def discard(self) -> None:
         """Forget the open window without stepping (nothing went in, or the loop stopped inside it)."""
         self.window, self.closing, self.inflight, self.redo = None, None, None, None
+        self.metrics.clear()
 
     @property
     def noise_scale(self) -> float | None:
@@ -286,13 +324,14 @@ class WindowEngine:
 
     # ------------------------------------------------------------------ learning rate
     def scale_lr(self, optimizer: Optimizer) -> None:
-        """Multiply every group's learning rate by the closing window's factor, for its step only."""
+        """Multiply every group's learning rate by the closing window's factor, for its step only
+        (and keep the rates it steps with in ``used_lrs``)."""
         factor = 1.0 if self.closing is None else self.closing.lr_factor
-        if factor == 1.0:
-            return
-        for group in optimizer.param_groups:
-            self._scaled_lrs.append((group, group["lr"]))
-            group["lr"] = group["lr"] * factor
+        if factor != 1.0:
+            for group in optimizer.param_groups:
+                self._scaled_lrs.append((group, group["lr"]))
+                group["lr"] = group["lr"] * factor
+        self.used_lrs.append((optimizer, [group["lr"] for group in optimizer.param_groups]))
 
     def restore_lr(self) -> None:
         """Put back the learning rates ``scale_lr`` changed."""
@@ -301,16 +340,19 @@ class WindowEngine:
         self._scaled_lrs = []
 
     # ------------------------------------------------------------------ checkpoints
-    #: how many numbers `local_numbers` gives: microbatches, samples, items, and the probe's four
-    NUMBERS = 7
-
     def local_numbers(self) -> list[float]:
-        """This rank's own part of the open window: its counts and the noise probe's prefixes so far
-        (under DDP each rank's differ until the window's end; Lightning saves one rank's callback state)."""
+        """This rank's own part of the open window: its counts, the noise probe's prefixes so far and
+        its losses (under DDP each rank's differ until the window's end; Lightning saves one rank's
+        callback state). As many as ``number_count()``."""
         window = self.window
         assert window is not None
         chain = [0.0] * 4 if self.probe is None else self.probe.numbers()
-        return [window.microbatches, window.samples, window.local_items(), *chain]
+        _, sums = self.metrics.local_sums()
+        return [window.microbatches, window.samples, window.local_items(), *chain, *(float(v) for v in sums)]
+
+    def number_count(self) -> int:
+        """How many numbers ``local_numbers`` gives."""
+        return 7 + len(self.metrics.local_sums()[0])
 
     def load_local_numbers(self, values: Sequence[float]) -> None:
         """Put back what `local_numbers` gave on this rank."""
@@ -318,6 +360,7 @@ class WindowEngine:
         self.window.set_counts(*(int(v) for v in values[:3]))
         if self.probe is not None:
             self.probe.load_numbers(values[3:7])
+        self.metrics.load_sums(self.metrics.local_sums()[0], values[7:])
 
     def holds_partial_window(self) -> bool:
         """Whether a checkpoint now holds an open, not yet stepped window (warns if the strategy
@@ -344,6 +387,9 @@ class WindowEngine:
             state["probe"] = self.probe.state_dict()
         if window is not None and self.redo is not None:
             state["redo"] = list(self.redo)
+        if window is not None and self.metrics.tracking:
+            names, sums = self.metrics.local_sums()
+            state["losses"] = dict(zip(names, (float(v) for v in sums), strict=True))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -362,3 +408,5 @@ class WindowEngine:
         self.redo = None if redo is None else (int(redo[0]), int(redo[1]))
         if self.probe is not None:
             self.probe.load_state_dict(state.get("probe", {}))
+        losses = state.get("losses", {})
+        self.metrics.load_sums(list(losses), list(losses.values()))

@@ -31,6 +31,12 @@ def optimizer_grads(optimizer: Optimizer) -> list[Tensor]:
     return grads_of(optimizer_params(optimizer))
 
 
+def unique(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """``tensors`` without repeats (a parameter two optimizers share counts once), in order."""
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
+
+
 def _groups(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
     by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:
@@ -88,9 +94,20 @@ def restore(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> None:
         p.grad = g
 
 
-def no_items(items: int | Tensor) -> bool:
-    """Whether a micro-batch's item count is 0 (a tensor count is read on the host: one sync)."""
-    return not bool(items.detach() != 0) if isinstance(items, Tensor) else not items
+def no_items(items: int | Tensor) -> bool | Tensor:
+    """Whether a micro-batch's item count is 0: a ``bool``, or a 0-d bool tensor for a tensor count
+    (not read on the host; for ``add_nothing_if``)."""
+    return items.detach().reshape(()) == 0 if isinstance(items, Tensor) else not items
+
+
+def add_nothing_if(params: Iterable[Tensor], empty: Tensor) -> list[RemovableHandle]:
+    """``add_nothing`` decided on the device, without a host read: where the 0-d bool ``empty``
+    holds, each gradient the next backward pass brings is replaced by zeros (NaN included)."""
+    return [
+        p.register_hook(lambda g: g.masked_fill(empty.to(g.device), 0))  # type: ignore[no-untyped-call]
+        for p in params
+        if p.requires_grad
+    ]
 
 
 def add_nothing(params: Iterable[Tensor]) -> list[RemovableHandle]:

@@ -1,10 +1,10 @@
 """The loss of the window the optimizer steps with (and of each task in it).
 
 Each micro-batch's loss (as it went into backward, before the window's division) is summed on
-its device as the window fills: no host transfer per micro-batch. When the window is logged, the
-sums are added over ranks by ``torchmetrics`` and divided by the window's global count (its
+its device as the window fills: no host transfer per micro-batch. The sums join the window's
+count all-reduce (``WindowEngine.close``) and are divided by the window's global count (its
 micro-batches for ``normalize="mean"``, its items for ``"items"``): the same normaliser its
-gradient had, so the logged loss is exactly the quantity whose gradient was stepped.
+gradient had, so the reported loss is exactly the quantity whose gradient was stepped.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from torchmetrics.aggregation import SumMetric
 
 from lightning_accum.gradients import squared_norm
 
@@ -33,85 +32,68 @@ def weigh(loss: Tensor, items: int | Tensor) -> Tensor:
     return weighted if items else torch.zeros_like(weighted)
 
 
-class WindowLoss:
-    """Device sums of a window's losses, by name (``"loss"`` for the window, task names beside).
+class WindowMetrics:
+    """Device sums of an open window's losses, by name (``"loss"`` for the window, task names
+    beside), while tracking (``log=True``). The micro-batch under way is held apart until its
+    backward pass finishes (``commit``), so that one an exception cut short can be taken back.
 
     Example:
 
-        >>> losses = WindowLoss()
-        >>> losses.add(torch.tensor(3.0)); losses.add(torch.tensor(5.0))
-        >>> losses.compute(denominator=2)["loss"].item()  # the mean over the window's micro-batches
-        4.0
+        >>> metrics = WindowMetrics()
+        >>> metrics.tracking = True
+        >>> metrics.add_loss(torch.tensor(3.0)); metrics.commit()
+        >>> metrics.add_loss(torch.tensor(5.0)); metrics.commit()
+        >>> names, sums = metrics.local_sums()
+        >>> names, [float(s) for s in sums]
+        (['loss'], [8.0])
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, Tensor] = {}
-        self._metrics: dict[str, SumMetric] = {}  # one torchmetrics reducer per name, reused
-
-    def add(self, loss: Tensor, name: str = "loss") -> None:
-        value = loss.detach().to(torch.float64)
-        total = self._sums.get(name)
-        self._sums[name] = value if total is None else total + value
-
-    def compute(self, denominator: float) -> dict[str, Tensor]:
-        """Each sum over all ranks (a collective where a process group runs), over ``denominator``;
-        then empty for the next window."""
-        out = {}
-        for name, total in self._sums.items():
-            metric = self._metrics.get(name)
-            if metric is None:
-                metric = self._metrics[name] = SumMetric(nan_strategy="disable")
-                metric.set_dtype(torch.float64)
-            metric.to(total.device).update(total)
-            out[name] = metric.compute() / denominator
-            metric.reset()
-        self._sums = {}
-        return out
-
-    def clear(self) -> None:
-        self._sums = {}
-
-
-class WindowMetrics:
-    """What is logged of a window, tracked only for the windows that are logged: every
-    ``log_every`` optimizer steps (0: never) and the first."""
-
-    def __init__(self) -> None:
-        self.log_every = 0
         self.tracking = False
-        self.losses = WindowLoss()
+        self._sums: dict[str, Tensor | float] = {}
+        self._pending: dict[str, Tensor] = {}
         self._grad_sq: Tensor | None = None
 
-    def every(self, steps: int) -> None:
-        """Track the windows whose step is logged: every ``steps`` optimizer steps (0: none) and the first."""
-        self.log_every = steps
-
-    def start(self, step: int) -> None:
-        """A window opens that ends with optimizer step ``step``."""
-        self.tracking = bool(self.log_every) and (step % self.log_every == 0 or step == 1)
-        self.losses.clear()
-        self._grad_sq = None
-
-    def restart(self) -> None:
-        """Forget the losses added so far (the window is redone from its start)."""
-        self.losses.clear()
+    def clear(self) -> None:
+        """Forget the window's losses (a new window, or one redone from its start)."""
+        self._sums, self._pending, self._grad_sq = {}, {}, None
 
     def add_loss(self, loss: Tensor, name: str = "loss") -> None:
         """A micro-batch's loss as it went into backward (before the window's division), or a task's."""
         if self.tracking:
-            self.losses.add(loss, name)
+            value = loss.detach().to(torch.float64)
+            held = self._pending.get(name)
+            self._pending[name] = value if held is None else held + value
+
+    def commit(self) -> None:
+        """The micro-batch's backward pass finished: its losses are the window's."""
+        for name, value in self._pending.items():
+            total = self._sums.get(name)
+            self._sums[name] = value if total is None else total + value
+        if self._pending:
+            self._pending = {}
+
+    def drop(self) -> None:
+        """The micro-batch under way is taken back (its gradient never reached the window)."""
+        self._pending = {}
+
+    def local_sums(self) -> tuple[list[str], list[Tensor | float]]:
+        """This rank's committed sums, by sorted name (every rank logs the same names)."""
+        names = sorted(self._sums)
+        return names, [self._sums[name] for name in names]
+
+    def load_sums(self, names: Sequence[str], values: Sequence[float]) -> None:
+        """Put back sums a checkpoint held (this rank's)."""
+        self.clear()
+        self._sums = dict(zip(names, (float(v) for v in values), strict=True))
 
     def add_grad_norm(self, grads: Sequence[Tensor]) -> None:
-        """The normalised window gradient (of one of the group's optimizers), before clipping."""
+        """Where the window's gradient is made global after its counts (the mixin under DDP): the
+        normalised gradient (of one of the group's optimizers), before clipping."""
         if self.tracking:
             sq = squared_norm(grads)
             self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq.to(self._grad_sq.device)
 
-    def compute(self, denominator: float) -> dict[str, Tensor]:
-        """The window's losses over all ranks, over its global count, and its gradient norm."""
-        if not self.tracking:
-            return {}
-        metrics = self.losses.compute(denominator) if denominator else {}
-        if self._grad_sq is not None:
-            metrics["grad_norm"] = self._grad_sq.sqrt()
-        return metrics
+    def grad_norm_on_device(self) -> Tensor | None:
+        """What ``add_grad_norm`` measured, as a device scalar (``None`` if nothing)."""
+        return None if self._grad_sq is None else self._grad_sq.sqrt()

@@ -52,13 +52,21 @@ class NoiseProbe:
             batch = window.items + (torch.stack(window.pending_items).sum() if window.pending_items else 0)
         self._pending.append((sq, batch))
 
+    def pending(self) -> list[Tensor | float]:
+        """The prefixes measured since the last read, flat (squared norm, batch, ...), as device scalars:
+        read with the window's counts, in one transfer (``settle``)."""
+        return [v for sq, batch in self._pending for v in (sq, batch)]
+
+    def settle(self, values: Sequence[float]) -> None:
+        """``pending()``, read: added to the window's chain of prefixes."""
+        self._pending.clear()
+        for i in range(0, len(values), 2):
+            self._chain.add(values[i + 1], values[i])
+
     def _fold(self) -> PrefixChain:
         if self._pending:
             pairs = [torch.stack([sq, torch.as_tensor(b, dtype=sq.dtype, device=sq.device)]) for sq, b in self._pending]
-            flat = torch.stack(pairs).tolist()  # one host sync per window
-            self._pending.clear()
-            for sq, batch in flat:
-                self._chain.add(batch, sq)
+            self.settle(torch.stack(pairs).reshape(-1).tolist())  # one host sync (a checkpoint's)
         return self._chain
 
     def numbers(self) -> list[float]:
@@ -77,15 +85,15 @@ class NoiseProbe:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.load_numbers(state.get("chain", (0.0, 0.0, 0.0, 0.0)))
 
-    def window_end(self, strategy: Any, grads: Sequence[Tensor], counts: Sequence[int], factor: float = 1.0) -> None:
-        """Feed the target: ``grads * factor`` is the window's final gradient and ``counts`` its
-        global (micro-batches, samples, items)."""
+    def window_end(self, strategy: Any, final_sq: float, counts: Sequence[int]) -> None:
+        """Feed the target: ``final_sq`` is the squared norm of the window's final (normalised) gradient
+        and ``counts`` its global (micro-batches, samples, items)."""
         chain = self._fold()
         self._chain = PrefixChain()
         if not chain.batch:
             return  # (a window of one micro-batch measures nothing; nor does any rank)
         units = counts[1] if self.normalize == "mean" else counts[2]
-        chain.add(units, float(squared_norm(grads)) * (factor * units) ** 2)
+        chain.add(units, final_sq * units**2)
         fit = chain.solve() or (math.nan, math.nan)
         grad_sq, trace = collectives.mean_over_ranks(strategy, list(fit))
         steps = counts[0] / collectives.world_size(strategy)  # micro-batches per rank

@@ -13,7 +13,6 @@ from typing import Any
 
 from lightning_accum import _seam
 from lightning_accum._lightning import rank_zero_warn
-from lightning_accum.callbacks.accumulation import AccumulationScheduler
 from lightning_accum.noise import NoiseScale
 from lightning_accum.schedules import Constant, Progress, Schedule
 
@@ -74,8 +73,8 @@ def estimated_stepping_batches(trainer: Any) -> int | float:
 def _active_schedule(trainer: Any) -> tuple[Schedule, bool] | None:
     """The schedule of the Trainer's ``AccumulationScheduler`` or of the module's mixin, and
     whether a ``count`` is given."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, AccumulationScheduler):
+    for callback in trainer.callbacks:  # an `AccumulationScheduler` (which imports this module)
+        if isinstance(getattr(callback, "schedule", None), Schedule) and hasattr(callback, "count"):
             return callback.schedule, callback.count is not None
     driver = getattr(trainer.lightning_module, "_accumulation", None)
     if driver is None:
@@ -121,3 +120,31 @@ def _walk(schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs:
                 return step
         epoch += 1
     return step
+
+
+def warn_scheduler_horizons(trainer: Any) -> None:
+    """At a fit's start: warn about each step-interval LR scheduler whose horizon (``total_steps``, as
+    ``OneCycleLR``'s, or ``T_max``, as ``CosineAnnealingLR``'s) is not the fit's real number of its steps
+    (optimizer steps over the config's ``frequency``): sized with ``trainer.estimated_stepping_batches``
+    it is stretched by the mean k. Nothing where the real count cannot be known in advance."""
+    configs = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
+    horizons = [
+        (c, getattr(c.scheduler, n)) for c in configs for n in ("total_steps", "T_max") if hasattr(c.scheduler, n)
+    ]
+    if not horizons:
+        return
+    try:
+        steps = estimated_stepping_batches(trainer)
+    except ValueError:
+        return  # (a schedule keyed on items, or `NoiseScale`: not known in advance)
+    if math.isinf(steps):
+        return
+    for config, horizon in horizons:
+        real = steps // config.frequency
+        if int(horizon) != real:
+            rank_zero_warn(
+                f"The LR scheduler {type(config.scheduler).__name__} is sized for {int(horizon)} steps, but this fit "
+                f"takes {real} (optimizer steps{f' / frequency {config.frequency}' if config.frequency > 1 else ''}) "
+                "under the accumulation schedule; `trainer.estimated_stepping_batches` does not know the schedule. "
+                "Size it with `lightning_accum.estimated_stepping_batches(trainer)`."
+            )

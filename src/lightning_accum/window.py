@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -80,10 +81,19 @@ class Window:
     def local_items(self) -> int:
         """This rank's item count; resolves device counts with one host transfer."""
         if self.pending_items:
-            values = torch.stack([t.to(torch.float64) for t in self.pending_items]).tolist()
-            self.pending_items.clear()
-            self.items += sum(check_item_count(v) for v in values)
+            self.settle_items(torch.stack([t.to(torch.float64) for t in self.pending_items]).tolist())
         return self.items
+
+    def items_on_device(self) -> int | Tensor:
+        """This rank's item count without a host transfer (a device scalar where counts are tensors)."""
+        if not self.pending_items:
+            return self.items
+        return self.items + torch.stack([t.to(torch.float64) for t in self.pending_items]).sum()
+
+    def settle_items(self, values: Sequence[float]) -> None:
+        """The device counts (``pending_items``), read: checked and added to ``items``."""
+        self.pending_items.clear()
+        self.items += sum(check_item_count(v) for v in values)
 
     @property
     def full(self) -> bool:

@@ -15,8 +15,8 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum import collectives, gradients, schedulers
-from lightning_accum._lightning import log_window, loss_scale
+from lightning_accum import collectives, gradients, reporting, schedulers
+from lightning_accum._lightning import loss_scale
 from lightning_accum.engine import WindowEngine
 from lightning_accum.guards import MixinGuards
 from lightning_accum.microbatch import AutoSize
@@ -66,14 +66,16 @@ class WindowStep:
             closing = engine.close(strategy, [int(p.grad is not None) for p in params])
             collectives.all_reduce_gradients(strategy, params, closing.extra)
         else:  # single device, or FSDP's own (reduce-)scatter on the last micro-batch made the gradient global
-            closing = engine.close(strategy)
+            grads = None if plan.sharded else gradients.grads_of(params)  # (a shard's norm is not the window's)
+            closing = engine.close(strategy, grads=grads, loss_scale=lambda: loss_scale(trainer))
         self.rescaled = False
         if closing.empty:  # nothing went in, over all ranks: no step (it would move Adam's state)
             _reset(config, optimizers)
             engine.advance(trainer.current_epoch)
             return
         # the window's normalised gradient is `.grad * scale / loss scale`
-        engine.measure_window(strategy, gradients.grads_of(params), closing.scale / loss_scale(trainer))
+        if engine.probe is not None:
+            engine.measure_window(strategy, gradients.grads_of(params), closing.scale / loss_scale(trainer))
         rescaled: set[int] = set()
         for optimizer in optimizers:
             self._pending[id(optimizer.optimizer)] = closing.scale, engine, rescaled
@@ -88,17 +90,17 @@ class WindowStep:
                     "The window's gradient was not normalised: Lightning did not call the callbacks' "
                     "`on_before_optimizer_step` during `optimizer.step()`."
                 )
-        raw = [o.optimizer for o in optimizers]
-        schedulers.step_schedulers(module, trainer, monitors, "step", engine.progress.step + 1, raw)
         if config.decay is not None:
             config.decay.after_step()
         _reset(config, optimizers)
         engine.advance(trainer.current_epoch)
         auto.window_closed(key, strategy, world)
-        if config.log:
-            metrics = engine.window_metrics(closing)
-            log_window(module, log_prefix, trainer.log_every_n_steps, closing, engine.progress, engine.noise_scale,
-                       metrics)  # fmt: skip
+        window = reporting.report(trainer, engine, closing, key)
+        if config.log:  # (before the step's schedulers: a `ReduceLROnPlateau` may watch the window's loss)
+            reporting.publish(trainer, window, log_prefix)
+        raw = [o.optimizer for o in optimizers]
+        schedulers.step_schedulers(module, trainer, monitors, "step", engine.progress.step, raw)
+        reporting.announce(trainer, module, window)
 
     def before_optimizer_step(
         self, optimizer: Optimizer, config: AccumulationConfig, sharded: bool, clip: Callable[[Optimizer], None]
@@ -114,8 +116,8 @@ class WindowStep:
         grads = gradients.grads_of(params)
         self.rescaled = True
         gradients.scale_(grads, scale)
-        if not sharded:  # (a shard's norm is not the window's)
-            engine.metrics.add_grad_norm(grads)
+        if engine.closing is not None and engine.closing.norm_sq is None and not sharded:
+            engine.metrics.add_grad_norm(grads)  # (made global after the counts: under DDP)
         if config.decay is not None:
             config.decay.combine(optimizer)
         if config.gradient_clip_val is not None:

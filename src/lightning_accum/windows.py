@@ -32,7 +32,7 @@ class MixinWindows:
         self.config = AccumulationConfig(schedule=as_schedule(1))
         self.engines: dict[GroupKey, WindowEngine] = {}
         self._plan = sync.SyncPlan()
-        self._log_every = 0  # the loggers' cadence in optimizer steps, while logging
+        self._track = False  # whether the windows' losses are tracked (while logging)
         self._optimizers: list[Any] | None = None  # the fit's (Lightning asks its strategy on every call)
 
     def configure(self, config: AccumulationConfig) -> None:
@@ -40,11 +40,11 @@ class MixinWindows:
         for engine in self.engines.values():
             engine.configure(config.schedule, config.normalize, config.lr_scaling, config.lr_schedule)
 
-    def start_fit(self, plan: sync.SyncPlan, log_every: int) -> None:
-        self._plan, self._log_every = plan, log_every
+    def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
+        self._plan, self._track = plan, track
         self._optimizers = None
         for engine in self.engines.values():
-            engine.start_fit(plan, log_every)
+            engine.start_fit(plan, track)
 
     def engine(self, key: GroupKey) -> WindowEngine:
         """The group's engine (made now if it has none)."""
@@ -52,7 +52,7 @@ class MixinWindows:
         if engine is None:
             c = self.config
             engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
-            engine.start_fit(self._plan, self._log_every)
+            engine.start_fit(self._plan, self._track)
         return engine
 
     def samples_needed_by(self) -> str | None:
@@ -127,8 +127,11 @@ class MixinWindows:
         return [v for engine in self.open_engines() for v in engine.local_numbers()]
 
     def load_local_numbers(self, numbers: Sequence[float]) -> None:
-        for i, engine in enumerate(self.open_engines()):
-            engine.load_local_numbers(numbers[engine.NUMBERS * i : engine.NUMBERS * (i + 1)])
+        start = 0
+        for engine in self.open_engines():
+            end = start + engine.number_count()
+            engine.load_local_numbers(numbers[start:end])
+            start = end
 
     def state_dict(self) -> dict[str, Any]:
         return {",".join(map(str, key)): engine.state_dict() for key, engine in self.engines.items()}

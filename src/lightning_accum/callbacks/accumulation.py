@@ -11,8 +11,8 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_accum import _seam, fit_checks, gradients, recovery, sync
-from lightning_accum._lightning import Callback, log_window, loss_scale, pl, rank_zero_warn
+from lightning_accum import _seam, fit_checks, gradients, recovery, reporting, steps, sync
+from lightning_accum._lightning import Callback, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.checkpoint import PartialWindow
@@ -134,7 +134,7 @@ class AccumulationScheduler(Callback):
         fit_checks.refuse_scheduler_misuse(self, trainer, pl_module, decay_type=GradientDecay)
         plan = sync.plan(trainer.strategy, self.sync)
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
-        self._engine.start_fit(plan, trainer.log_every_n_steps if self._log else 0)  # type: ignore[attr-defined]
+        self._engine.start_fit(plan, self._log)
         check_noise_under(plan, self.schedule, self.lr_scaling)
 
     # ------------------------------------------------------------------ fit lifetime
@@ -149,6 +149,7 @@ class AccumulationScheduler(Callback):
             self._engine.load_local_numbers(numbers)
         self._frequencies = _seam.SchedulerFrequencies(trainer)
         self._trained = False  # whether this fit trained a batch yet
+        steps.warn_scheduler_horizons(trainer)
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
@@ -229,10 +230,16 @@ class AccumulationScheduler(Callback):
         if self._partial.pending and self._optimizer is not None:  # resumed inside a window: its gradient, after
             self._partial.put_back(gradients.optimizer_params(self._optimizer))  # any zeroing of this batch
         mean = self.reduction == "mean"  # a mean over the micro-batch's items: weighted by their count
-        if self._redoing or (mean and gradients.no_items(self._counts[1])):
-            # in the window already, or a mean over no items (NaN): the pass adds nothing
+        empty = gradients.no_items(self._counts[1]) if mean else False
+        if self._redoing or empty is True or isinstance(empty, Tensor):
+            # in the window already, or a mean over no items (NaN): the pass adds nothing (for a tensor
+            # count, decided on the device)
             assert self._optimizer is not None
-            for handle in gradients.add_nothing(gradients.optimizer_params(self._optimizer)):
+            params = gradients.optimizer_params(self._optimizer)
+            handles = gradients.add_nothing_if(params, empty) if isinstance(empty, Tensor) and not self._redoing else (
+                gradients.add_nothing(params)
+            )  # fmt: skip
+            for handle in handles:
                 self._pass.callback(handle.remove)
             self._holding = True
             if self._redoing:
@@ -276,16 +283,16 @@ class AccumulationScheduler(Callback):
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
-        closing = engine.close(trainer.strategy)
+        # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
+        measurable = not (deepspeed or self._sharded)
+        closing = engine.close(trainer.strategy, grads=gradients.optimizer_grads(optimizer) if measurable else None)
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
-        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or engine.metrics.tracking):
+        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None):
             grads = gradients.optimizer_grads(optimizer)
             gradients.scale_(grads, closing.scale)
             engine.measure_window(trainer.strategy, grads)
-            if not self._sharded:  # (a shard's norm is not the window's)
-                engine.metrics.add_grad_norm(grads)
         engine.scale_lr(optimizer)
         self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
 
@@ -317,10 +324,12 @@ class AccumulationScheduler(Callback):
             return
         engine.restore_lr()  # normally done by the optimizer's post-step hook already
         closing = engine.advance(trainer.current_epoch)
+        if closing.empty:
+            return
+        window = reporting.report(trainer, engine, closing)
         if self._log:
-            every = trainer.log_every_n_steps  # type: ignore[attr-defined]
-            metrics = engine.window_metrics(closing)
-            log_window(pl_module, "accum/", every, closing, engine.progress, engine.noise_scale, metrics)
+            reporting.publish(trainer, window)
+        reporting.announce(trainer, pl_module, window)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -1,0 +1,161 @@
+"""What a stepped window reports, and where it is seen.
+
+After every optimizer step the window's numbers (``accum/k``, ``accum/loss``, ...) are put in
+``trainer.callback_metrics``, where ``EarlyStopping``, ``ModelCheckpoint(monitor=)`` and
+``ReduceLROnPlateau`` read them, and in the progress bar; the loggers get them every
+``Trainer(log_every_n_steps)`` optimizer steps. None of this goes through ``self.log``: Lightning
+reprocesses every key logged that way on every batch. Then every callback that defines
+``on_window_end(trainer, pl_module, window)`` is called with a ``WindowReport``: Lightning has
+no hook after an accumulated optimizer step (Lightning issue #11688).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_accum import _seam
+from lightning_accum.engine import Closing, WindowEngine
+from lightning_accum.schedules import Progress
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class WindowReport:
+    """A window whose optimizer step has just been taken, as callbacks' ``on_window_end`` get it.
+
+    Attributes:
+        step: optimizer steps taken so far, this one included.
+        epoch: the epoch the step was taken in.
+        k: micro-batches the schedule gave the window (an epoch's last window may hold fewer).
+        microbatches, samples, items: what went in, over all ranks.
+        loss: the window's loss over all ranks, normalised as its gradient was (``None`` with ``log=False``).
+        task_losses: each task's window loss, by ``"loss/<task>"`` (the mixin's ``backward_each``/``backward_heads``).
+        grad_norm: the norm of the window's normalised gradient before clipping (``None`` where it is not
+            measured: ``log=False``, sharded strategies, DeepSpeed); a float, or a device scalar where the
+            gradient is made global after the counts (the mixin under DDP).
+        lr: the learning rate each optimizer's group stepped with (``lr_scaling`` and ``lr_schedule``
+            included), keyed as logged: ``"lr"`` for one optimizer of one group, else
+            ``LearningRateMonitor``'s names (``"lr-Adam"``, ``"lr-Adam-1/pg2"``).
+        noise_scale: the ``NoiseScale`` schedule's estimate (``None`` for other schedules).
+        progress: ``Progress`` after this window.
+        optimizers: the indices, in ``trainer.optimizers``, of the optimizers that stepped.
+
+    Example:
+
+        >>> import lightning.pytorch as pl
+        >>> class EveryWindow(pl.Callback):
+        ...     def on_window_end(self, trainer, pl_module, window):
+        ...         print(window.step, window.k, window.loss)  # doctest: +SKIP
+    """
+
+    step: int
+    epoch: int
+    k: int
+    microbatches: int
+    samples: int
+    items: int
+    loss: float | None
+    progress: Progress
+    task_losses: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    grad_norm: float | Tensor | None = None
+    lr: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    noise_scale: float | None = None
+    optimizers: tuple[int, ...] = (0,)
+
+
+def report(trainer: Any, engine: WindowEngine, closing: Closing, group: tuple[int, ...] = (0,)) -> WindowReport:
+    """The report of the window ``engine`` has just advanced past (``closing``, stepped)."""
+    losses = dict(closing.losses or {})
+    loss = losses.pop("loss", None)
+    if closing.norm_sq is not None:
+        grad_norm: float | Tensor | None = math.sqrt(closing.norm_sq)
+    else:
+        grad_norm = engine.metrics.grad_norm_on_device()
+    return WindowReport(
+        step=engine.progress.step,
+        epoch=engine.progress.epoch,
+        k=closing.k,
+        microbatches=closing.microbatches,
+        samples=closing.samples,
+        items=closing.items,
+        loss=loss,
+        progress=engine.progress,
+        task_losses=MappingProxyType(losses),
+        grad_norm=grad_norm,
+        lr=MappingProxyType(lr_names(trainer.optimizers, engine.used_lrs)),
+        noise_scale=engine.noise_scale,
+        optimizers=group,
+    )
+
+
+def lr_names(optimizers: Sequence[Any], used: Sequence[tuple[Any, list[Any]]]) -> dict[str, Any]:
+    """The learning rates ``used`` (optimizer, each group's rate), named as ``LearningRateMonitor``
+    names them among the fit's ``optimizers`` (``"lr"`` alone for one optimizer of one group)."""
+    raw = [getattr(o, "optimizer", o) for o in optimizers]
+    if len(raw) == 1 and len(used) == 1 and len(used[0][1]) == 1:
+        return {"lr": used[0][1][0]}
+    seen: collections.Counter[str] = collections.Counter()
+    names: dict[int, str] = {}
+    for optimizer in raw:
+        name = f"lr-{type(optimizer).__name__}"
+        seen[name] += 1
+        names[id(optimizer)] = name if seen[name] == 1 else f"{name}-{seen[name] - 1}"
+    out = {}
+    for optimizer, lrs in used:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        base = names.get(id(inner), f"lr-{type(inner).__name__}")
+        if len(lrs) == 1:
+            out[base] = lrs[0]
+            continue
+        for i, (group, lr) in enumerate(zip(inner.param_groups, lrs, strict=True)):
+            out[f"{base}/{group.get('name', f'pg{i + 1}')}"] = lr
+    return out
+
+
+def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> None:
+    """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar, and, every
+    ``log_every_n_steps`` optimizer steps, write them to the loggers. Host numbers only, but for a
+    device gradient norm or learning rate (read with the rest, once, when written to the loggers)."""
+    values: dict[str, Any] = {"k": window.k}
+    if window.loss is not None:
+        values["loss"] = window.loss
+    values.update(window.task_losses)
+    if window.grad_norm is not None:
+        values["grad_norm"] = window.grad_norm
+    values.update(window.lr)
+    values.update(effective_batch=window.samples, samples=window.progress.samples, items=window.progress.items)
+    if window.noise_scale is not None:
+        values["noise_scale"] = window.noise_scale
+    names = [prefix + name for name in values]
+    on_host = [float(v) for v in values.values() if not isinstance(v, Tensor)]
+    as_tensors = iter(torch.tensor(on_host, dtype=torch.get_default_dtype()).unbind())
+    _seam.put_callback_metrics(
+        trainer,
+        {n: v if isinstance(v, Tensor) else next(as_tensors) for n, v in zip(names, values.values(), strict=True)},
+    )
+    _seam.show_in_progress_bar(trainer, f"{prefix}k", float(window.k))
+    if window.loss is not None:
+        _seam.show_in_progress_bar(trainer, f"{prefix}loss", window.loss)
+    every = trainer.log_every_n_steps
+    if every and window.step % every == 0 and trainer.loggers:
+        devices = [v.detach().reshape(()).to(torch.float64) for v in values.values() if isinstance(v, Tensor)]
+        read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
+        scalars = [next(read) if isinstance(v, Tensor) else float(v) for v in values.values()]
+        _seam.write_to_loggers(trainer, dict(zip(names, scalars, strict=True)))
+
+
+def announce(trainer: Any, module: Any, window: WindowReport) -> None:
+    """Call every callback's ``on_window_end(trainer, pl_module, window)``, in ``trainer.callbacks`` order."""
+    for callback in trainer.callbacks:
+        hook = getattr(callback, "on_window_end", None)
+        if callable(hook):
+            hook(trainer, module, window)
