@@ -171,6 +171,7 @@ class Reference:
     short_window: str = "own"  # "own": divide by its real size; "full": by k, as Lightning's built-in
     decay: tuple[float, str, bool] | None = None  # (factor, "sum" | "ema", bias_correction)
     skipped: tuple[int, ...] = ()  # windows (0-based, over the run) whose step AMP skips (inf/nan): no update
+    after_step: Callable[[nn.Module], None] | None = None  # called after each window's step (and schedulers')
     # filled by `run`: each window's normalised loss and the norm of its gradient before decay and clipping
     losses: list[float] = dataclasses.field(default_factory=list)
     grad_norms: list[float] = dataclasses.field(default_factory=list)
@@ -231,8 +232,12 @@ class Reference:
                     items=progress.items + int(tokens),
                     microbatches=progress.microbatches + m,
                 )
-                if sched is not None and progress.step % self.scheduler_frequency == 0:
+                if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    sched.step(self.losses[-1])  # (watching the window's loss)
+                elif sched is not None and progress.step % self.scheduler_frequency == 0:
                     sched.step()
+                if self.after_step is not None:
+                    self.after_step(net)
                 i += m
         return [p.detach().clone() for p in net.parameters()], sizes
 

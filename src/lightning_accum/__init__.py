@@ -11,6 +11,7 @@ from lightning_accum import lr
 from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
 from lightning_accum.mixin import AccumulationMixin, Accumulator
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
+from lightning_accum.reporting import WindowReport
 from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
 from lightning_accum.steps import estimated_stepping_batches
 
@@ -29,6 +30,7 @@ __all__ = [
     "Progress",
     "Ramp",
     "Schedule",
+    "WindowReport",
     "__version__",
     "estimated_stepping_batches",
     "lr",

@@ -42,6 +42,10 @@ def differences(want: reference.Result, got: reference.Result) -> list[str]:
         )
     ):
         out.append("Adam's state differs")
+    if (got.ema is None) != (want.ema is None) or (
+        got.ema is not None and want.ema is not None and not all(map(_close, got.ema, want.ema))
+    ):
+        out.append("the average of the parameters at window ends (`on_window_end`) differs")
     return out
 
 

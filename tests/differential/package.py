@@ -29,7 +29,7 @@ from lightning_accum.lr import WarmupCosine
 
 from .configs import Config
 from .model import Data, count_tokens, errors, make_net, micro_loss, probe_loss
-from .reference import Result, make_optimizers, make_scheduler, optimizer_state
+from .reference import EMA, Result, make_optimizers, make_scheduler, optimizer_state
 
 LAMBDA_FNS = {
     "cycle3": lambda p: 1 + p.step % 3,
@@ -82,7 +82,8 @@ class _Base(pl.LightningModule):
             return opts
         config = {"scheduler": sched, "interval": self.c.scheduler.get("interval", "epoch")}  # type: ignore[union-attr]
         if self.c.scheduler["kind"] == "plateau":  # type: ignore[index]
-            config["monitor"] = "probe"
+            config["monitor"] = self.c.monitor
+            config["strict"] = self.c.monitor == "probe"  # (no window may have stepped by the first epoch's end)
         return opts, [config]
 
     def maybe_fail(self) -> None:
@@ -204,6 +205,24 @@ class Recorder(pl.Callback):
         self._hooks = []
 
 
+class WindowEMA(pl.Callback):
+    """A user's average of the parameters at each window's end (``on_window_end``), kept in checkpoints."""
+
+    def __init__(self) -> None:
+        self.average: list[Tensor] | None = None
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, window: la.WindowReport) -> None:
+        now = [p.detach().clone() for p in pl_module.net.parameters()]  # type: ignore[union-attr]
+        self.average = now if self.average is None else [
+            EMA * a + (1 - EMA) * b for a, b in zip(self.average, now, strict=True)]  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"average": self.average}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.average = state_dict["average"]
+
+
 class Interrupter(Checkpoint):
     """Saves a checkpoint and stops (``"save"``), or fails once at a hook of one batch. A
     ``Checkpoint`` so that Lightning runs it where it runs ``ModelCheckpoint``: after the others."""
@@ -276,6 +295,7 @@ def _fit(
 ) -> pl.LightningModule:
     model: _Base = Manual(c) if c.adapter == "mixin" else Automatic(c)
     callbacks: list[pl.Callback] = [recorder]
+    ema = model.window_ema = WindowEMA()
     if c.adapter == "callback":
         callbacks.append(
             la.AccumulationScheduler(
@@ -294,7 +314,10 @@ def _fit(
     if "lr_monitor" in c.callbacks:
         callbacks.append(LearningRateMonitor("step"))
     if "early_stopping" in c.callbacks:
-        callbacks.append(EarlyStopping("probe", patience=1, mode="min", check_on_train_epoch_end=True))
+        strict = c.monitor == "probe"
+        callbacks.append(EarlyStopping(c.monitor, patience=1, mode="min", check_on_train_epoch_end=True, strict=strict))
+    if "ema" in c.callbacks:
+        callbacks.append(ema)
     if c.swa is not None:
         callbacks.append(StochasticWeightAveraging(swa_lrs=c.swa[0], swa_epoch_start=int(c.swa[1])))
     callbacks += [saver, OnExceptionCheckpoint(tmp, "on_exception")]
@@ -364,4 +387,5 @@ def run(c: Config) -> Result:
         trainer = model.trainer
         params = [p.detach().clone() for p in model.net.parameters()]
         lrs = [recorder.lrs[s] for s in sorted(recorder.lrs)]
-        return Result(params, trainer.global_step, lrs, optimizer_state(c, trainer.optimizers))
+        ema = model.window_ema.average if "ema" in c.callbacks else None
+        return Result(params, trainer.global_step, lrs, optimizer_state(c, trainer.optimizers), ema)

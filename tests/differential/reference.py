@@ -31,6 +31,10 @@ class Result:
     global_step: int
     lrs: list[list[float]]  # per optimizer step (each optimizer's, in order): each group's LR as the step used it
     adam: list[dict[str, Tensor]] | None  # per optimizer and parameter: exp_avg, exp_avg_sq, step
+    ema: list[Tensor] | None = None  # the "ema" callback's average of the parameters after each step
+
+
+EMA = 0.6  # the "ema" callback's decay
 
 
 def schedule_k(spec: dict[str, Any], p: dict[str, float]) -> int:
@@ -114,7 +118,9 @@ def run(c: Config) -> Result:
     first_k: int | None = None
     residual: list[Tensor] | None = None
     lrs: list[list[float]] = []
-    best, wait = math.inf, 0  # EarlyStopping(monitor="probe", patience=1)
+    best, wait = math.inf, 0  # EarlyStopping(monitor=c.monitor, patience=1)
+    last_loss: float | None = None  # the last stepped window's loss (`accum/loss`)
+    ema: list[Tensor] | None = None
     batches = c.batches_per_epoch()
     done = False
     for epoch in range(c.epochs):
@@ -184,6 +190,10 @@ def run(c: Config) -> Result:
                 f, _, bias = c.decay
                 correction = 1 - f ** (p["step"] + 1) if bias else 1.0
                 residual = [prm.grad.clone() * correction for prm in net.parameters()]
+            last_loss = float(loss)
+            if "ema" in c.callbacks:
+                now = [prm.detach().clone() for prm in net.parameters()]
+                ema = now if ema is None else [EMA * a + (1 - EMA) * b for a, b in zip(ema, now, strict=True)]
             p["step"] += 1
             p["samples"] += samples
             p["items"] += int(tokens)
@@ -192,15 +202,18 @@ def run(c: Config) -> Result:
             if c.max_steps != -1 and p["step"] * len(opts) >= c.max_steps:  # (manual: each optimizer's step counts)
                 done = True
         # the epoch's end (also one cut short by max_steps)
-        probe = probe_loss(net, data)
-        if "early_stopping" in c.callbacks:
-            if probe < best:
-                best, wait = probe, 0
+        watched = probe_loss(net, data) if c.monitor == "probe" else last_loss  # (None: no window stepped yet)
+        if "early_stopping" in c.callbacks and watched is not None:
+            if watched < best:
+                best, wait = watched, 0
             else:
                 wait += 1
                 done = done or wait >= 1
         if interval == "epoch" and i >= batches:  # (Lightning: not when `max_steps` cut the epoch short)
-            sched.step(probe) if plateau else sched.step()
+            if not plateau:
+                sched.step()
+            elif watched is not None:
+                sched.step(watched)
         if done:
             break
     if average and epoch == c.epochs - 1:  # SWA's average goes into the model when the last epoch ran
@@ -208,4 +221,4 @@ def run(c: Config) -> Result:
             for prm, a in zip(net.parameters(), average, strict=True):
                 prm.copy_(a)
     steps = p["step"] * len(opts)  # (manual optimization counts each optimizer's step)
-    return Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts))
+    return Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts), ema)
