@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from common import timed_epoch
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,6 +86,35 @@ class TimedAccumulationScheduler(AccumulationScheduler):
         self._timed(super().on_train_batch_end, *args)
 
 
+class ConnectorTimer:
+    """Adds up the wall time spent inside Lightning's logger connector's per-batch work (where every
+    key logged with ``self.log`` is processed again on every batch), while entered."""
+
+    METHODS = ("on_batch_start", "on_batch_end", "update_train_step_metrics")
+
+    def __init__(self) -> None:
+        self.inside = 0.0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> ConnectorTimer:
+        for name in self.METHODS:
+            original = self._saved[name] = getattr(_LoggerConnector, name)
+
+            def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.inside += time.perf_counter() - start
+
+            setattr(_LoggerConnector, name, timed)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(_LoggerConnector, name, original)
+
+
 def timed_fit(
     data: DataLoader[Any], k: int, ours: bool, log: bool = False, empty: bool = False, timed: bool = False
 ) -> float:
@@ -94,8 +124,21 @@ def timed_fit(
     elif empty:
         callbacks.insert(0, EmptyCallback())
     elif timed:
-        callbacks.insert(0, TimedAccumulationScheduler(k, log=False))
+        callbacks.insert(0, TimedAccumulationScheduler(k, log=log))
     return timed_epoch(TinyMLP(), data, callbacks, accumulate_grad_batches=1 if ours or timed else k)
+
+
+def in_place(data: DataLoader[Any], k: int, batches: int, log: bool, rounds: int = 5) -> tuple[float, float]:
+    """Microseconds per micro-batch inside the callback's hooks, and inside Lightning's logger
+    connector: the best of ``rounds`` fits."""
+    hooks, connector = [], []
+    for _ in range(rounds):
+        TimedAccumulationScheduler.inside = 0.0
+        with ConnectorTimer() as timer:
+            timed_fit(data, k, ours=False, timed=True, log=log)
+        hooks.append(TimedAccumulationScheduler.inside / batches * 1e6)
+        connector.append(timer.inside / batches * 1e6)
+    return min(hooks), min(connector)
 
 
 def main() -> None:
@@ -147,17 +190,19 @@ def main() -> None:
         "target": 1.01,
         "machine": f"{platform.machine()} torch {torch.__version__} lightning {pl.__version__}",
     }
-    TimedAccumulationScheduler.inside = 0.0
-    for _ in range(3):
-        timed_fit(data, args.k, ours=False, timed=True)
-    inside_us = TimedAccumulationScheduler.inside / (3 * args.batches) * 1e6
     best_us = min(baseline) / args.batches * 1e6
-    result["callback_logic_us_per_batch"] = inside_us
-    result["callback_logic_fraction"] = inside_us / best_us
-    print(
-        f"time inside the callback's hooks (log=False): {inside_us:.1f} us/batch = {100 * inside_us / best_us:.2f} % "
-        f"of a {best_us:.0f} us batch"
-    )
+    timed_fit(data, args.k, ours=False, timed=True)  # (warm-up)
+    for log in (False, True):
+        hooks_us, connector_us = in_place(data, args.k, args.batches, log)
+        result[f"callback_hooks_us_per_batch_log_{log}"] = hooks_us
+        result[f"logger_connector_us_per_batch_log_{log}"] = connector_us
+        print(
+            f"log={log}: inside the callback's hooks {hooks_us:.1f} us/micro-batch ({100 * hooks_us / best_us:.2f} % "
+            f"of a {best_us:.0f} us batch); inside Lightning's logger connector {connector_us:.1f} us/micro-batch"
+        )
+    added = result["logger_connector_us_per_batch_log_True"] - result["logger_connector_us_per_batch_log_False"]
+    result["logging_us_per_batch_added"] = added
+    print(f"Lightning's logging work added by log=True: {added:+.1f} us/micro-batch")
     print(f"target: ratio <= {result['target']}")
     args.json.write_text(json.dumps(result, indent=2))
 

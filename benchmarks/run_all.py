@@ -38,6 +38,13 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
     table = []
     for row in results["overhead.py"]["rows"]:
         table.append((f"overhead: {row['run']}", "CPU time vs built-in (best)", f"{row['ratio_best']:.3f}", "<= 1.01"))
+    overhead = results["overhead.py"]
+    for log in (False, True):
+        us = overhead[f"callback_hooks_us_per_batch_log_{log}"]
+        table.append((f"overhead: AccumulationScheduler's own hooks, log={log}", "us per micro-batch, in place",
+                      f"{us:.1f}", "<= 12"))  # fmt: skip
+    table.append(("overhead: Lightning's logging work added by log=True", "us per micro-batch, in place",
+                  f"{overhead['logging_us_per_batch_added']:+.1f}", "<= 10"))  # fmt: skip
     for row in results["multitask_memory.py"]["rows"]:
         what = f"multitask: {row['setup']}, T={row['tasks']}"
         table.append((what, "graph memory vs joint", f"{row['graph_ratio']:.3f}", f"<= {row['target']:.3f}"))

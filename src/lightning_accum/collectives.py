@@ -8,6 +8,7 @@ round per optimizer step whatever the number of backward passes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,34 +24,54 @@ def world_size(strategy: Any) -> int:
     return int(getattr(strategy, "world_size", 1) or 1)
 
 
+#: a number, a device scalar, or the parts of a sum (several scalars, or a tensor of several elements)
+Value = float | Tensor | Sequence[float | Tensor]
+
+
 def sum_over_ranks(
-    strategy: Any, values: Sequence[float | Tensor], local: Sequence[float | Tensor] = ()
-) -> tuple[list[float], list[float]]:
-    """``values`` summed element-wise over all ranks, and ``local`` as this rank has them, on the host:
-    one collective (none on a single device) and one host read (none when all are Python numbers on a
-    single device). Through float64: integers are exact below 2**53."""
-    single = world_size(strategy) == 1
-    if single and not any(isinstance(v, Tensor) for v in (*values, *local)):
-        return [float(v) for v in values], [float(v) for v in local]
-    device = _device_of(strategy, (*values, *local))
-    summed = _stack(values, device)
-    if not single:
-        summed = strategy.reduce(summed, reduce_op="sum")
-    flat = torch.cat([summed, _stack(local, device)]).tolist()  # the one host read
-    return flat[: len(values)], flat[len(values) :]
+    strategy: Any, values: Sequence[Value], local: Sequence[Value] = ()
+) -> tuple[list[float], list[float | list[float]]]:
+    """On the host: each of ``values`` summed (over its parts, and over all ranks), and each of ``local``
+    as this rank has it (a float, or a list for several parts). One collective (none on a single
+    device) and one host read of every tensor there is (none when all are Python numbers on a single
+    device); sums of parts read on a single device are taken exactly (``math.fsum``)."""
+    if world_size(strategy) > 1:
+        device = torch.device(strategy.root_device)
+        stacked = torch.stack([_device_sum(v, device) for v in values])
+        values = list(strategy.reduce(stacked, reduce_op="sum").unbind())
+    entries = [*values, *local]
+    tensors = [t for v in entries for t in _parts(v) if isinstance(t, Tensor)]
+    read: Iterator[float] = iter([])
+    if tensors:  # the one host read
+        device = tensors[0].device
+        if all(t.dim() == 0 and t.device == device for t in tensors):
+            read = iter(torch.stack(tensors).tolist())
+        else:
+            read = iter(torch.cat([t.reshape(-1).to(device) for t in tensors]).tolist())
+    out: list[float | list[float]] = []
+    for v in entries:
+        numbers = [x for part in _parts(v) for x in _take(part, read)]
+        single = not isinstance(v, list | tuple) and not (isinstance(v, Tensor) and v.dim() > 0)
+        out.append(numbers[0] if single else numbers)
+    totals = [math.fsum(n) if isinstance(n, list) else n for n in out[: len(values)]]
+    return totals, out[len(values) :]
 
 
-def _device_of(strategy: Any, values: Sequence[float | Tensor]) -> torch.device:
-    device = getattr(strategy, "root_device", None)
-    if device is not None:
-        return torch.device(device)
-    return next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
+def _parts(value: Value) -> Sequence[float | Tensor]:
+    if isinstance(value, float | int | Tensor):
+        return [value]
+    return value
 
 
-def _stack(values: Sequence[float | Tensor], device: torch.device) -> Tensor:
-    if not values:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device).reshape(()) for v in values])
+def _take(part: float | Tensor, read: Iterator[float]) -> list[float]:
+    if isinstance(part, Tensor):
+        return [next(read) for _ in range(part.numel())]
+    return [float(part)]
+
+
+def _device_sum(value: Value, device: torch.device) -> Tensor:
+    parts = [torch.as_tensor(p).to(device, torch.float64).reshape(-1) for p in _parts(value)]
+    return torch.cat(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
 
 
 def check_same_k(strategy: Any, k: int, schedule: object) -> None:

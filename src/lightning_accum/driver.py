@@ -90,6 +90,7 @@ class MixinDriver(Callback):
             self.config.decay.attach(trainer.optimizers)
         self.guards.attach(trainer.optimizers)
         steps.warn_scheduler_horizons(trainer)
+        self.step.listen(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

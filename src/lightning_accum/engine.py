@@ -11,15 +11,17 @@ Lightning's hooks (or the ``accumulate`` block) into calls of ``open``, ``count`
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum import collectives, sync
-from lightning_accum.gradients import squared_norm, unique
+from lightning_accum.gradients import norms, squared_norm
 from lightning_accum.lr import LRMultiplier, adascale_gain, check_multiplier
 from lightning_accum.metrics import WindowMetrics
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
@@ -67,6 +69,15 @@ def samples_needed_by(schedule: Schedule, normalize: str, lr_scaling: str | None
     if measures and normalize == "mean":
         return "Measuring the gradient noise in samples (`normalize='mean'`)"
     return None
+
+
+def _device_sum(parts: Sequence[Tensor | float], factor: float) -> Tensor | float:
+    """``factor * sum(parts)`` on the device (where the parts are tensors), in float64."""
+    tensors = [p for p in parts if isinstance(p, Tensor)]
+    numbers = math.fsum(p for p in parts if not isinstance(p, Tensor)) * factor
+    if not tensors:
+        return numbers
+    return torch.stack([p.reshape(()).to(tensors[0].device, torch.float64) for p in tensors]).sum() * factor + numbers
 
 
 class WindowEngine:
@@ -195,16 +206,18 @@ class WindowEngine:
         assert window is not None
         sync.check_window_synced(self.plan, window)
         pending = list(window.pending_items)
-        names, sums = self.metrics.local_sums() if self.metrics.tracking else ([], [])
-        local: list[Tensor | float] = [*pending]
+        single = collectives.world_size(strategy) == 1
+        losses = self.metrics.parts() if self.metrics.tracking else []
+        # on a single device each micro-batch's loss is read as it is (summed on the host); under DDP each
+        # rank's sum joins the counts' all-reduce
+        sums: list[collectives.Value] = [parts if single else _device_sum(parts, f) + o for _, parts, f, o in losses]
+        local: list[collectives.Value] = [pending]
         measure = grads is not None and (self.metrics.tracking or self.probe is not None)
-        if measure:
-            local.append(squared_norm(unique(grads)))  # type: ignore[arg-type]
-        if self.probe is not None:
-            local += self.probe.pending()
+        local.append(norms(grads) if measure else [])  # type: ignore[arg-type]
+        local.append(self.probe.pending() if self.probe is not None else [])
         summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *sums]
-        totals, mine = collectives.sum_over_ranks(strategy, summed, local)
-        window.settle_items(mine[: len(pending)])
+        totals, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)
+        window.settle_items(items)  # type: ignore[arg-type]
         counts = [round(v) for v in totals[: 3 + len(extra)]]
         scale = window.gradient_scale(
             self.normalize,
@@ -214,9 +227,9 @@ class WindowEngine:
         )
         norm_sq = None
         if measure:
-            norm_sq = mine[len(pending)] * (scale / loss_scale()) ** 2
+            norm_sq = math.fsum(n * n for n in grad_norms) * (scale / loss_scale()) ** 2  # type: ignore[union-attr]
         if self.probe is not None:
-            self.probe.settle(mine[len(pending) + measure :])
+            self.probe.settle(prefixes)  # type: ignore[arg-type]
         units = counts[1] if self.normalize == "mean" else counts[2]
         if self.first_units is None:
             self.first_units = units
@@ -229,11 +242,25 @@ class WindowEngine:
             factor *= check_multiplier(self.lr_schedule(self.progress), self.lr_schedule, self.progress)
         empty = not counts[0] or (self.normalize == "items" and not counts[2])
         denominator = counts[0] if self.normalize == "mean" else counts[2]
-        losses = None
+        window_losses = None
         if self.metrics.tracking and denominator:
-            losses = {name: total / denominator for name, total in zip(names, totals[3 + len(extra) :], strict=True)}
+            totals = totals[3 + len(extra) :]
+            window_losses = {
+                name: (total * factor + offset if single else total) / denominator
+                for (name, _, factor, offset), total in zip(losses, totals, strict=True)
+            }
         self.closing = Closing(
-            window.k, counts[0], counts[1], counts[2], tuple(counts[3:]), scale, factor, empty, gain, losses, norm_sq
+            window.k,
+            counts[0],
+            counts[1],
+            counts[2],
+            tuple(counts[3:]),
+            scale,
+            factor,
+            empty,
+            gain,
+            window_losses,
+            norm_sq,
         )
         if empty:
             self._warn_empty(counts[0])

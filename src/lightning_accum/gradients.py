@@ -31,10 +31,12 @@ def optimizer_grads(optimizer: Optimizer) -> list[Tensor]:
     return grads_of(optimizer_params(optimizer))
 
 
-def unique(tensors: Iterable[Tensor]) -> list[Tensor]:
-    """``tensors`` without repeats (a parameter two optimizers share counts once), in order."""
+def norms(grads: Sequence[Tensor]) -> list[Tensor]:
+    """Each gradient's L2 norm, as device scalars (no host sync), a tensor two optimizers share counted
+    once: the window's gradient norm is the root of their squares' sum, taken where they are read."""
     seen: set[int] = set()
-    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # type: ignore[func-returns-value]
+    unique = [g for g in grads if not (id(g) in seen or seen.add(id(g)))]  # type: ignore[func-returns-value]
+    return [n for group in _groups(unique) for n in torch._foreach_norm(group)]
 
 
 def _groups(tensors: Sequence[Tensor]) -> list[list[Tensor]]:

@@ -33,16 +33,18 @@ def weigh(loss: Tensor, items: int | Tensor) -> Tensor:
 
 
 class WindowMetrics:
-    """Device sums of an open window's losses, by name (``"loss"`` for the window, task names
-    beside), while tracking (``log=True``). The micro-batch under way is held apart until its
-    backward pass finishes (``commit``), so that one an exception cut short can be taken back.
+    """An open window's losses, by name (``"loss"`` for the window, task names beside), while
+    tracking (``log=True``): each micro-batch's detached loss is kept as it is (no device work per
+    micro-batch) and summed in float64 once, at the window's end. The micro-batch under way is held
+    apart until its backward pass finishes (``commit``), so that one an exception cut short can be
+    taken back.
 
     Example:
 
         >>> metrics = WindowMetrics()
         >>> metrics.tracking = True
         >>> metrics.add_loss(torch.tensor(3.0)); metrics.commit()
-        >>> metrics.add_loss(torch.tensor(5.0)); metrics.commit()
+        >>> metrics.add_loss(torch.tensor(2.5), factor=2); metrics.commit()
         >>> names, sums = metrics.local_sums()
         >>> names, [float(s) for s in sums]
         (['loss'], [8.0])
@@ -50,42 +52,56 @@ class WindowMetrics:
 
     def __init__(self) -> None:
         self.tracking = False
-        self._sums: dict[str, Tensor | float] = {}
-        self._pending: dict[str, Tensor] = {}
+        self._losses: dict[str, list[tuple[Tensor | float, float]]] = {}  # name -> (loss, factor), committed
+        self._pending: list[tuple[str, Tensor, float]] = []
         self._grad_sq: Tensor | None = None
 
     def clear(self) -> None:
         """Forget the window's losses (a new window, or one redone from its start)."""
-        self._sums, self._pending, self._grad_sq = {}, {}, None
+        self._losses, self._pending, self._grad_sq = {}, [], None
 
-    def add_loss(self, loss: Tensor, name: str = "loss") -> None:
-        """A micro-batch's loss as it went into backward (before the window's division), or a task's."""
+    def add_loss(self, loss: Tensor, name: str = "loss", factor: float = 1.0) -> None:
+        """A micro-batch's loss as it went into backward (before the window's division, times ``factor``),
+        or a task's."""
         if self.tracking:
-            value = loss.detach().to(torch.float64)
-            held = self._pending.get(name)
-            self._pending[name] = value if held is None else held + value
+            self._pending.append((name, loss.detach(), factor))
 
     def commit(self) -> None:
         """The micro-batch's backward pass finished: its losses are the window's."""
-        for name, value in self._pending.items():
-            total = self._sums.get(name)
-            self._sums[name] = value if total is None else total + value
         if self._pending:
-            self._pending = {}
+            for name, loss, factor in self._pending:
+                self._losses.setdefault(name, []).append((loss, factor))
+            self._pending = []
 
     def drop(self) -> None:
         """The micro-batch under way is taken back (its gradient never reached the window)."""
-        self._pending = {}
+        self._pending = []
 
     def local_sums(self) -> tuple[list[str], list[Tensor | float]]:
-        """This rank's committed sums, by sorted name (every rank logs the same names)."""
-        names = sorted(self._sums)
-        return names, [self._sums[name] for name in names]
+        """This rank's committed sums, by sorted name (every rank logs the same names), in float64 (on
+        the device where they are tensors)."""
+        names = sorted(self._losses)
+        return names, [_sum(self._losses[name]) for name in names]
+
+    def parts(self) -> list[tuple[str, list[Tensor | float], float, float]]:
+        """This rank's committed losses by sorted name, to be read and summed on the host: for each,
+        ``(name, parts, factor, offset)``, the sum being ``factor * sum(parts) + offset``."""
+        out: list[tuple[str, list[Tensor | float], float, float]] = []
+        for name in sorted(self._losses):
+            entries = self._losses[name]
+            tensors = [(v, f) for v, f in entries if isinstance(v, Tensor)]
+            offset = float(sum(v * f for v, f in entries if not isinstance(v, Tensor)))
+            factors = {f for _, f in tensors}
+            if len(factors) > 1:  # (not within one window: each adapter's factor is the window's)
+                out.append((name, [_sum(tensors)], 1.0, offset))
+            else:
+                out.append((name, [v for v, _ in tensors], factors.pop() if factors else 1.0, offset))
+        return out
 
     def load_sums(self, names: Sequence[str], values: Sequence[float]) -> None:
         """Put back sums a checkpoint held (this rank's)."""
         self.clear()
-        self._sums = dict(zip(names, (float(v) for v in values), strict=True))
+        self._losses = {name: [(float(v), 1.0)] for name, v in zip(names, values, strict=True)}
 
     def add_grad_norm(self, grads: Sequence[Tensor]) -> None:
         """Where the window's gradient is made global after its counts (the mixin under DDP): the
@@ -97,3 +113,18 @@ class WindowMetrics:
     def grad_norm_on_device(self) -> Tensor | None:
         """What ``add_grad_norm`` measured, as a device scalar (``None`` if nothing)."""
         return None if self._grad_sq is None else self._grad_sq.sqrt()
+
+
+def _sum(entries: Sequence[tuple[Tensor | float, float]]) -> Tensor | float:
+    """The float64 sum of ``loss * factor`` over ``entries`` (one stack where they share a factor)."""
+    numbers = [v * f for v, f in entries if not isinstance(v, Tensor)]
+    tensors = [(v, f) for v, f in entries if isinstance(v, Tensor)]
+    if not tensors:
+        return sum(numbers)
+    factors = {f for _, f in tensors}
+    stacked = torch.stack([v.reshape(()).to(tensors[0][0].device, torch.float64) for v, _ in tensors])
+    if len(factors) == 1:
+        total = stacked.sum() * factors.pop()
+    else:
+        total = (stacked * torch.tensor([f for _, f in tensors], dtype=torch.float64, device=stacked.device)).sum()
+    return total + sum(numbers) if numbers else total

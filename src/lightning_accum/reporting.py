@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -153,9 +153,15 @@ def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> None:
         _seam.write_to_loggers(trainer, dict(zip(names, scalars, strict=True)))
 
 
-def announce(trainer: Any, module: Any, window: WindowReport) -> None:
-    """Call every callback's ``on_window_end(trainer, pl_module, window)``, in ``trainer.callbacks`` order."""
-    for callback in trainer.callbacks:
-        hook = getattr(callback, "on_window_end", None)
-        if callable(hook):
-            hook(trainer, module, window)
+def listeners(trainer: Any) -> list[Callable[[Any, Any, WindowReport], None]]:
+    """The ``on_window_end`` hooks of the Trainer's callbacks, in ``trainer.callbacks`` order (read once a fit)."""
+    hooks = (getattr(callback, "on_window_end", None) for callback in trainer.callbacks)
+    return [hook for hook in hooks if callable(hook)]
+
+
+def announce(
+    hooks: Sequence[Callable[[Any, Any, WindowReport], None]], trainer: Any, module: Any, window: WindowReport
+) -> None:
+    """Call each of ``hooks`` (``listeners``) with the window."""
+    for hook in hooks:
+        hook(trainer, module, window)

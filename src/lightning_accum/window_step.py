@@ -37,6 +37,11 @@ class WindowStep:
         # rescaled so far (one held by two optimizers of the group is rescaled once)
         self._pending: dict[int, tuple[float, WindowEngine, set[int]]] = {}
         self.rescaled = False
+        self.listeners: list[Any] = []  # other callbacks' `on_window_end`
+
+    def listen(self, trainer: Any) -> None:
+        """At a fit's train start: the callbacks' ``on_window_end`` hooks to call after each step."""
+        self.listeners = reporting.listeners(trainer)
 
     def close(
         self,
@@ -95,12 +100,13 @@ class WindowStep:
         _reset(config, optimizers)
         engine.advance(trainer.current_epoch)
         auto.window_closed(key, strategy, world)
-        window = reporting.report(trainer, engine, closing, key)
-        if config.log:  # (before the step's schedulers: a `ReduceLROnPlateau` may watch the window's loss)
+        window = reporting.report(trainer, engine, closing, key) if config.log or self.listeners else None
+        if window is not None and config.log:  # (before the schedulers: a `ReduceLROnPlateau` may watch the loss)
             reporting.publish(trainer, window, log_prefix)
         raw = [o.optimizer for o in optimizers]
         schedulers.step_schedulers(module, trainer, monitors, "step", engine.progress.step, raw)
-        reporting.announce(trainer, module, window)
+        if window is not None:
+            reporting.announce(self.listeners, trainer, module, window)
 
     def before_optimizer_step(
         self, optimizer: Optimizer, config: AccumulationConfig, sharded: bool, clip: Callable[[Optimizer], None]

@@ -121,6 +121,7 @@ class AccumulationScheduler(Callback):
         self._user_divisor: int | None = None  # the Trainer's accumulate_grad_batches before this fit
         self._trained = False
         self._uncount = False  # whether Lightning is taking a step that moves nothing, which it counts
+        self._listeners: list[Any] = []  # other callbacks' `on_window_end`
 
     @property
     def progress(self) -> Progress:
@@ -150,6 +151,7 @@ class AccumulationScheduler(Callback):
         self._frequencies = _seam.SchedulerFrequencies(trainer)
         self._trained = False  # whether this fit trained a batch yet
         steps.warn_scheduler_horizons(trainer)
+        self._listeners = reporting.listeners(trainer)
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
@@ -252,7 +254,7 @@ class AccumulationScheduler(Callback):
             window.mark_synced(final)
         engine.count(*self._counts)
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
-            engine.metrics.add_loss((weigh(loss, self._counts[1]) if mean else loss) * self._divisor)
+            engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._divisor)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -326,10 +328,11 @@ class AccumulationScheduler(Callback):
         closing = engine.advance(trainer.current_epoch)
         if closing.empty:
             return
-        window = reporting.report(trainer, engine, closing)
-        if self._log:
-            reporting.publish(trainer, window)
-        reporting.announce(trainer, pl_module, window)
+        if self._log or self._listeners:
+            window = reporting.report(trainer, engine, closing)
+            if self._log:
+                reporting.publish(trainer, window)
+            reporting.announce(self._listeners, trainer, pl_module, window)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
