@@ -90,7 +90,7 @@ class MixinDriver(Callback):
             self.config.decay.attach(trainer.optimizers)
         self.guards.attach(trainer.optimizers)
         steps.warn_scheduler_horizons(trainer)
-        self.step.listen(trainer)
+        self.step.start_training(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -215,6 +215,7 @@ class MixinDriver(Callback):
             state.update(self.partial.save(strategy, self.windows.local_numbers(), params))
         if self.config.decay is not None:
             state["decay"] = self.config.decay.state_dict()
+        state["reported"] = self.step.reported.state_dict()
         return state
 
     @override
@@ -223,3 +224,4 @@ class MixinDriver(Callback):
         self.partial.load(state_dict)
         if self.config.decay is not None and "decay" in state_dict:
             self.config.decay.load_state_dict(state_dict["decay"])
+        self.step.reported.load_state_dict(state_dict.get("reported", {}))

@@ -121,10 +121,11 @@ def lr_names(optimizers: Sequence[Any], used: Sequence[tuple[Any, list[Any]]]) -
     return out
 
 
-def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> None:
+def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> dict[str, Any]:
     """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar, and, every
     ``log_every_n_steps`` optimizer steps, write them to the loggers. Host numbers only, but for a
-    device gradient norm or learning rate (read with the rest, once, when written to the loggers)."""
+    device gradient norm or learning rate (read with the rest, once, when written to the loggers).
+    Returns what it put in ``callback_metrics``."""
     values: dict[str, Any] = {"k": window.k}
     if window.loss is not None:
         values["loss"] = window.loss
@@ -138,10 +139,8 @@ def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> None:
     names = [prefix + name for name in values]
     on_host = [float(v) for v in values.values() if not isinstance(v, Tensor)]
     as_tensors = iter(torch.tensor(on_host, dtype=torch.get_default_dtype()).unbind())
-    _seam.put_callback_metrics(
-        trainer,
-        {n: v if isinstance(v, Tensor) else next(as_tensors) for n, v in zip(names, values.values(), strict=True)},
-    )
+    metrics = {n: v if isinstance(v, Tensor) else next(as_tensors) for n, v in zip(names, values.values(), strict=True)}
+    _seam.put_callback_metrics(trainer, metrics)
     _seam.show_in_progress_bar(trainer, f"{prefix}k", float(window.k))
     if window.loss is not None:
         _seam.show_in_progress_bar(trainer, f"{prefix}loss", window.loss)
@@ -151,6 +150,41 @@ def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> None:
         read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
         scalars = [next(read) if isinstance(v, Tensor) else float(v) for v in values.values()]
         _seam.write_to_loggers(trainer, dict(zip(names, scalars, strict=True)))
+    return metrics
+
+
+class Reported:
+    """The numbers the last stepped window put in ``trainer.callback_metrics``, kept in checkpoints:
+    Lightning keeps no logged value across a resume, so without them a monitor checked before the
+    resumed fit's first window ends (an epoch's end after a checkpoint inside its last window) would
+    see nothing where the uninterrupted run saw the last window.
+
+    Example:
+
+        >>> reported = Reported()
+        >>> reported.load_state_dict({"metrics": {"accum/loss": 0.5}})
+        >>> reported.state_dict()
+        {'metrics': {'accum/loss': 0.5}}
+    """
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, Any] = {}
+
+    def publish(self, trainer: Any, window: WindowReport, prefix: str = "accum/") -> None:
+        """``publish`` the window, and keep what it put in ``callback_metrics``."""
+        self._metrics.update(publish(trainer, window, prefix))
+
+    def restore(self, trainer: Any) -> None:
+        """At a fit's train start: put back what a checkpoint held (nothing in a fresh fit)."""
+        if self._metrics:
+            _seam.put_callback_metrics(trainer, dict(self._metrics))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"metrics": {name: float(value) for name, value in self._metrics.items()}}  # (a checkpoint's read)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        dtype = torch.get_default_dtype()
+        self._metrics = {name: torch.tensor(value, dtype=dtype) for name, value in state.get("metrics", {}).items()}
 
 
 def listeners(trainer: Any) -> list[Callable[[Any, Any, WindowReport], None]]:

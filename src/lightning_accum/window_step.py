@@ -38,10 +38,13 @@ class WindowStep:
         self._pending: dict[int, tuple[float, WindowEngine, set[int]]] = {}
         self.rescaled = False
         self.listeners: list[Any] = []  # other callbacks' `on_window_end`
+        self.reported = reporting.Reported()  # the last windows' numbers, for monitors after a resume
 
-    def listen(self, trainer: Any) -> None:
-        """At a fit's train start: the callbacks' ``on_window_end`` hooks to call after each step."""
+    def start_training(self, trainer: Any) -> None:
+        """At a fit's train start: the callbacks' ``on_window_end`` hooks to call after each step, and the
+        last windows' numbers a checkpoint held back in ``trainer.callback_metrics``."""
         self.listeners = reporting.listeners(trainer)
+        self.reported.restore(trainer)
 
     def close(
         self,
@@ -102,7 +105,7 @@ class WindowStep:
         auto.window_closed(key, strategy, world)
         window = reporting.report(trainer, engine, closing, key) if config.log or self.listeners else None
         if window is not None and config.log:  # (before the schedulers: a `ReduceLROnPlateau` may watch the loss)
-            reporting.publish(trainer, window, log_prefix)
+            self.reported.publish(trainer, window, log_prefix)
         raw = [o.optimizer for o in optimizers]
         schedulers.step_schedulers(module, trainer, monitors, "step", engine.progress.step, raw)
         if window is not None:

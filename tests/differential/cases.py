@@ -60,6 +60,17 @@ CASES: dict[str, dict[str, Any]] = {
     # two optimizers in one window sharing a parameter: its gradient was rescaled once per optimizer
     "two_optimizers_sharing_a_parameter": {"adapter": "mixin", "optimizers": 2, "shared": True, "n": 22,
                                            "schedule": {"family": "constant", "k": 4}},
+    # issue 23: a plateau on `accum/loss` after a resume inside an epoch whose last window steps nothing saw no
+    # value (Lightning keeps no logged metric across a resume; the uninterrupted run saw the last window's)
+    "accum_loss_monitor_after_resume_mixin": {
+        "adapter": "mixin", "batch_size": 3, **_ITEMS, "empty_batches": [2, 3], "epochs": 3, "n": 11, "seed": 52,
+        "interruptions": [["save", 1, 2]], "optimizer": "adam", "lr": 0.01, "reduction": "mean",
+        "schedule": {"family": "lambda", "fn": "epoch_up"}, "scheduler": {"kind": "plateau"}, "monitor": "accum/loss"},
+    "accum_loss_monitor_after_resume_callback": {
+        "batch_size": 3, **_ITEMS, "empty_batches": [2, 3], "epochs": 3, "n": 11, "seed": 52,
+        "interruptions": [["save", 1, 2]], "optimizer": "adam", "lr": 0.01, "reduction": "mean",
+        "schedule": {"family": "lambda", "fn": "epoch_up"}, "callbacks": ["early_stopping", "ema"],
+        "scheduler": {"kind": "plateau"}, "monitor": "accum/loss"},
     # every option at once, through two resumes
     "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
                    "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},

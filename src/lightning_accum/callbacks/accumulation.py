@@ -122,6 +122,7 @@ class AccumulationScheduler(Callback):
         self._trained = False
         self._uncount = False  # whether Lightning is taking a step that moves nothing, which it counts
         self._listeners: list[Any] = []  # other callbacks' `on_window_end`
+        self._reported = reporting.Reported()  # the last window's numbers, for monitors after a resume
 
     @property
     def progress(self) -> Progress:
@@ -152,6 +153,7 @@ class AccumulationScheduler(Callback):
         self._trained = False  # whether this fit trained a batch yet
         steps.warn_scheduler_horizons(trainer)
         self._listeners = reporting.listeners(trainer)
+        self._reported.restore(trainer)
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
 
@@ -331,7 +333,7 @@ class AccumulationScheduler(Callback):
         if self._log or self._listeners:
             window = reporting.report(trainer, engine, closing)
             if self._log:
-                reporting.publish(trainer, window)
+                self._reported.publish(trainer, window)
             reporting.announce(self._listeners, trainer, pl_module, window)
 
     @override
@@ -347,6 +349,7 @@ class AccumulationScheduler(Callback):
     def state_dict(self) -> dict[str, Any]:
         state = self._engine.state_dict()
         state["divisor"] = self._divisor
+        state["reported"] = self._reported.state_dict()
         if state["window"] is not None and state["window"]["microbatches"] and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
             params = gradients.optimizer_params(self._optimizer)
@@ -357,6 +360,7 @@ class AccumulationScheduler(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._engine.load_state_dict(state_dict)
         self._divisor = int(state_dict.get("divisor", 1))
+        self._reported.load_state_dict(state_dict.get("reported", {}))
         self._partial.load(state_dict)
         window = self._engine.window
         self._loss_factor = 1.0 if window is None else self._divisor / window.divisor
