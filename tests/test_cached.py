@@ -48,7 +48,7 @@ def chunked(encoder: Callable[[Any], Any], x: Any, size: int) -> Any:
     """The reference forward: the encoder on the same chunks in the same order, with a graph."""
     from lightning_accum.microbatch import split
 
-    outs = [encoder(part) for part in split(x, size)]
+    outs = [encoder(**part) if isinstance(part, dict) else encoder(part) for part in split(x, size)]
     if isinstance(outs[0], tuple):
         return tuple(torch.cat(column) for column in zip(*outs, strict=True))
     return torch.cat(outs)
@@ -91,8 +91,8 @@ def test_dict_inputs_tuple_reps_and_a_learned_temperature() -> None:
     head = nn.Linear(REP, 2).double()
     temperature = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
 
-    def encode(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        r = net(batch["x"] * batch["w"][:, None])
+    def encode(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:  # (a dict input comes as keyword arguments)
+        r = net(x * w[:, None])
         return r, head(r)
 
     def loss_fn(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> Tensor:
@@ -251,8 +251,8 @@ class Refused(TwoTower):
         (lambda m, acc, b: acc.backward_cached([m.q_net], [b["q"]], info_nce, chunk_size=2.0), "`chunk_size`"),
         (lambda m, acc, b: acc.backward_cached([m.q_net], [b["q"], b["d"]], info_nce, chunk_size=2), "per input"),
         (
-            lambda m, acc, b: acc.backward_cached([m.q_net] * 2, [b["q"], b["d"][:2]], info_nce, chunk_size=2),
-            "differ in size",
+            lambda m, acc, b: acc.backward_cached([m.q_net] * 2, [b["q"], b["d"]], info_nce, chunk_size=[2, 2, 2]),
+            "`chunk_size` has 3 entries for 2 encoders",
         ),
         (
             lambda m, acc, b: acc.backward_cached(
@@ -272,3 +272,199 @@ def test_refusals_name_the_argument(call: Any, match: str) -> None:
     model = Refused(lambda acc, batch: call(model, acc, batch))
     with pytest.raises(ValueError, match=match):
         trainer(max_epochs=1).fit(model, DataLoader(Pairs(12), batch_size=6))
+
+
+# ---------------------------------------------------------------------------- retrieval as it is run
+NEGATIVES = 2  # hard negatives per query: the passage tower holds B x (1 + n) samples
+
+
+def info_nce_hard(q: Tensor, d: Tensor) -> Tensor:
+    """Query i's positive is passage i * (1 + n); its n hard negatives follow it, and every other
+    query's passages are negatives too (DPR's loss)."""
+    q, d = nn.functional.normalize(q, dim=1), nn.functional.normalize(d, dim=1)
+    group = len(d) // len(q)
+    return nn.functional.cross_entropy(q @ d.T / 0.5, torch.arange(len(q), device=q.device) * group)
+
+
+@pytest.mark.parametrize("chunk", [4, [2, 5], [6, 18]])
+def test_towers_of_different_sizes_with_dropout(chunk: int | list[int]) -> None:
+    q_net, d_net = tower(dropout=0.3), tower(dropout=0.3, seed=1)
+    q, _ = data(6)
+    d, _ = data(6 * (1 + NEGATIVES), seed=2)
+    sizes = chunk if isinstance(chunk, list) else [chunk, chunk]
+    torch.manual_seed(5)
+    loss = info_nce_hard(chunked(q_net, q, sizes[0]), chunked(d_net, d, sizes[1]))
+    loss.backward()
+    expected, rng_after = grads(q_net, d_net), torch.get_rng_state()
+    q_net.zero_grad(), d_net.zero_grad()  # type: ignore[func-returns-value]
+    torch.manual_seed(5)
+    got_loss = backward_cached([q_net, d_net], [q, d], info_nce_hard, chunk, plain_backward, reps_backward)
+    assert got_loss == loss.detach()
+    assert max((a - b).abs().max().item() for a, b in zip(grads(q_net, d_net), expected, strict=True)) <= 1e-13
+    assert torch.equal(torch.get_rng_state(), rng_after)
+
+
+class Output:
+    """An encoder's output object (as a transformers ``BaseModelOutput``)."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        self.last_hidden_state = hidden
+
+
+def test_keyword_inputs_and_get_rep() -> None:
+    """A Mapping input goes in as keyword arguments; ``get_rep`` picks the representation (the
+    first token's state) from the output object."""
+    net = tower(dropout=0.2)
+
+    def encoder(input_ids: Tensor, attention_mask: Tensor) -> Output:
+        return Output(net(input_ids) * attention_mask[..., None])  # (batch, tokens, REP)
+
+    def first_token(out: Output) -> Tensor:
+        return out.last_hidden_state[:, 0]
+
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randn(15, 3, DIM, generator=g, dtype=torch.float64)  # (token "ids" as vectors: a toy embedding)
+    queries = {"input_ids": ids[:5], "attention_mask": torch.ones(5, 3)}
+    passages = {"input_ids": ids[5:], "attention_mask": torch.ones(10, 3)}
+
+    def encode(**batch: Tensor) -> Tensor:
+        return first_token(encoder(**batch))
+
+    torch.manual_seed(9)
+    info_nce_hard(chunked(encode, queries, 2), chunked(encode, passages, 3)).backward()
+    expected = grads(net)
+    net.zero_grad()
+    torch.manual_seed(9)
+    backward_cached(
+        [encoder, encoder], [queries, passages], info_nce_hard, [2, 3], plain_backward, reps_backward,
+        get_rep=first_token,
+    )  # fmt: skip
+    assert max((a - b).abs().max().item() for a, b in zip(grads(net), expected, strict=True)) <= 1e-13
+    with pytest.raises(ValueError, match="give `get_rep=`"):
+        backward_cached([encoder], [queries], lambda r: r.sum(), 2, plain_backward, reps_backward)
+
+
+def test_a_transformers_encoder_drops_in() -> None:
+    """A ``BertModel`` from a config (no download), its tokenizer's ``BatchEncoding``-like dict as
+    input, the CLS vector as the representation, attention and hidden dropout on."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    bert = transformers.BertModel(config).double().train()
+    g = torch.Generator().manual_seed(1)
+    queries = transformers.BatchEncoding(
+        {"input_ids": torch.randint(0, 50, (4, 6), generator=g), "attention_mask": torch.ones(4, 6, dtype=torch.long)}
+    )
+    mask = torch.ones(12, 8, dtype=torch.long)
+    mask[::3, 5:] = 0  # padded passages
+    passages = {"input_ids": torch.randint(0, 50, (12, 8), generator=g), "attention_mask": mask}
+
+    def cls(out: Any) -> Tensor:
+        return out.last_hidden_state[:, 0]
+
+    torch.manual_seed(2)
+    def encode(**batch: Tensor) -> Tensor:
+        return cls(bert(**batch))
+
+    info_nce_hard(chunked(encode, dict(queries), 3), chunked(encode, passages, 5)).backward()
+    expected = grads(bert)
+    bert.zero_grad()
+    torch.manual_seed(2)
+    inputs = [queries, passages]
+    backward_cached([bert, bert], inputs, info_nce_hard, [3, 5], plain_backward, reps_backward, get_rep=cls)
+    assert max((a - b).abs().max().item() for a, b in zip(grads(bert), expected, strict=True)) <= 1e-12
+
+
+def test_the_rng_ends_where_the_whole_batch_forward_and_loss_leave_it() -> None:
+    """A loss that draws random numbers (noise on the logits): after the call the generator stands
+    past the loss's draws, so the next random numbers are new ones, as after the whole batch."""
+    net = tower(dropout=0.3)
+    q, d = data(8)
+
+    def noisy(q: Tensor, d: Tensor) -> Tensor:
+        return info_nce(q + 0.01 * torch.randn_like(q), d)
+
+    torch.manual_seed(11)
+    noisy(chunked(net, q, 3), chunked(net, d, 3)).backward()
+    expected, after = grads(net), torch.get_rng_state()
+    net.zero_grad()
+    torch.manual_seed(11)
+    backward_cached([net, net], [q, d], noisy, 3, plain_backward, reps_backward)
+    assert max((a - b).abs().max().item() for a, b in zip(grads(net), expected, strict=True)) <= 1e-13
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+class Tally(nn.Module):
+    """A module whose forward writes buffers in training mode, in place and by reassignment (a
+    running count and mean of its inputs), beside a linear map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, REP).double()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(DIM, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            n = self.seen + len(x)
+            self.mean = self.mean + (x.detach().sum(0) - len(x) * self.mean) / n  # reassigned
+            self.seen += len(x)  # in place
+        return self.linear(x)
+
+
+def test_buffers_a_forward_writes_move_once_per_sample() -> None:
+    net, reference = Tally(), Tally()
+    reference.load_state_dict(net.state_dict())
+    q, d = data(10)
+    info_nce(chunked(reference, q, 4), chunked(reference, d, 4)).backward()
+    backward_cached([net, net], [q, d], info_nce, 4, plain_backward, reps_backward, modules=[net])
+    assert int(net.seen) == int(reference.seen) == 20
+    assert torch.equal(net.mean, reference.mean)
+    assert max((a - b).abs().max().item() for a, b in zip(grads(net), grads(reference), strict=True)) <= 1e-13
+
+
+def test_spectral_norm_is_iterated_once_per_forward() -> None:
+    """``spectral_norm`` runs a power iteration in each training forward: with the graph-free pass's
+    undone, one chunk of the whole batch equals the whole batch's forward exactly (it was 2.3e-6 off)."""
+    torch.manual_seed(0)
+    net = nn.utils.parametrizations.spectral_norm(nn.Linear(DIM, REP).double())
+    reference = nn.utils.parametrizations.spectral_norm(nn.Linear(DIM, REP).double())
+    reference.load_state_dict(net.state_dict())
+    q, d = data(12)
+    whole = torch.cat([q, d])
+    out = reference(whole)
+    info_nce(out[:12], out[12:]).backward()
+    backward_cached(
+        [net], [whole], lambda r: info_nce(r[:12], r[12:]), 24, plain_backward, reps_backward, modules=[net]
+    )
+    assert max((a - b).abs().max().item() for a, b in zip(grads(net), grads(reference), strict=True)) <= 1e-13
+    assert all(torch.equal(a, b) for a, b in zip(net.buffers(), reference.buffers(), strict=True))
+
+
+def test_the_first_pass_outputs_are_released_before_the_loss_backward() -> None:
+    """What the graph-free pass returned is dead by the time the loss runs (one copy of the
+    representations, the loss's leaves, is kept), and the leaves are dead in the second pass."""
+    import weakref
+
+    net = tower()
+    first_pass: list[weakref.ref[Tensor]] = []
+    leaves: list[weakref.ref[Tensor]] = []
+
+    def encoder(x: Tensor) -> Tensor:
+        out = net(x)
+        if not torch.is_grad_enabled():
+            first_pass.append(weakref.ref(out))
+        else:
+            assert all(ref() is None for ref in leaves), "the loss's leaves are alive in the second pass"
+        return out
+
+    def loss_fn(q: Tensor, d: Tensor) -> Tensor:
+        assert first_pass and all(ref() is None for ref in first_pass), "the first pass's outputs are alive"
+        leaves.extend([weakref.ref(q), weakref.ref(d)])
+        return info_nce(q, d)
+
+    q, d = data(12)
+    backward_cached([encoder, encoder], [q, d], loss_fn, 5, plain_backward, reps_backward)

@@ -173,29 +173,37 @@ class Accumulator:
 
     def backward_cached(
         self,
-        encoders: Sequence[Callable[[Any], cached.Reps]],
+        encoders: Sequence[Callable[..., Any]],
         inputs: Sequence[Any],
         loss_fn: Callable[..., Tensor],
         *,
-        chunk_size: int,
+        chunk_size: int | Sequence[int],
         gather: bool = False,
         items: int | Tensor | None = None,
+        get_rep: cached.GetRep | Sequence[cached.GetRep | None] | None = None,
     ) -> Tensor:
         """Back-propagate a loss that couples the whole batch, one chunk's graph at a time (GradCache).
 
-        ``loss_fn(*[encoder(x) for encoder, x in zip(encoders, inputs)])`` on the whole batch, with
-        each input split along dim 0 into chunks of ``chunk_size``: the gradient equals the whole
-        batch's, dropout included (each chunk's RNG state is replayed), for a peak of one chunk's
-        graph plus the representations. ``gather=True`` puts every rank's representations into
-        the loss (in-batch negatives from all ranks): 2 ranks of batch B equal one process of 2B.
-        The call is one micro-batch of the window; ``items`` weights the loss as in
-        ``backward``. Returns the loss, detached.
+        ``loss_fn(*[encoder(x) for encoder, x in zip(encoders, inputs)])`` on the whole batch, each
+        input split along dim 0 into chunks of ``chunk_size`` (one int, or one per encoder): the
+        gradient equals the whole batch's, dropout included (each chunk's RNG state is replayed), for
+        a peak of one chunk's graph plus the representations. Towers may hold different numbers of
+        samples (B queries against B x (1 + n) passages with n hard negatives each). A Mapping input
+        (a dict, a ``BatchEncoding``) is passed as keyword arguments, and ``get_rep`` picks the
+        representation from the encoder's output (a transformers model drops in). ``gather=True``
+        puts every rank's representations into the loss (in-batch negatives from all ranks): 2 ranks
+        of batch B equal one process of 2B. The call is one micro-batch of the window; ``items``
+        weights the loss as in ``backward``. Buffers a forward writes (BatchNorm statistics, ...)
+        move once per sample; the RNG ends where the whole batch's forward and loss leave it.
+        Returns the loss, detached.
 
         Example:
 
             with self.accumulate(batch) as acc:
-                acc.backward_cached([self.encode_query, self.encode_doc], [batch["q"], batch["d"]],
-                                    info_nce, chunk_size=64, gather=True)
+                acc.backward_cached(
+                    [self.bert, self.bert], [batch["queries"], batch["passages"]], info_nce,
+                    chunk_size=32, get_rep=lambda out: out.last_hidden_state[:, 0], gather=True,
+                )
         """
         self._check_open()
         check_flag("gather", gather)
@@ -227,6 +235,7 @@ class Accumulator:
             gather=gather_rows if world > 1 else None,
             world=world,
             modules=[block.module],
+            get_rep=get_rep,
         )
         self._block.add_items(items)
         return loss

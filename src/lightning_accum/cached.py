@@ -3,10 +3,12 @@
 A contrastive loss couples every sample to every other, so it is not a sum over micro-batches
 and plain accumulation changes it. The cached backward keeps it exact with one chunk's graph
 alive at a time: (1) each encoder runs on each chunk without a graph, and the chunk's RNG state
-is kept; (2) the loss runs on all representations at once, as leaves, and back-propagates into
-them (and into any parameter of the loss itself, such as a learned temperature); (3) each chunk
-runs again with a graph, its RNG state replayed, and back-propagates its representations'
-cached gradient: ``dL/dtheta = sum_j (dr_j/dtheta)^T dL/dr_j``.
+is kept (and every buffer the pass writes is put back afterwards); (2) the loss runs on all
+representations at once, as leaves, and back-propagates into them (and into any parameter of the
+loss itself, such as a learned temperature); (3) each chunk runs again with a graph, its RNG state
+replayed, and back-propagates its representations' cached gradient:
+``dL/dtheta = sum_j (dr_j/dtheta)^T dL/dr_j``. Towers are chunked each on its own, so a query
+tower and a passage tower with hard negatives (B against B x (1 + n) samples) fit.
 
 The functions take the passes to run (the mixin's, which scale and skip the gradient sync), so
 the arithmetic here is plain autograd and is tested on its own.
@@ -15,7 +17,7 @@ the arithmetic here is plain autograd and is tested on its own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,14 +27,15 @@ from lightning_accum import microbatch
 
 Reps = Tensor | tuple[Tensor, ...]
 Gather = Callable[[Sequence[Tensor]], tuple[list[Tensor], int]]  # all ranks' rows, and where this rank's start
+GetRep = Callable[[Any], Reps]
 
 
-def check_args(encoders: Sequence[Callable[[Any], Reps]], inputs: Sequence[Any], chunk_size: object) -> int:
-    """The batch size shared by ``inputs``, or a ``ValueError`` naming the bad argument."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"`chunk_size` must be an int >= 1 (samples per chunk); got {chunk_size!r}.")
+def check_args(
+    encoders: Sequence[Callable[..., Any]], inputs: Sequence[Any], chunk_size: object, get_rep: object = None
+) -> tuple[list[int], list[GetRep | None]]:
+    """Each tower's chunk size and representation picker, or an error naming the bad argument."""
     for name, given in (("encoders", encoders), ("inputs", inputs)):
-        if isinstance(given, nn.Module | Tensor | str | dict) or not isinstance(given, Sequence):
+        if isinstance(given, nn.Module | Tensor | str | Mapping) or not isinstance(given, Sequence):
             raise TypeError(
                 f"`{name}` must be a list, one entry per tower (e.g. `encoders=[model]`, `inputs=[batch]`); "
                 f"got {type(given).__name__}."
@@ -42,14 +45,39 @@ def check_args(encoders: Sequence[Callable[[Any], Reps]], inputs: Sequence[Any],
             f"`encoders` has {len(encoders)} entries and `inputs` {len(inputs)}; give one encoder per input "
             "(the same encoder twice for a shared tower)."
         )
-    sizes = [microbatch.batch_length(x) for x in inputs]
-    if len(set(sizes)) > 1:
-        raise ValueError(f"`inputs` differ in size along dim 0 ({sizes}); every input must hold the same samples.")
-    if not sizes[0]:
-        raise ValueError(
-            "`inputs` hold no samples (dim 0 is 0): a batch-coupled loss needs at least one; skip the call."
-        )
-    return sizes[0]
+    sizes = _per_tower("chunk_size", chunk_size, len(encoders))
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"`chunk_size` must be an int >= 1 (samples per chunk), or one per encoder; got {chunk_size!r}."
+            )
+    pickers = _per_tower("get_rep", get_rep, len(encoders))
+    for picker in pickers:
+        if picker is not None and not callable(picker):
+            raise TypeError(
+                f"`get_rep` must be a callable on an encoder's output (e.g. `lambda out: "
+                f"out.last_hidden_state[:, 0]`), or one per encoder; got {get_rep!r}."
+            )
+    for i, x in enumerate(inputs):
+        if not microbatch.batch_length(x):
+            raise ValueError(
+                f"`inputs[{i}]` holds no samples (dim 0 is 0): a batch-coupled loss needs at least one; skip the call."
+            )
+    return sizes, pickers  # type: ignore[return-value]
+
+
+def _per_tower(name: str, value: object, towers: int) -> list[Any]:
+    if isinstance(value, list | tuple):
+        if len(value) != towers:
+            raise ValueError(f"`{name}` has {len(value)} entries for {towers} encoders; give one, or one per encoder.")
+        return list(value)
+    return [value] * towers
+
+
+def _encode(encoder: Callable[..., Any], part: Any, get_rep: GetRep | None, where: str) -> tuple[Tensor, ...]:
+    """The representations of one chunk: a Mapping goes in as keyword arguments (``input_ids=``, ...)."""
+    out = encoder(**part) if isinstance(part, Mapping) else encoder(part)
+    return _parts(out if get_rep is None else get_rep(out), where)
 
 
 class _RNG:
@@ -62,10 +90,13 @@ class _RNG:
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         with torch.random.fork_rng(devices=range(len(self.cuda or ())), enabled=True):
-            torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
-                torch.cuda.set_rng_state_all(self.cuda)
+            self.restore()
             yield
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
 
 
 def _parts(reps: object, where: str) -> tuple[Tensor, ...]:
@@ -76,7 +107,10 @@ def _parts(reps: object, where: str) -> tuple[Tensor, ...]:
             "embeddings, not a loss or a reduced value."
         )
     if not parts or not all(isinstance(t, Tensor) for t in parts):
-        raise ValueError(f"{where} returned {type(reps).__name__}; it must return a tensor or a tuple of tensors.")
+        raise ValueError(
+            f"{where} returned {type(reps).__name__}; it must return a tensor or a tuple of tensors (give `get_rep=` "
+            "to pick them from an output object, e.g. `lambda out: out.last_hidden_state[:, 0]`)."
+        )
     return parts  # type: ignore[return-value]
 
 
@@ -88,35 +122,58 @@ def _leaf(rep: Tensor) -> Tensor:
     return (rep.float() if rep.element_size() < 4 else rep.detach()).requires_grad_()
 
 
-def _norm_buffers(modules: Sequence[nn.Module]) -> list[tuple[Tensor, Tensor]]:
-    """Running statistics of the batch-norm layers, to undo the first (graph-free) pass's update."""
-    norms = [m for root in modules for m in root.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    return [(b, b.detach().clone()) for m in norms for b in m.buffers()]
+class _Buffers:
+    """Every buffer of ``modules`` as it was, to undo what the graph-free pass wrote: a forward that
+    changes state in training mode (BatchNorm's running statistics, ``spectral_norm``'s power
+    iteration, any buffer written in place or reassigned) then runs once per sample, in the second
+    pass. Put back whole (a copy each, on its device): a kernel may write a buffer without a trace
+    (BatchNorm's), and comparing would read every buffer on the host."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self._saved = [
+            (module, name, buffer, buffer.detach().clone())
+            for root in modules
+            for module in root.modules()
+            for name, buffer in module.named_buffers(recurse=False)
+        ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, buffer, copy in self._saved:
+                if module._buffers.get(name) is not buffer:  # reassigned by the forward
+                    module._buffers[name] = buffer
+                buffer.copy_(copy)
+        self._saved = []
 
 
 def backward_cached(
-    encoders: Sequence[Callable[[Any], Reps]],
+    encoders: Sequence[Callable[..., Any]],
     inputs: Sequence[Any],
     loss_fn: Callable[..., Tensor],
-    chunk_size: int,
+    chunk_size: int | Sequence[int],
     loss_backward: Callable[[Tensor], None],
     reps_backward: Callable[[Sequence[Tensor], Sequence[Tensor]], None],
     *,
     gather: Gather | None = None,
     world: int = 1,
     modules: Sequence[nn.Module] = (),
+    get_rep: GetRep | Sequence[GetRep | None] | None = None,
 ) -> Tensor:
     """The cached backward of ``loss_fn(*[encoder(x) for encoder, x in zip(encoders, inputs)])``.
 
-    ``loss_backward(loss)`` runs the loss's backward (into the leaves); ``reps_backward(reps,
-    grads)`` a chunk's. ``gather`` puts all ``world`` ranks' representations into the loss
-    and says which rows are this rank's; their cached gradient is then multiplied by ``world``,
-    so that the ranks' mean is the gathered loss's gradient. Batch-norm running statistics of
-    ``modules`` move once per sample. Returns the loss, detached.
+    Each input is chunked along dim 0 on its own (towers may hold different numbers of samples;
+    ``chunk_size`` is one int, or one per encoder); a Mapping input (a dict, a ``BatchEncoding``) goes
+    to its encoder as keyword arguments, and ``get_rep`` (one, or one per encoder) picks the
+    representation from the encoder's output. ``loss_backward(loss)`` runs the loss's backward
+    (into the leaves); ``reps_backward(reps, grads)`` a chunk's. ``gather`` puts all ``world`` ranks'
+    representations into the loss and says which rows are this rank's; their cached gradient is
+    then multiplied by ``world``, so that the ranks' mean is the gathered loss's gradient. The
+    buffers of ``modules`` move once per sample; the RNG ends where the whole batch's forward and
+    loss leave it. Returns the loss, detached.
     """
-    check_args(encoders, inputs, chunk_size)
-    chunks = [microbatch.split(x, chunk_size) for x in inputs]
-    norms = _norm_buffers(modules)
+    sizes, pickers = check_args(encoders, inputs, chunk_size, get_rep)
+    chunks = [microbatch.split(x, size) for x, size in zip(inputs, sizes, strict=True)]
+    buffers = _Buffers(modules)
     states: list[list[_RNG]] = [[] for _ in encoders]
     leaves: list[tuple[Tensor, ...]] = []
     offsets: list[int] = []  # where this rank's rows start among the loss's
@@ -125,18 +182,20 @@ def backward_cached(
             outs = []
             for part in parts:
                 states[i].append(_RNG())
-                outs.append(_parts(encoder(part), f"encoder {i}"))
+                outs.append(_encode(encoder, part, pickers[i], f"encoder {i}"))
             reps = [torch.cat(column) for column in zip(*outs, strict=True)]
+            del outs  # (the chunks' outputs: one copy of the representations is enough)
             offset = 0
             if gather is not None:
                 reps, offset = gather(reps)
             offsets.append(offset)
             leaves.append(tuple(_leaf(r) for r in reps))
-        after = _RNG()
-        for buffer, saved in norms:
-            buffer.copy_(saved)
+            del reps
+        buffers.restore()
     loss = loss_fn(*[leaf[0] if len(leaf) == 1 else leaf for leaf in leaves])
     loss_backward(loss)
+    after = _RNG()  # where the whole batch's forward and loss leave the generators
+    loss = loss.detach()  # (its graph held the leaves)
     grads = [[t.grad for t in leaf] for leaf in leaves]
     del leaves
     for i, parts in enumerate(chunks):
@@ -145,12 +204,12 @@ def backward_cached(
             rows = slice(start, start + microbatch.batch_length(part))
             start = rows.stop
             with states[i][j].replay():
-                again = _parts(encoders[i](part), f"encoder {i}")
+                again = _encode(encoders[i], part, pickers[i], f"encoder {i}")
             pairs = [(r, g[rows]) for r, g in zip(again, grads[i], strict=True) if g is not None and r.requires_grad]
+            del again
             if pairs:
                 cached = [(g * world if world != 1 else g).to(r.dtype) for r, g in pairs]
                 reps_backward([r for r, _ in pairs], cached)
-    torch.set_rng_state(after.cpu)
-    if after.cuda is not None:
-        torch.cuda.set_rng_state_all(after.cuda)
-    return loss.detach()
+                del pairs, cached
+    after.restore()
+    return loss

@@ -113,3 +113,74 @@ def test_fsdp2_with_gather_equals_one_process(tmp_path: Path) -> None:
     for r in range(2):
         got = [torch.tensor(p, dtype=torch.float64) for p in json.loads((tmp_path / f"rank{r}.json").read_text())]
         assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-12
+
+
+class HardNegatives(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Each query with its positive passage and two hard negatives (DPR's layout)."""
+
+    def __init__(self, n: int) -> None:
+        from test_cached import data
+
+        self.q, _ = data(n, seed=3)
+        self.d = data(3 * n, seed=4)[0].reshape(n, 3, -1)
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"q": self.q[i], "d": self.d[i]}
+
+
+class UnevenRanks(torch.utils.data.Sampler):  # type: ignore[type-arg]
+    """Rank 0 gets batches of 4 queries, rank 1 of 6, from its own half of the data."""
+
+    SIZES = (4, 6)
+    BATCHES = 3
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        start = 0 if rank == 0 else self.SIZES[0] * self.BATCHES
+        size = self.SIZES[rank]
+        for i in range(self.BATCHES):
+            yield list(range(start + i * size, start + (i + 1) * size))
+
+    def __len__(self) -> int:
+        return self.BATCHES
+
+
+class Retrieval(TwoTower):
+    """Queries against their passages with hard negatives, cached, every rank's in the loss."""
+
+    def __init__(self) -> None:
+        super().__init__(1, chunk=None)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        from test_cached import info_nce_hard
+
+        passages = batch["d"].reshape(-1, batch["d"].shape[-1])  # B x (1 + n) rows
+        with self.accumulate(batch) as acc:
+            acc.backward_cached(
+                [self.q_net, self.d_net], [batch["q"], passages], info_nce_hard, chunk_size=[3, 5], gather=True
+            )
+
+
+def test_hard_negatives_on_ranks_of_different_batch_sizes_equal_one_process(tmp_path: Path) -> None:
+    """Rank 0 holds 4 queries and 12 passages per batch, rank 1 6 and 18: with ``gather=True`` the
+    loss sees all 10 queries against all 30 passages, as one process with both ranks' batches."""
+    from test_cached import info_nce_hard, tower
+
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
+    t = trainer(callbacks=[Report(tmp_path)], max_epochs=1, devices=2, strategy=strategy, use_distributed_sampler=False)
+    data = HardNegatives(30)
+    t.fit(Retrieval(), DataLoader(data, batch_sampler=UnevenRanks()))
+    q_net, d_net = tower(), tower(seed=1)
+    opt = torch.optim.SGD([*q_net.parameters(), *d_net.parameters()], lr=0.5)
+    for i in range(UnevenRanks.BATCHES):
+        rows = list(range(4 * i, 4 * i + 4)) + list(range(12 + 6 * i, 12 + 6 * i + 6))  # rank 0's, then rank 1's
+        info_nce_hard(q_net(data.q[rows]), d_net(data.d[rows].reshape(-1, data.d.shape[-1]))).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = [p.detach() for p in [*q_net.parameters(), *d_net.parameters()]]
+    for r in range(2):
+        got = [torch.tensor(p, dtype=torch.float64) for p in json.loads((tmp_path / f"rank{r}.json").read_text())]
+        assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-12
