@@ -70,6 +70,10 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
             what = f"cached backward, {row['run']}, dropout {row['dropout']}"
             table.append((what, "graph memory vs whole batch", f"{row['graph_ratio']:.3f}", f"<= {row['target']:.3f}"))
             table.append((what, "time vs whole batch", f"{row['time_ratio']:.3f}", "<= 1.5"))
+    for row in results["cached_memory.py"].get("versus_gradcache", []):
+        what = f"cached backward vs GradCache, chunks of {row['chunk']}, dropout {row['dropout']}"
+        table.append((what, "heap peak vs GradCache's", f"{row['peak_ratio']:.3f}", "<= 1"))
+        table.append((what, "time vs GradCache's", f"{row['time_ratio']:.3f}", "<= 1 (noisy)"))
     study = results["noise_study.py"]
     ks = ", ".join(str(row["k"]) for row in study["rows"])
     table.append(

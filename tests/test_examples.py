@@ -78,3 +78,11 @@ def test_contrastive(tmp_path: Path) -> None:
     assert "1-NN accuracy" in out and (tmp_path / "c.png").stat().st_size > 10_000
     gap = float(out.split("cached vs full batch: max parameter difference ")[1].split()[0])
     assert gap < 1e-4
+
+
+@pytest.mark.slow
+def test_retrieval(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = run("retrieval.py", "--steps", "10", "--out", str(tmp_path))
+    curves = {line.split(":")[0].strip(): line.split()[-1] for line in out.splitlines() if "top-1" in line}
+    assert set(curves) == {"whole", "plain", "cached"} and (tmp_path / "retrieval.png").exists()

@@ -135,13 +135,17 @@ class Window:
 
 
 def batch_size(batch: Any) -> int | None:
-    """Samples in a micro-batch: dim 0 of its first tensor (fast path), else Lightning's search;
+    """Samples in a micro-batch: dim 0 of its first tensor, depth first (fast path; in a retrieval
+    batch ``{"queries": {...}, "passages": {...}}``, the queries), else Lightning's search;
     ``None`` where neither finds one (a batch class of the user's own)."""
     first = batch
-    while isinstance(first, (list, tuple)) and first:  # (a tuple of types: faster than a union on the hot path)
-        first = first[0]
-    if isinstance(first, dict) and first:
-        first = next(iter(first.values()))
+    while True:  # the first tensor, depth first (a tuple of types: faster than a union on the hot path)
+        if isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        elif isinstance(first, dict) and first:
+            first = next(iter(first.values()))
+        else:
+            break
     if isinstance(first, Tensor) and first.ndim:
         return int(first.shape[0])
     from lightning_accum._lightning import extract_batch_size

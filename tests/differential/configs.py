@@ -32,6 +32,9 @@ class Config:
     adapter: str = "callback"  # "callback" | "mixin"
     # the mixin: "backward" | "each" | "heads" | "microbatches" | "cached" | "items_int" (acc.backward(mean, items=int))
     mode: str = "backward"
+    # "cached": two towers of different sizes (the first two tokens of each sample, then every other token on
+    # its own), keyword inputs, `get_rep`; their chunk sizes
+    chunks: list[int] = dataclasses.field(default_factory=lambda: [2, 2])
     n: int = 24  # samples
     batch_size: int = 4
     epochs: int = 2
@@ -144,6 +147,8 @@ def generate(rng: random.Random) -> Config:
             continue  # (see `Config.monitors`)
         c.interruptions.append([kind, at // batches, at % batches])
     c.interruptions.sort(key=lambda i: (i[1], i[2]))
+    if c.mode == "cached":
+        c.chunks = [rng.randint(1, 3), rng.randint(1, 5)]
     return c
 
 

@@ -122,6 +122,10 @@ class Manual(la.AccumulationMixin, _Base):
             return [x / err.numel() for x in parts]
         return parts
 
+    def encode(self, tokens: Tensor) -> dict[str, Tensor]:
+        """A keyword-argument encoder returning an output object, as a transformers model does."""
+        return {"hidden": self.net(tokens)}
+
     def _whole(self, batch: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         """The micro-batch's loss as `training_step` of the callback's model returns it (not `mean` over items)."""
         err = errors(self.net(batch["x"]) if out is None else out, batch)
@@ -142,9 +146,16 @@ class Manual(la.AccumulationMixin, _Base):
                     acc.backward(total)
             elif c.mode == "microbatches":  # split in parts of 2 samples
                 acc.backward_microbatches(lambda part: self._whole(part), size=2)
-            elif c.mode == "cached":  # the representations (per-token outputs), then the loss on all of them
-                acc.backward_cached([lambda b: self.net(b["x"])], [batch], lambda out: self._whole(batch, out),
-                                    chunk_size=2)  # fmt: skip
+            elif c.mode == "cached":  # two towers of different sizes: the first two tokens of each sample, the
+                # others one by one (per-token outputs, picked from an output object), then the loss on all of them
+                x = batch["x"]
+                first, rest = {"tokens": x[:, :2]}, {"tokens": x[:, 2:].reshape(-1, 1, x.shape[-1])}
+
+                def loss(a: Tensor, b: Tensor) -> Tensor:
+                    return self._whole(batch, torch.cat([a, b.reshape(len(x), -1, b.shape[-1])], dim=1))
+
+                acc.backward_cached([self.encode, self.encode], [first, rest], loss, chunk_size=c.chunks,
+                                    get_rep=lambda out: out["hidden"])  # fmt: skip
             elif c.mode == "each":
                 acc.backward_each([lambda i=i: self._parts(self.net(batch["x"]), batch)[i] for i in (0, 1)])
             else:
