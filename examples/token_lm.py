@@ -112,7 +112,7 @@ def main() -> None:
     for name, normalize, reduction in (("token-weighted", "items", "sum"), ("mean of means", "mean", "mean")):
         pl.seed_everything(0, verbose=False)
         model = CharLM(reduction)
-        accumulation = AccumulationScheduler(4, normalize=normalize, count=count_tokens)  # type: ignore[arg-type]
+        accumulation = AccumulationScheduler(4, normalize=normalize, reduction="sum", count=count_tokens)  # type: ignore[arg-type]
         trainer = pl.Trainer(
             max_epochs=args.epochs,
             accelerator="cpu",

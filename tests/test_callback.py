@@ -40,6 +40,7 @@ def fit(
     model = TokenModel(reduction="sum" if normalize == "items" else "mean", **(model_kwargs or {}))
     recorder = KRecorder()
     kwargs = dict(normalize=normalize, count=count_tokens if normalize == "items" else None)
+    kwargs["reduction"] = "sum" if normalize == "items" else None
     kwargs.update(callback_kwargs or {})
     callback = AccumulationScheduler(schedule, **kwargs)
     t = trainer(callbacks=[callback, recorder], max_epochs=epochs, **trainer_kwargs)
@@ -254,13 +255,13 @@ def test_deepspeed_with_items_is_refused_early() -> None:
         accumulate_grad_batches = 1
         callbacks: list[Any] = []
 
-    callback = AccumulationScheduler(2, normalize="items", count=count_tokens)
+    callback = AccumulationScheduler(2, normalize="items", reduction="sum", count=count_tokens)
     with pytest.raises(RuntimeError, match=r"\(normalize='items'\) cannot run under `FakeDeepSpeed`"):
         callback.on_fit_start(FakeTrainer(), TokenModel())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, "3", torch.tensor(-2), torch.tensor(1.5)])
 def test_bad_count_at_run_time(bad: Any) -> None:
-    callback = AccumulationScheduler(2, normalize="items", count=lambda batch: bad)
+    callback = AccumulationScheduler(2, normalize="items", reduction="sum", count=lambda batch: bad)
     with pytest.raises(ValueError, match=r"item count \(from `count\(batch\)`"):
         trainer(callbacks=[callback], max_epochs=1).fit(TokenModel(reduction="sum"), loader(TokenData(8), 4))

@@ -89,7 +89,7 @@ def test_builtin_divides_twice_under_deepspeed(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("callbacks", "match"),
     [
-        ([AccumulationScheduler(2, normalize="items", count=count_tokens)], r"normalize='items'"),
+        ([AccumulationScheduler(2, normalize="items", reduction="sum", count=count_tokens)], r"normalize='items'"),
         ([AccumulationScheduler(2, lr_scaling="sqrt")], r"lr_scaling='sqrt'"),
         ([AccumulationScheduler(NoiseScale(2, 8))], "`NoiseScale` cannot measure the gradient noise under DEEPSPEED"),
         ([AccumulationScheduler(2), GradientDecay(0.5)], "`GradientDecay` cannot run under `CPUDeepSpeed`"),

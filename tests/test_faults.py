@@ -135,7 +135,7 @@ def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
     if kind == "mean":
         return Validated(), [AccumulationScheduler(WINDOWS)]
     if kind == "items+decay":
-        callback = AccumulationScheduler(WINDOWS, normalize="items", count=count_tokens)
+        callback = AccumulationScheduler(WINDOWS, normalize="items", reduction="sum", count=count_tokens)
         return Validated(reduction="sum"), [callback, GradientDecay(0.5)]
     if kind == "noise":
         return Validated(), [AccumulationScheduler(NoiseScale(2, 4, every=1, warmup=1))]

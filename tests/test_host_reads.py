@@ -73,10 +73,12 @@ def tensor_tokens(batch: Any) -> torch.Tensor:
 CALLBACKS: dict[str, Callable[[], list[Any]]] = {
     "log": lambda: [AccumulationScheduler(4)],
     "no log": lambda: [AccumulationScheduler(4, log=False)],
-    "items, tensor count": lambda: [AccumulationScheduler(4, normalize="items", count=tensor_tokens)],
+    "items, tensor count": lambda: [AccumulationScheduler(4, normalize="items", reduction="sum", count=tensor_tokens)],
     "items, mean": lambda: [AccumulationScheduler(4, normalize="items", count=tensor_tokens, reduction="mean")],
     "noise scale": lambda: [AccumulationScheduler(NoiseScale(4, 4))],
-    "adascale": lambda: [AccumulationScheduler(4, normalize="items", count=tensor_tokens, lr_scaling="adascale")],
+    "adascale": lambda: [
+        AccumulationScheduler(4, normalize="items", reduction="sum", count=tensor_tokens, lr_scaling="adascale")
+    ],
     "decay": lambda: [AccumulationScheduler(4), GradientDecay(0.5)],
 }
 MIXINS: dict[str, dict[str, Any]] = {

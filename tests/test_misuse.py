@@ -63,7 +63,7 @@ def per_sample_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def test_count_returning_a_vector_names_count_and_the_fix() -> None:
-    callback = AccumulationScheduler(2, normalize="items", count=per_sample_tokens)
+    callback = AccumulationScheduler(2, normalize="items", reduction="sum", count=per_sample_tokens)
     match = r"`count\(batch\)` returned a tensor of shape \(4,\).*rather than `.sum\(1\)`"
     with pytest.raises(ValueError, match=match):
         trainer(callbacks=[callback], max_epochs=1).fit(TokenModel(reduction="sum"), loader(DATA, 4))
@@ -108,7 +108,7 @@ def test_count_is_taken_before_training_step_changes_the_batch() -> None:
                    if not callbacks else callbacks[0].progress.items)  # fmt: skip
 
     expected = int(DATA.mask.sum())
-    callback = AccumulationScheduler(2, normalize="items", count=count_tokens)
+    callback = AccumulationScheduler(2, normalize="items", reduction="sum", count=count_tokens)
     assert tokens_of(PopsMask(reduction="sum"), [callback]) == expected
     model = ManualPopsMask(schedule=2, normalize="items", count=count_tokens, reduction="sum")
     assert tokens_of(model, []) == expected
@@ -264,7 +264,7 @@ def adam_steps(optimizer: torch.optim.Optimizer) -> int:
 
 
 def test_a_window_without_items_does_not_step() -> None:
-    callback = AccumulationScheduler(1, normalize="items", count=count_tokens)
+    callback = AccumulationScheduler(1, normalize="items", reduction="sum", count=count_tokens)
     t = trainer(callbacks=[callback], max_epochs=1)
     with pytest.warns(UserWarning, match="its global item count is 0"):
         t.fit(TokenModel(reduction="sum", optimizer="adam"), loader(PADDING, 4))

@@ -31,7 +31,9 @@ def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
 
 def run(ckpt_dir: Path | None = None, resume: Path | None = None) -> TokenModel:
     model = TokenModel(reduction="sum", scheduler=scheduler, optimizer="adam", lr=0.01)
-    callbacks = [AccumulationScheduler(SCHEDULE, normalize="items", count=count_tokens, lr_scaling="sqrt")]
+    callbacks = [
+        AccumulationScheduler(SCHEDULE, normalize="items", reduction="sum", count=count_tokens, lr_scaling="sqrt")
+    ]
     if ckpt_dir is not None:
         callbacks.append(
             ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")

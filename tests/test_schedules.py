@@ -130,3 +130,13 @@ def test_invalid_arguments(make: Any, match: str) -> None:
 def test_invalid_result_is_named(bad: Any) -> None:
     with pytest.raises(ValueError, match="a schedule must return an int >= 1"):
         Lambda(lambda p: bad)(Progress())
+
+
+@pytest.mark.parametrize(("given", "canonical"), [("epochs", "epoch"), ("steps", "step"), ("sample", "samples"),
+                                                  ("item", "items")])  # fmt: skip
+def test_a_unit_in_either_number_is_the_same_unit(given: str, canonical: str) -> None:
+    from lightning_accum.lr import WarmupCosine
+
+    assert Piecewise({0: 1, 3: 2}, unit=given) == Piecewise({0: 1, 3: 2}, unit=canonical)  # type: ignore[arg-type]
+    assert Ramp(1, 4, over=10, unit=given).unit == canonical  # type: ignore[arg-type]
+    assert WarmupCosine(1, 10, unit=given).unit == canonical

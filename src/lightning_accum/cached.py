@@ -26,8 +26,11 @@ from torch import Tensor, nn
 from lightning_accum import microbatch
 
 Reps = Tensor | tuple[Tensor, ...]
+"""What an encoder (or ``get_rep``) gives for a chunk: one tensor, or a tuple, each with a row per sample."""
 Gather = Callable[[Sequence[Tensor]], tuple[list[Tensor], int]]  # all ranks' rows, and where this rank's start
 GetRep = Callable[[Any], Reps]
+"""``get_rep(output)``: the representation(s) in an encoder's output, e.g.
+``lambda out: out.last_hidden_state[:, 0]``."""
 
 
 def check_args(

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import Tensor
 
-IGNORE_INDEX = -100  # what Hugging Face losses skip
+IGNORE_INDEX = -100
+"""The label Hugging Face losses skip (PyTorch's `cross_entropy` default `ignore_index`)."""
 
 
 def _get(batch: Any, key: str) -> Tensor | None:
@@ -24,7 +25,7 @@ def _get(batch: Any, key: str) -> Tensor | None:
     return getattr(batch, key, None)
 
 
-def causal_lm_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> Tensor:
+def causal_lm_tokens(batch: Any, ignore_index: int = -100) -> Tensor:
     """Tokens a causal LM's loss averages over: ``labels[:, 1:]`` that are not ``ignore_index``
     (the labels are shifted inside the model), or, without labels, ``attention_mask[:, 1:]``.
 
@@ -44,7 +45,7 @@ def causal_lm_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> Tensor:
     return (mask[..., 1:] != 0).sum()
 
 
-def masked_lm_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> Tensor:
+def masked_lm_tokens(batch: Any, ignore_index: int = -100) -> Tensor:
     """Tokens a masked LM's (or token classifier's) loss averages over: ``labels`` that are not
     ``ignore_index`` (no shift).
 
@@ -60,7 +61,7 @@ def masked_lm_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> Tensor:
     return (labels != ignore_index).sum()
 
 
-def seq2seq_tokens(batch: Any, ignore_index: int = IGNORE_INDEX) -> Tensor:
+def seq2seq_tokens(batch: Any, ignore_index: int = -100) -> Tensor:
     """Tokens a sequence-to-sequence model's loss averages over: the decoder ``labels`` that are
     not ``ignore_index`` (the model shifts the decoder's inputs, not the labels).
 

@@ -19,6 +19,8 @@ from torch.utils.hooks import RemovableHandle
 from lightning_accum import gradients
 
 Factor = float | Callable[[int], float]
+"""``GradientDecay``'s factor: a number in [0, 1), or ``factor(step) -> float`` for a factor that changes
+with the optimizer step."""
 
 
 class ResidualDecay:

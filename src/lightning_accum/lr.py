@@ -23,6 +23,8 @@ from lightning_accum.schedules import UNITS, Progress, _check_unit
 
 #: what ``lr_schedule=`` takes: the learning-rate multiplier for the step of a window that opened at a ``Progress``
 LRMultiplier = Callable[[Progress], float]
+"""``lr_schedule(progress) -> float``: the learning-rate multiplier for the step of the window that opened
+at ``progress`` (a finite number >= 0); shapes in ``lightning_accum.lr``."""
 
 
 class LRSchedule:
@@ -39,12 +41,15 @@ class LRSchedule:
     """
 
     def multiplier(self, progress: Progress) -> float:
+        """The learning-rate multiplier for the step of the window that opened at ``progress``: the
+        method a shape of your own defines (``__call__`` checks it is a finite number >= 0)."""
         raise NotImplementedError
 
     def __call__(self, progress: Progress) -> float:
         return self.multiplier(progress)
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the shape (nothing for a stateless one)."""
         return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -77,6 +82,7 @@ class _Warmup(LRSchedule):
 
     @override
     def multiplier(self, progress: Progress) -> float:
+        """Linear warm-up from ``start`` to 1, then the decay to ``final`` at ``total``, in ``unit``."""
         x = float(progress.value(self.unit))
         if x < self.warmup:
             return self.start + (1.0 - self.start) * x / self.warmup

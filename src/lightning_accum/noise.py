@@ -151,9 +151,11 @@ class NoiseScaleEstimator:
         return max(self.trace, 0.0) / self.grad_sq
 
     def state_dict(self) -> dict[str, Any]:
+        """The estimator's running sums and update count, for checkpoints."""
         return {"sums": list(self._sums), "updates": self.updates}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
         self.updates = int(state["updates"])
         if "sums" in state:
             self._sums = [float(x) for x in state["sums"]]
@@ -263,6 +265,8 @@ class NoiseScale(Schedule):
 
     @override
     def k(self, progress: Progress) -> int:
+        """The ``k`` the measured noise scale asks for, changed at most every ``every`` steps after the
+        ``warmup`` measurements, bounded by ``min_k``, ``max_k`` and ``max_ratio``."""
         ready = self.estimator.updates >= self.warmup and progress.step - self._changed_at >= self.every
         b = self.estimator.noise_scale
         if ready and math.isfinite(b) and self._per_microbatch > 0:
@@ -275,11 +279,13 @@ class NoiseScale(Schedule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The estimator's state and the schedule's current ``k``, for checkpoints."""
         numbers = {"k": self._k, "changed_at": self._changed_at, "units": self._units}
         return {"estimator": self.estimator.state_dict(), **numbers}
 
     @override
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (warns if the checkpoint holds none)."""
         if "estimator" not in state_dict:
             warnings.warn(
                 "The checkpoint holds no `NoiseScale` state (it was written under another schedule): the noise "

@@ -16,8 +16,14 @@ from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
 
 LRScaling = Literal["linear", "sqrt", "adascale"]
+"""How the learning rate follows k: ``"linear"`` (k / first k), ``"sqrt"``, or ``"adascale"`` (AdaScale's
+gain from the measured gradient noise)."""
 Reset = Literal["zero", "none"] | ResidualDecay  # (a `GradientDecay`)
+"""What the mixin does to the gradients after each step: ``"zero"`` them (keeping the buffers), set them
+to ``None`` (``"none"``), or decay them with a ``GradientDecay``."""
 Count = Callable[[Any], int | Tensor]
+"""``count(batch)``: a micro-batch's number of items (tokens, ...), an ``int`` or a one-element tensor
+(read once per window); see ``lightning_accum.count``."""
 
 
 def check_common(
@@ -86,11 +92,15 @@ def check_flag(name: str, value: object) -> bool:
 
 
 Reduction = Literal["sum", "mean"]
+"""What ``training_step`` returns over a micro-batch's items with ``normalize="items"``: their ``"sum"``, or
+their ``"mean"`` (weighted by ``count(batch)``)."""
 
 
-def check_callback_items(normalize: object, count: object, reduction: object) -> None:
-    """The callback's ``normalize="items"`` needs ``count``; ``reduction`` says what the loss is."""
-    if reduction not in ("sum", "mean"):
+def check_callback_items(normalize: object, count: object, reduction: object) -> Reduction:
+    """The callback's ``normalize="items"`` needs ``count`` and an explicit ``reduction`` (whether
+    ``training_step`` returns a sum or a mean over the micro-batch's items: a mean taken for a sum
+    would be divided by the item count twice, silently). Returns the reduction in force."""
+    if reduction not in ("sum", "mean", None):
         raise ValueError(
             f"`reduction` must be 'sum' or 'mean' (the loss over a micro-batch's items); got {reduction!r}."
         )
@@ -99,11 +109,18 @@ def check_callback_items(normalize: object, count: object, reduction: object) ->
             "`normalize='items'` needs `count`: a function giving each micro-batch's number of items, "
             "e.g. `count=lambda batch: int(batch['mask'].sum())` or `lightning_accum.count.causal_lm_tokens`."
         )
+    if normalize == "items" and reduction is None:
+        raise ValueError(
+            "`normalize='items'` needs `reduction`: what `training_step` returns over a micro-batch's items. "
+            "Give `reduction='mean'` for a mean (a Hugging Face `outputs.loss`, `F.cross_entropy(...)`), which is "
+            "weighted by `count(batch)`, or `reduction='sum'` for a sum (`reduction='sum'` in the loss)."
+        )
     if reduction == "mean" and normalize != "items":
         raise ValueError(
             "`reduction='mean'` weights each micro-batch's mean loss by its item count, which needs "
-            "`normalize='items'` (and `count`); with `normalize='mean'` leave `reduction` at 'sum'."
+            "`normalize='items'` (and `count`); with `normalize='mean'` leave `reduction` out."
         )
+    return "mean" if reduction == "mean" else "sum"
 
 
 @dataclasses.dataclass(frozen=True)

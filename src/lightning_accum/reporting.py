@@ -54,7 +54,7 @@ class WindowReport:
         >>> import lightning.pytorch as pl
         >>> class EveryWindow(pl.Callback):
         ...     def on_window_end(self, trainer, pl_module, window):
-        ...         print(window.step, window.k, window.loss)  # doctest: +SKIP
+        ...         print(window.step, window.k, window.loss)
     """
 
     step: int

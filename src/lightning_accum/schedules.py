@@ -19,8 +19,17 @@ from typing import Any, Literal
 
 from typing_extensions import override
 
-Unit = Literal["epoch", "step", "samples", "items"]
+Unit = Literal["epoch", "step", "samples", "items", "epochs", "steps", "sample", "item"]
+"""What a schedule is keyed on: ``"epoch"``, ``"step"`` (optimizer steps), ``"samples"`` or ``"items"``
+(tokens, ...), over all ranks; the other number of each is accepted too (``"steps"``, ``"sample"``)."""
 UNITS: tuple[str, ...] = ("epoch", "step", "samples", "items", "scaled_steps")
+_OTHER_NUMBER = {
+    "epochs": "epoch",
+    "steps": "step",
+    "sample": "samples",
+    "item": "items",
+    "scaled_step": "scaled_steps",
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,9 @@ class Progress:
 
 
 def _check_unit(unit: object, allowed: tuple[str, ...]) -> str:
+    """``unit`` as ``allowed`` spells it (singular or plural accepted), or an error with the near miss."""
+    if isinstance(unit, str):
+        unit = _OTHER_NUMBER.get(unit, unit)
     if unit not in allowed:
         near = difflib.get_close_matches(str(unit), allowed, n=1) if isinstance(unit, str) else []
         hint = f" Did you mean {near[0]!r}?" if near else ""
@@ -98,6 +110,8 @@ class Schedule:
     rank_consistent: bool = False
 
     def k(self, progress: Progress) -> int:
+        """The window size for ``progress``: the method a schedule of your own defines (``__call__`` checks
+        what it returns: an int >= 1, the same on every rank)."""
         raise NotImplementedError
 
     def __call__(self, progress: Progress) -> int:
@@ -109,6 +123,8 @@ class Schedule:
         return int(value)
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the schedule (nothing for a stateless one; ``NoiseScale`` keeps its
+        estimator)."""
         return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -139,6 +155,7 @@ class Constant(Schedule):
 
     @override
     def k(self, progress: Progress) -> int:
+        """Always the same ``k``."""
         return self._k
 
     @override
@@ -187,6 +204,7 @@ class Piecewise(Schedule):
 
     @override
     def k(self, progress: Progress) -> int:
+        """The ``k`` of the last milestone reached by ``progress`` in ``unit`` (1 before the first)."""
         i = bisect.bisect_right(self._milestones, progress.value(self.unit))  # type: ignore[arg-type]
         return self._ks[i - 1] if i else 1
 
@@ -239,6 +257,7 @@ class Ramp(Schedule):
 
     @override
     def k(self, progress: Progress) -> int:
+        """The ramp's ``k`` at ``progress`` in ``unit``: ``start`` to ``end`` over ``over``, then ``end``."""
         t = progress.value(self.unit) / self.over  # type: ignore[arg-type]
         if t >= 1:
             return self.end
@@ -275,6 +294,7 @@ class Lambda(Schedule):
 
     @override
     def k(self, progress: Progress) -> int:
+        """What ``fn(progress)`` gives."""
         return self.fn(progress)
 
     @override

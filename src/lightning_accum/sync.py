@@ -40,6 +40,8 @@ from lightning_accum.collectives import world_size
 
 Family = Literal["single", "ddp", "fsdp", "fsdp2", "deepspeed"]
 SyncMode = Literal["auto", "skip", "every"]
+"""Gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per window; FSDP: every
+micro-batch), ``"skip"`` (once per window) or ``"every"``."""
 SYNC_MODES = ("auto", "skip", "every")
 
 

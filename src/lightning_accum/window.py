@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 
 Normalize = Literal["mean", "items"]
+"""How a window's gradient is normalised: ``"mean"`` (the mean of its micro-batches' gradients over all
+ranks) or ``"items"`` (its summed per-item gradient over its global item count)."""
 NORMALIZE: tuple[str, ...] = ("mean", "items")
 
 

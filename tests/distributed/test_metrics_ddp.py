@@ -36,7 +36,10 @@ class Report(pl.Callback):
 def test_window_loss_over_ranks(tmp_path: Path) -> None:
     torch.set_default_dtype(torch.float64)  # Lightning logs in the default dtype (and the nets start from it)
     try:
-        callbacks = [AccumulationScheduler(SCHEDULE, normalize="items", count=count_tokens), Report(tmp_path)]
+        callbacks = [
+            AccumulationScheduler(SCHEDULE, normalize="items", reduction="sum", count=count_tokens),
+            Report(tmp_path),
+        ]
         strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
         t = trainer(
             callbacks=callbacks, max_epochs=2, devices=2, strategy=strategy, use_distributed_sampler=False,

@@ -42,9 +42,9 @@ class AccumulationScheduler(Callback):
 
     * ``normalize="mean"``: the mean of the window's micro-batch gradients over all ranks, a
       short window included (Lightning's built-in divides a short window by the full ``k``);
-    * ``normalize="items"``: ``training_step`` returns a *sum* over items (tokens, ...), or a mean
-      with ``reduction="mean"`` (a Hugging Face ``outputs.loss``), and ``count(batch)`` gives the
-      micro-batch's item count (e.g. ``lightning_accum.count.causal_lm_tokens``); the stepped
+    * ``normalize="items"``: ``training_step`` returns a sum over items (tokens, ...) with
+      ``reduction="sum"``, or a mean with ``reduction="mean"`` (a Hugging Face ``outputs.loss``), and
+      ``count(batch)`` gives the micro-batch's item count (e.g. ``lightning_accum.count.causal_lm_tokens``); the stepped
       gradient is the window's summed gradient over all ranks divided by its global item count.
 
     On DDP the gradients are all-reduced once per optimizer step. The rescale happens in
@@ -60,7 +60,8 @@ class AccumulationScheduler(Callback):
         count: ``count(batch) -> int | Tensor``: items in a micro-batch; required for
             ``"items"``, optional otherwise (it feeds ``Progress.items``).
         reduction: ``"sum"`` or ``"mean"``: what ``training_step`` returns over a micro-batch's
-            items with ``normalize="items"`` (a mean is weighted by ``count(batch)``).
+            items; required with ``normalize="items"`` (a mean is weighted by ``count(batch)``), not
+            used otherwise.
         lr_scaling: ``None``, ``"linear"``, ``"sqrt"`` or ``"adascale"`` (AdaScale's gain from the
             gradient noise measured in each window of k >= 2; ``Progress.scaled_steps`` sums it).
         lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each step, keyed
@@ -78,7 +79,7 @@ class AccumulationScheduler(Callback):
         >>> from lightning_accum import AccumulationScheduler, Ramp
         >>> ramp = Ramp(1, 8, over=50_000, unit="samples")
         >>> callback = AccumulationScheduler(ramp, lr_scaling="sqrt")
-        >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
+        >>> trainer = pl.Trainer(callbacks=[callback], logger=False)
     """
 
     def __init__(
@@ -87,15 +88,14 @@ class AccumulationScheduler(Callback):
         *,
         normalize: Normalize = "mean",
         count: Count | None = None,
-        reduction: Reduction = "sum",
+        reduction: Reduction | None = None,
         lr_scaling: LRScaling | None = None,
         lr_schedule: LRMultiplier | None = None,
         log: bool = True,
         sync: SyncMode = "auto",
     ) -> None:
         self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync, lr_schedule)
-        check_callback_items(normalize, count, reduction)
-        self.normalize, self.reduction = normalize, reduction
+        self.normalize, self.reduction = normalize, check_callback_items(normalize, count, reduction)
         self.count = count
         self.lr_scaling, self.lr_schedule = lr_scaling, lr_schedule
         self._log = check_flag("log", log)  # not `self.log`: Lightning binds `log` on callbacks
@@ -347,6 +347,8 @@ class AccumulationScheduler(Callback):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
+        """Progress, the open window (with its partial gradient, every rank's under DDP) and the last
+        window's numbers: what a checkpoint needs to resume exactly, at a step or inside a window."""
         state = self._engine.state_dict()
         state["divisor"] = self._divisor
         state["reported"] = self._reported.state_dict()
@@ -358,6 +360,7 @@ class AccumulationScheduler(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (the partial gradient is put back at train start)."""
         self._engine.load_state_dict(state_dict)
         self._divisor = int(state_dict.get("divisor", 1))
         self._reported.load_state_dict(state_dict.get("reported", {}))

@@ -37,8 +37,9 @@ class GradientDecay(Callback, ResidualDecay):
 
     Example:
 
+        >>> from lightning_accum import AccumulationScheduler
         >>> decay = GradientDecay(0.9, mode="ema", bias_correction=True)
-        >>> trainer = pl.Trainer(callbacks=[AccumulationScheduler(4), decay])  # doctest: +SKIP
+        >>> trainer = pl.Trainer(callbacks=[AccumulationScheduler(4), decay], logger=False)
     """
 
     # ------------------------------------------------------------------ lifetime
@@ -82,8 +83,10 @@ class GradientDecay(Callback, ResidualDecay):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The residual (unless ``save_residual=False``) and the step count, for checkpoints."""
         return ResidualDecay.state_dict(self)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
         ResidualDecay.load_state_dict(self, state_dict)
