@@ -201,7 +201,7 @@ class Reference:
                             loss = loss + total / tok / ((m if self.short_window == "own" else k) * world)
                 opt.zero_grad()
                 loss.backward()
-                self.losses.append(float(loss))
+                self.losses.append(float(loss.detach()))
                 self.grad_norms.append(float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm()))
                 if self.decay is not None:
                     f, mode, bias = self.decay

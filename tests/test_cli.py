@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,13 @@ class Data(pl.LightningDataModule):
         return loader(TokenData(48), 4)
 
 
-def test_schedule_from_yaml(tmp_path: Path) -> None:
+def test_schedule_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(CONFIG)
-    cli = LightningCLI(TokenModel, Data, args=["fit", "--config", str(path)], save_config_callback=None)
+    monkeypatch.setattr(sys, "argv", ["fit"])  # (not pytest's own arguments: the CLI reads `args=` only)
+    cli = LightningCLI(
+        TokenModel, Data, args=["fit", "--config", str(path)], save_config_callback=None, seed_everything_default=0
+    )
     accumulation, decay, recorder = cli.trainer.callbacks[:3]  # type: ignore[attr-defined]
     assert isinstance(accumulation, AccumulationScheduler) and accumulation.schedule == Ramp(1, 4, over=6, unit="step")
     assert accumulation.lr_scaling == "sqrt"

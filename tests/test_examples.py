@@ -74,8 +74,8 @@ def test_token_lm() -> None:
 
 @pytest.mark.slow
 def test_contrastive(tmp_path: Path) -> None:
-    out = run("contrastive.py", "--epochs", "2", "--out", str(tmp_path / "c.png"))
-    assert "1-NN accuracy" in out and (tmp_path / "c.png").stat().st_size > 10_000
+    out = run("contrastive.py", "--epochs", "2", "--out", str(tmp_path))
+    assert "1-NN accuracy" in out and (tmp_path / "contrastive.png").stat().st_size > 10_000
     gap = float(out.split("cached vs full batch: max parameter difference ")[1].split()[0])
     assert gap < 1e-4
 

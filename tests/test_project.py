@@ -1,0 +1,62 @@
+"""The project's conventions: the GitHub workflows parse and do what they say (they cannot run
+here), the metadata carries its URLs, and CONTRIBUTING.md gives the commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / ".github" / "workflows"
+
+
+def workflow(name: str) -> dict[str, Any]:
+    data = yaml.safe_load((WORKFLOWS / name).read_text())
+    data["on"] = data.pop(True, data.get("on"))  # (YAML 1.1 reads the key `on` as true)
+    return data  # type: ignore[no-any-return]
+
+
+def steps(job: dict[str, Any]) -> str:
+    return "\n".join(str(step.get("run", step.get("uses", ""))) for step in job["steps"])
+
+
+def test_ci_runs_the_ci_script_on_pull_requests_and_pushes_on_the_oldest_and_newest_python() -> None:
+    ci = workflow("ci.yml")
+    assert "pull_request" in ci["on"] and "push" in ci["on"]
+    job = ci["jobs"]["test"]
+    pythons = job["strategy"]["matrix"]["python"]
+    assert "3.10" in pythons and max(pythons, key=lambda v: tuple(map(int, v.split(".")))) >= "3.13"
+    assert "bash .ci/run" in steps(job)
+    assert 'requires-python = ">=3.10"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_docs_build_strictly_and_deploy_to_pages_from_main() -> None:
+    docs = workflow("docs.yml")
+    assert docs["on"]["push"]["branches"] == ["main"]
+    assert "mkdocs build --strict" in steps(docs["jobs"]["build"])
+    assert "actions/deploy-pages" in steps(docs["jobs"]["deploy"])
+    assert docs["permissions"]["pages"] == "write" and docs["permissions"]["id-token"] == "write"
+
+
+def test_a_tag_builds_and_publishes_with_trusted_publishing() -> None:
+    release = workflow("release.yml")
+    assert release["on"]["push"]["tags"] == ["v*"]
+    assert "python -m build" in steps(release["jobs"]["build"])
+    publish = release["jobs"]["publish"]
+    assert publish["permissions"]["id-token"] == "write"
+    assert "pypa/gh-action-pypi-publish" in steps(publish)
+    assert not any("password" in str(step.get("with", {})) for step in publish["steps"])  # (no token)
+
+
+def test_metadata_urls_and_contributing() -> None:
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11 on)
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert {"Homepage", "Documentation", "Source", "Changelog", "Issues"} <= set(urls)
+    assert all(url.startswith("https://") for url in urls.values())
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    for command in ("pip install -e \".[dev]\"", "python -m pytest -q", "mkdocs build --strict", "bash .ci/run"):
+        assert command in text
+    assert "ratios, not timings" in text.lower() or "as ratios, not timings" in text
