@@ -1,17 +1,18 @@
 """Adaptive accumulation from the gradient noise scale, on scikit-learn's digits.
 
-``NoiseScale(2, 32)`` starts with windows of 2 micro-batches of 16 and sets k from the
-measured critical batch size B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018). On this
-small problem the estimate moves with training without a trend (mostly between 40 and 200
-samples, with peaks near 300-400), and k follows it, between 2 and 14 micro-batches.
-``lr_scaling="adascale"`` sets each step's learning rate by AdaScale's gain
-r = (tr(Sigma)/B0 + |G|^2) / (tr(Sigma)/B + |G|^2) from the same measurements (Johnson et al. 2020): between 1 (little noise: a bigger batch barely helps) and B/B0 (noise dominates: the linear
-rule). Prints k, the estimate and r every few steps and writes ``adaptive.png`` (k, the noise
-scale, r and the learning rate over training) into ``--out``. An epoch's last window holds fewer
-micro-batches when the epoch runs out of batches: the plot marks those windows, whose smaller
-batch also gets a smaller gain (the dips in r), and "final k" is the schedule's k, not theirs.
+``NoiseScale(2, 32)`` starts with windows of 2 micro-batches of 16 and sets k from the measured
+critical batch size B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018). On this small problem the
+estimate moves with training without a trend (mostly between 40 and 200 samples, with peaks near
+300-400), and k follows it, between 2 and 14 micro-batches. ``lr_scaling="adascale"`` sets each
+step's learning rate by AdaScale's gain r = (tr(Sigma)/B0 + |G|^2) / (tr(Sigma)/B + |G|^2) from the
+same measurements (Johnson et al. 2020): between 1 (little noise: a bigger batch barely helps) and
+B/B0 (noise dominates: the linear rule). Prints k, the estimate and r every few steps and writes
+``adaptive.png`` (k, the noise scale, r and the learning rate over training) into ``--out``. An
+epoch's last window holds fewer micro-batches when the epoch runs out of batches: the plot marks
+those windows, whose smaller batch also gets a smaller gain (the dips in r), and "final k" is the
+schedule's k, not theirs.
 
-    pip install "lightning-accum[examples]" && python examples/adaptive.py
+    pip install -e ".[examples]" && python examples/adaptive.py --out .
 """
 
 from __future__ import annotations
