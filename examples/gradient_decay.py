@@ -13,7 +13,7 @@ momentum 0.5 and no dampening). Its faster curve is mostly the larger step, not 
 better": the fourth run, ``zero_grad`` at twice the learning rate, is the fair comparison.
 ``mode="ema"`` (weights summing to 1) keeps the step size.
 
-    pip install "lightning-accum[examples]" && python examples/gradient_decay.py
+    pip install -e ".[examples]" && python examples/gradient_decay.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ into the cached encoder output in turn, then the encoder once, inside accumulati
 that ramp from 1 to 4 micro-batches. At the end it prints the autograd graph memory of one
 step against the joint ``(loss_a + loss_b + loss_c).backward()``.
 
-    pip install "lightning-accum[examples]" && python examples/multitask.py
+    pip install -e ".[examples]" && python examples/multitask.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The effective batch grows from 16 to 128 samples over the first 3,000 samples se
 accumulating 1 to 8 micro-batches of 16; the learning rate follows the square-root rule.
 Every optimizer step (window) prints its k, effective batch, mean loss and accuracy.
 
-    pip install "lightning-accum[examples]" && python examples/quickstart.py
+    pip install -e ".[examples]" && python examples/quickstart.py
 """
 
 from __future__ import annotations

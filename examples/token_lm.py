@@ -6,7 +6,7 @@ means) over-weights the tokens of short micro-batches; ``normalize="items"`` div
 window's summed loss by its real token count, which is exactly the gradient of one big batch.
 The script first shows that on one window, then trains the model both ways.
 
-    pip install "lightning-accum[examples]" && python examples/token_lm.py
+    pip install -e ".[examples]" && python examples/token_lm.py
 """
 
 from __future__ import annotations
