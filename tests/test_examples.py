@@ -86,3 +86,10 @@ def test_retrieval(tmp_path: Path) -> None:
     out = run("retrieval.py", "--steps", "10", "--out", str(tmp_path))
     curves = {line.split(":")[0].strip(): line.split()[-1] for line in out.splitlines() if "top-1" in line}
     assert set(curves) == {"whole", "plain", "cached"} and (tmp_path / "retrieval.png").exists()
+
+
+@pytest.mark.slow
+def test_fabric_pretraining() -> None:
+    pytest.importorskip("transformers")
+    out = run("fabric_pretraining.py", "--epochs", "1")
+    assert "done:" in out and "window loss" in out

@@ -179,3 +179,26 @@ def test_refusals_name_the_argument_and_the_fix() -> None:
     flush = r"call `acc.flush\(\)` at each epoch's end"
     with pytest.raises(RuntimeError, match=flush), acc.accumulate(batch, epoch=1):
         pass
+
+
+def test_noise_scale_measures_and_moves_k() -> None:
+    """``NoiseScale`` and AdaScale measure in a Fabric loop as in the Trainer's: the probe's prefixes
+    after the window's first micro-batches, the whole window at its end."""
+    from lightning_accum import NoiseScale
+
+    fabric = single()
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    schedule = NoiseScale(2, 16, warmup=2, every=1)
+    acc = FabricAccumulator(fabric, model, optimizer, schedule, lr_scaling="adascale")
+    ks = []
+    for epoch, batches in enumerate([rank_batches(TokenData(96), 2)[0]] * 3):
+        for batch in batches:
+            with acc.accumulate(batch, epoch=epoch) as step:
+                total, tokens = token_losses(model, batch)
+                step.backward(total / tokens)
+            if step.stepped:
+                ks.append(step.window.k)  # type: ignore[union-attr]
+        acc.flush()
+    assert schedule.estimator.updates > 2 and len(set(ks)) > 1
+    assert acc.progress.scaled_steps != acc.progress.step  # AdaScale's gain moved the LR

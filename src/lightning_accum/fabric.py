@@ -154,6 +154,7 @@ class FabricAccumulator:
 
     @property
     def params(self) -> list[Tensor]:
+        """The parameters the windows step (the optimizer's)."""
         return gradients.optimizer_params(self.optimizer.optimizer)
 
     # ------------------------------------------------------------------ one micro-batch
@@ -190,6 +191,9 @@ class FabricAccumulator:
         assert window is not None
         if window.microbatches >= window.k:
             self._step(step)
+        elif engine.wants_prefix():  # the noise probe's prefix (`NoiseScale`, AdaScale): this rank's gradient
+            scaler = getattr(self.fabric.strategy.precision, "scaler", None)
+            engine.measure_prefix(gradients.grads_of(self.params), _scale(scaler))
 
     def _check_epoch(self, epoch: int | None) -> None:
         if epoch is None:
