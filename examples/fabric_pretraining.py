@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from hf_causal_lm import PAD, collate, texts, transformers
 from lightning.fabric import Fabric
 
 from lightning_accum import Ramp
@@ -27,7 +28,6 @@ from lightning_accum.fabric import FabricAccumulator
 from lightning_accum.lr import WarmupCosine
 
 from _quiet import quiet
-from hf_causal_lm import PAD, collate, texts, transformers
 
 
 def main() -> None:
