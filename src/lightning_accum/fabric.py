@@ -165,12 +165,7 @@ class FabricAccumulator:
         schedules; call ``flush()`` at each epoch's end)."""
         self._check_epoch(epoch)
         engine = self._engine
-        if self._resumed:
-            numbers = self._partial.numbers(self._ranks, self._ranks.global_rank)
-            if numbers is not None:
-                engine.load_local_numbers(numbers)
-            self._partial.put_back(self.params)
-            self._resumed = False
+        self._put_back()
         if engine.window is None:
             engine.open(self._epoch, self._batch, self._ranks)
         step = FabricStep(self, batch)
@@ -194,6 +189,16 @@ class FabricAccumulator:
         elif engine.wants_prefix():  # the noise probe's prefix (`NoiseScale`, AdaScale): this rank's gradient
             scaler = getattr(self.fabric.strategy.precision, "scaler", None)
             engine.measure_prefix(gradients.grads_of(self.params), _scale(scaler))
+
+    def _put_back(self) -> None:
+        """After ``load_state_dict``, before the window goes on (a block, or ``flush``): this rank's
+        part of a window the checkpoint held, and its partial gradient."""
+        if self._resumed:
+            numbers = self._partial.numbers(self._ranks, self._ranks.global_rank)
+            if numbers is not None:
+                self._engine.load_local_numbers(numbers)
+            self._partial.put_back(self.params)
+            self._resumed = False
 
     def _check_epoch(self, epoch: int | None) -> None:
         if epoch is None:
@@ -239,6 +244,7 @@ class FabricAccumulator:
     def flush(self) -> WindowReport | None:
         """Close the open window now (the data ran out, or an epoch ended): a short window is divided
         by its own size. Returns its report if it stepped."""
+        self._put_back()
         if self._engine.window is None or not self._engine.window.microbatches:
             self._engine.discard()
             return None

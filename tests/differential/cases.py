@@ -71,6 +71,12 @@ CASES: dict[str, dict[str, Any]] = {
         "interruptions": [["save", 1, 2]], "optimizer": "adam", "lr": 0.01, "reduction": "mean",
         "schedule": {"family": "lambda", "fn": "epoch_up"}, "callbacks": ["early_stopping", "ema"],
         "scheduler": {"kind": "plateau"}, "monitor": "accum/loss"},
+    # issue 26: a Fabric checkpoint at an epoch's last batch, resumed: `flush` stepped the window before its
+    # partial gradient was put back (put back at the next block only)
+    "fabric_resume_then_flush": {
+        "adapter": "fabric", "batch_size": 2, "clip": [0.5, "norm"], "epochs": 2, "interruptions": [["save", 0, 2]],
+        "limit_train_batches": 3, "lr": 0.01, "max_steps": 5, "n": 18, "optimizer": "adam", "seed": 699,
+        "schedule": {"family": "constant", "k": 5}},
     # every option at once, through two resumes
     "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
                    "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},

@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import package, reference
+from . import fabric_runner, package, reference
 from .configs import Config
 
 RTOL = 1e-10
@@ -55,7 +55,7 @@ def check(c: Config) -> list[str]:
         warnings.simplefilter("ignore")
         want = reference.run(c)
     try:
-        got = package.run(c)
+        got = fabric_runner.run(c) if c.adapter == "fabric" else package.run(c)
     except Exception:
         return ["raised: " + traceback.format_exc(limit=-3).strip().replace("\n", " | ")]
     return differences(want, got)

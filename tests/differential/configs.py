@@ -29,7 +29,7 @@ LAMBDAS = ("cycle3", "epoch_up", "samples_tier")
 @dataclasses.dataclass
 class Config:
     seed: int = 0
-    adapter: str = "callback"  # "callback" | "mixin"
+    adapter: str = "callback"  # "callback" | "mixin" | "fabric"
     # the mixin: "backward" | "each" | "heads" | "microbatches" | "cached" | "items_int" (acc.backward(mean, items=int))
     mode: str = "backward"
     # "cached": two towers of different sizes (the first two tokens of each sample, then every other token on
@@ -87,7 +87,7 @@ class Config:
 def generate(rng: random.Random) -> Config:
     """A random combination of the options (every one reachable, each with a fair chance)."""
     c = Config(seed=rng.randrange(1000))
-    c.adapter = rng.choice(["callback", "mixin"])
+    c.adapter = rng.choice(["callback", "mixin"])  # (or "fabric": see `fabric_config`)
     c.batch_size = rng.choice([2, 3, 4])
     c.n = rng.randint(5, 30)
     c.epochs = rng.choice([1, 2, 2, 3])
@@ -149,6 +149,18 @@ def generate(rng: random.Random) -> Config:
     c.interruptions.sort(key=lambda i: (i[1], i[2]))
     if c.mode == "cached":
         c.chunks = [rng.randint(1, 3), rng.randint(1, 5)]
+    if rng.random() < 0.15:  # the same options in a Fabric loop, where it has them
+        c = fabric_config(c)
+    return c
+
+
+def fabric_config(c: Config) -> Config:
+    """``c`` without what a Fabric loop does not have (Lightning's callbacks, schedulers, validation,
+    SWA, decay, failures at Lightning hooks, the mixin's modes): the ``"fabric"`` adapter's config."""
+    c.adapter, c.mode, c.optimizers, c.shared, c.chunks = "fabric", "backward", 1, False, [2, 2]
+    c.scheduler = c.decay = c.val_every = c.swa = None
+    c.callbacks, c.monitor = [], "probe"
+    c.interruptions = [i for i in c.interruptions if i[0] == "save"]
     return c
 
 
