@@ -7,6 +7,7 @@ model, optimizer and accumulator."""
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -50,7 +51,9 @@ def run(c: Config) -> Result:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # (Fabric's "64-true" casts outputs to the default dtype)
     try:
-        return _run(c)
+        with warnings.catch_warnings():  # (the package's, on a window of no items: the runner's own business)
+            warnings.simplefilter("ignore")
+            return _run(c)
     finally:
         torch.set_default_dtype(previous)
 
