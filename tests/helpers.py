@@ -7,10 +7,11 @@ shares code with the package except the schedule objects (which have their own t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -44,6 +45,18 @@ class TokenData(Dataset[Batch]):
 
     def batch(self, index: Sequence[int] | slice) -> Batch:
         return {"x": self.x[index], "y": self.y[index], "mask": self.mask[index]}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Torch's default dtype set to ``dtype`` inside (Lightning's logged values and Fabric's "64-true"
+    outputs take the default dtype: float64 lets tests compare them at 1e-12)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def count_tokens(batch: Batch) -> Tensor:

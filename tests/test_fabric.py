@@ -17,16 +17,24 @@ from lightning.fabric import Fabric
 from lightning_accum import Constant, Piecewise, Ramp, Schedule, collectives
 from lightning_accum.fabric import FabricAccumulator
 
-from helpers import Batch, Reference, TokenData, count_tokens, make_net, max_diff, rank_batches, token_losses
+from helpers import (
+    Batch,
+    Reference,
+    TokenData,
+    count_tokens,
+    default_dtype,
+    make_net,
+    max_diff,
+    rank_batches,
+    token_losses,
+)
 
 
 @pytest.fixture(autouse=True)
 def float64_outputs() -> Iterator[None]:
     """Fabric's "64-true" casts a module's outputs to the default dtype: float64 here, to compare at 1e-12."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+    with default_dtype(torch.float64):
+        yield
 
 
 DATA = TokenData(50)  # 13 batches of 4 per epoch: short last windows

@@ -16,7 +16,17 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_accum import AccumulationScheduler, Piecewise
 
-from helpers import ManualTokenModel, Reference, TokenData, TokenModel, count_tokens, loader, rank_batches, trainer
+from helpers import (
+    ManualTokenModel,
+    Reference,
+    TokenData,
+    TokenModel,
+    count_tokens,
+    default_dtype,
+    loader,
+    rank_batches,
+    trainer,
+)
 
 SCHEDULE = Piecewise({0: 3, 4: 2}, unit="step")  # 13 batches per epoch: short last windows
 DATA = TokenData(50)
@@ -25,10 +35,8 @@ DATA = TokenData(50)
 @pytest.fixture(autouse=True)
 def float64_logging() -> Iterator[None]:
     """Lightning casts what `self.log` gets to the default dtype: float64 here, to compare at 1e-12."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+    with default_dtype(torch.float64):
+        yield
 
 
 def logged(path: Path, name: str) -> list[float]:

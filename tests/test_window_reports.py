@@ -18,35 +18,32 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from test_window_metrics import DATA, SCHEDULE
 from torch import nn
 
 import lightning_accum
-from lightning_accum import AccumulationMixin, AccumulationScheduler, Piecewise, WindowReport
+from lightning_accum import AccumulationMixin, AccumulationScheduler, WindowReport
 
 from helpers import (
     ManualTokenModel,
     Reference,
     ResumableLoader,
-    TokenData,
     TokenModel,
+    default_dtype,
     loader,
     max_diff,
     rank_batches,
     trainer,
 )
 
-SCHEDULE = Piecewise({0: 3, 4: 2}, unit="step")  # 13 batches per epoch: short last windows
-DATA = TokenData(50)
-EPOCHS = 3
+EPOCHS = 3  # (SCHEDULE and DATA as the window metrics' tests: short last windows)
 
 
 @pytest.fixture(autouse=True)
 def float64_metrics() -> Iterator[None]:
     """The metrics are tensors of the default dtype, as Lightning's: float64 here, to compare at 1e-12."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+    with default_dtype(torch.float64):
+        yield
 
 
 def reference(**kwargs: Any) -> Reference:
