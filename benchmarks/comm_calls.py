@@ -128,10 +128,10 @@ def _install_counters() -> None:
         COUNTS["gradient"] += 1
         explicit(flat)
 
-    def counting_counts(strategy: Any, values: Any) -> list[int]:
+    def counting_counts(strategy: Any, values: Any, local: Any = ()) -> Any:
         if collectives.world_size(strategy) > 1:
             COUNTS["package_counts"] += 1
-        return counts(strategy, values)
+        return counts(strategy, values, local)
 
     collectives._all_reduce_sum = counting_explicit  # type: ignore[assignment]
     collectives.sum_over_ranks = counting_counts  # type: ignore[assignment]
