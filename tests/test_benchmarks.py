@@ -1,0 +1,25 @@
+"""Every benchmark runs (``run_all.py --quick``: tiny budgets, its figures not asserted; speed is
+never a test's business), so that a change of the package's internals cannot leave one broken
+until the next full run (two were, once)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.slow
+def test_every_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "RESULTS.md"
+    command = [sys.executable, str(BENCHMARKS / "run_all.py"), "--quick", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = out.read_text()
+    rows = ("overhead:", "multitask:", "decay:", "noise scale", "comm,", "cached backward vs GradCache", "rank check")
+    for row in rows:
+        assert row in table, row
