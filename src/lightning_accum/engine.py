@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -69,15 +68,6 @@ def samples_needed_by(schedule: Schedule, normalize: str, lr_scaling: str | None
     if measures and normalize == "mean":
         return "Measuring the gradient noise in samples (`normalize='mean'`)"
     return None
-
-
-def _device_sum(parts: Sequence[Tensor | float], factor: float) -> Tensor | float:
-    """``factor * sum(parts)`` on the device (where the parts are tensors), in float64."""
-    tensors = [p for p in parts if isinstance(p, Tensor)]
-    numbers = math.fsum(p for p in parts if not isinstance(p, Tensor)) * factor
-    if not tensors:
-        return numbers
-    return torch.stack([p.reshape(()).to(tensors[0].device, torch.float64) for p in tensors]).sum() * factor + numbers
 
 
 class WindowEngine:
@@ -210,7 +200,7 @@ class WindowEngine:
         losses = self.metrics.parts() if self.metrics.tracking else []
         # on a single device each micro-batch's loss is read as it is (summed on the host); under DDP each
         # rank's sum joins the counts' all-reduce
-        sums: list[collectives.Value] = [parts if single else _device_sum(parts, f) + o for _, parts, f, o in losses]
+        sums: list[collectives.Value] = [parts for _, parts, _, _ in losses] if single else [*self.metrics.sums()]
         local: list[collectives.Value] = [pending]
         measure = grads is not None and (self.metrics.tracking or self.probe is not None)
         local.append(norms(grads) if measure else [])  # type: ignore[arg-type]
@@ -374,12 +364,12 @@ class WindowEngine:
         window = self.window
         assert window is not None
         chain = [0.0] * 4 if self.probe is None else self.probe.numbers()
-        _, sums = self.metrics.local_sums()
+        sums = self.metrics.sums()
         return [window.microbatches, window.samples, window.local_items(), *chain, *(float(v) for v in sums)]
 
     def number_count(self) -> int:
         """How many numbers ``local_numbers`` gives."""
-        return 7 + len(self.metrics.local_sums()[0])
+        return 7 + len(self.metrics.names())
 
     def load_local_numbers(self, values: Sequence[float]) -> None:
         """Put back what `local_numbers` gave on this rank."""
@@ -387,7 +377,7 @@ class WindowEngine:
         self.window.set_counts(*(int(v) for v in values[:3]))
         if self.probe is not None:
             self.probe.load_numbers(values[3:7])
-        self.metrics.load_sums(self.metrics.local_sums()[0], values[7:])
+        self.metrics.load_sums(self.metrics.names(), values[7:])
 
     def holds_partial_window(self) -> bool:
         """Whether a checkpoint now holds an open, not yet stepped window (warns if the strategy
@@ -415,8 +405,7 @@ class WindowEngine:
         if window is not None and self.redo is not None:
             state["redo"] = list(self.redo)
         if window is not None and self.metrics.tracking:
-            names, sums = self.metrics.local_sums()
-            state["losses"] = dict(zip(names, (float(v) for v in sums), strict=True))
+            state["losses"] = dict(zip(self.metrics.names(), (float(v) for v in self.metrics.sums()), strict=True))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

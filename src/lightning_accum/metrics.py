@@ -45,8 +45,7 @@ class WindowMetrics:
         >>> metrics.tracking = True
         >>> metrics.add_loss(torch.tensor(3.0)); metrics.commit()
         >>> metrics.add_loss(torch.tensor(2.5), factor=2); metrics.commit()
-        >>> names, sums = metrics.local_sums()
-        >>> names, [float(s) for s in sums]
+        >>> metrics.names(), [float(s) for s in metrics.sums()]
         (['loss'], [8.0])
     """
 
@@ -77,17 +76,20 @@ class WindowMetrics:
         """The micro-batch under way is taken back (its gradient never reached the window)."""
         self._pending = []
 
-    def local_sums(self) -> tuple[list[str], list[Tensor | float]]:
-        """This rank's committed sums, by sorted name (every rank logs the same names), in float64 (on
-        the device where they are tensors)."""
-        names = sorted(self._losses)
-        return names, [_sum(self._losses[name]) for name in names]
+    def names(self) -> list[str]:
+        """The names of the committed losses, sorted (every rank logs the same names)."""
+        return sorted(self._losses)
+
+    def sums(self) -> list[Tensor | float]:
+        """This rank's committed sums, in ``names()`` order, in float64 (on the device where they are
+        tensors): what the window's count all-reduce adds over ranks, and what a checkpoint keeps."""
+        return [_sum(self._losses[name]) for name in self.names()]
 
     def parts(self) -> list[tuple[str, list[Tensor | float], float, float]]:
-        """This rank's committed losses by sorted name, to be read and summed on the host: for each,
+        """This rank's committed losses in ``names()`` order, to be read and summed on the host: for each,
         ``(name, parts, factor, offset)``, the sum being ``factor * sum(parts) + offset``."""
         out: list[tuple[str, list[Tensor | float], float, float]] = []
-        for name in sorted(self._losses):
+        for name in self.names():
             entries = self._losses[name]
             tensors = [(v, f) for v, f in entries if isinstance(v, Tensor)]
             offset = float(sum(v * f for v, f in entries if not isinstance(v, Tensor)))
