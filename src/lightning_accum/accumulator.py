@@ -59,10 +59,10 @@ class Accumulator:
                 "for every pass of the window, or give `size` a number."
             )
 
-    def _backward(self, loss: Tensor, nothing_if: Tensor | None = None) -> None:
+    def _backward(self, loss: Tensor, nothing: bool | Tensor = False) -> None:
         """``manual_backward(loss / divisor)`` with gradient sync skipped as the plan says."""
         self._block.record_loss(loss)
-        self._block.backward(loss / self._block.window.divisor, nothing_if=nothing_if)
+        self._block.backward(loss / self._block.window.divisor, nothing=nothing)
 
     def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
         """Back-propagate one loss into the window.
@@ -80,7 +80,7 @@ class Accumulator:
         if empty is True:  # a mean over no items (NaN): counted, adds nothing
             self._backward_nothing(loss)
         else:  # (for a tensor count, nothing is added where it is 0: decided on the device)
-            self._backward(weigh(loss, items), nothing_if=empty if isinstance(empty, Tensor) else None)
+            self._backward(weigh(loss, items), nothing=empty)
         self._block.add_items(items)
 
     def _backward_nothing(self, loss: Tensor) -> None:

@@ -67,16 +67,12 @@ class Block:
             return sync.ddp_no_sync(self.strategy)
         return sync.skip_sync(self._plan, self.strategy, self.last)
 
-    def backward(self, loss: Tensor, *, nothing: bool = False, nothing_if: Tensor | None = None) -> None:
+    def backward(self, loss: Tensor, *, nothing: bool | Tensor = False) -> None:
         """``manual_backward(loss)`` into the window (``nothing``: the pass adds nothing to any gradient,
-        NaN included, as a redone micro-batch's; ``nothing_if``: the same where this 0-d bool holds)."""
+        NaN included, as a redone micro-batch's; a 0-d bool tensor: the same where it holds)."""
         self.passes += 1
-        if nothing or self.redoing:
-            handles = gradients.add_nothing(self.windows.params())
-        elif nothing_if is not None:
-            handles = gradients.add_nothing_if(self.windows.params(), nothing_if)
-        else:
-            handles = []
+        nothing = True if self.redoing else nothing
+        handles = [] if nothing is False else gradients.add_nothing_if(self.windows.params(), nothing)
         try:
             with self._guards.own_pass(), self._no_sync():
                 self.module.manual_backward(loss)

@@ -221,19 +221,13 @@ class FabricAccumulator:
         assert window is not None
         if items is None and self.reduction == "mean":
             items = self.count(step._batch) if self.count is not None else None
-        nothing = None
+        nothing: bool | Tensor = False  # (a mean over no items, NaN, adds nothing)
         if items is not None:
             step.items = items if step.items is None else step.items + items  # type: ignore[operator]
-            empty = gradients.no_items(items)
+            nothing = gradients.no_items(items)
             loss = weigh(loss, items)
-            if isinstance(empty, Tensor) or empty:
-                nothing = empty
         self._engine.metrics.add_loss(loss)
-        handles = []
-        if nothing is True:
-            handles = gradients.add_nothing(self.params)
-        elif isinstance(nothing, Tensor):
-            handles = gradients.add_nothing_if(self.params, nothing)
+        handles = [] if nothing is False else gradients.add_nothing_if(self.params, nothing)
         try:
             self.fabric.backward(loss / window.divisor, model=self.model)
         finally:

@@ -102,9 +102,11 @@ def no_items(items: int | Tensor) -> bool | Tensor:
     return items.detach().reshape(()) == 0 if isinstance(items, Tensor) else not items
 
 
-def add_nothing_if(params: Iterable[Tensor], empty: Tensor) -> list[RemovableHandle]:
-    """``add_nothing`` decided on the device, without a host read: where the 0-d bool ``empty``
-    holds, each gradient the next backward pass brings is replaced by zeros (NaN included)."""
+def add_nothing_if(params: Iterable[Tensor], empty: bool | Tensor) -> list[RemovableHandle]:
+    """``add_nothing`` where ``empty`` holds (as ``no_items`` gives it): ``True``, ``False`` (no hook),
+    or a 0-d bool tensor, decided on the device without a host read."""
+    if not isinstance(empty, Tensor):
+        return add_nothing(params) if empty else []
     return [
         p.register_hook(lambda g: g.masked_fill(empty.to(g.device), 0))  # type: ignore[no-untyped-call]
         for p in params

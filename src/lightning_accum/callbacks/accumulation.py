@@ -234,16 +234,12 @@ class AccumulationScheduler(Callback):
         if self._partial.pending and self._optimizer is not None:  # resumed inside a window: its gradient, after
             self._partial.put_back(gradients.optimizer_params(self._optimizer))  # any zeroing of this batch
         mean = self.reduction == "mean"  # a mean over the micro-batch's items: weighted by their count
-        empty = gradients.no_items(self._counts[1]) if mean else False
-        if self._redoing or empty is True or isinstance(empty, Tensor):
-            # in the window already, or a mean over no items (NaN): the pass adds nothing (for a tensor
-            # count, decided on the device)
+        # in the window already, or a mean over no items (NaN): the pass adds nothing (for a tensor count,
+        # decided on the device)
+        nothing = True if self._redoing else gradients.no_items(self._counts[1]) if mean else False
+        if nothing is not False:
             assert self._optimizer is not None
-            params = gradients.optimizer_params(self._optimizer)
-            handles = gradients.add_nothing_if(params, empty) if isinstance(empty, Tensor) and not self._redoing else (
-                gradients.add_nothing(params)
-            )  # fmt: skip
-            for handle in handles:
+            for handle in gradients.add_nothing_if(gradients.optimizer_params(self._optimizer), nothing):
                 self._pass.callback(handle.remove)
             self._holding = True
             if self._redoing:
