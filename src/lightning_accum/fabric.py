@@ -13,7 +13,7 @@ its end (with the counts' all-reduce before it), also when ``flush`` closes a sh
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor
@@ -24,7 +24,7 @@ from lightning_accum.engine import WindowEngine
 from lightning_accum.lr import LRMultiplier
 from lightning_accum.metrics import weigh
 from lightning_accum.options import Count, LRScaling, Reduction, check_callback_items, check_common
-from lightning_accum.reporting import WindowReport, report
+from lightning_accum.reporting import WindowReport, metric_values, report
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.window import Normalize, sample_count
 
@@ -278,9 +278,10 @@ class FabricAccumulator:
         self.optimizer.zero_grad(set_to_none=True)
         engine.advance(self._epoch)
         step.stepped = True
-        step.window = report(_Optimizers(self.optimizer), engine, closing)
-        if self.log:
-            self.fabric.log_dict(_values(step.window), step=engine.progress.step)
+        step.window = report([self.optimizer.optimizer], engine, closing)
+        if self.log:  # (Fabric turns a device scalar into a number)
+            values = metric_values(step.window)
+            self.fabric.log_dict({f"accum/{name}": value for name, value in values.items()}, step=engine.progress.step)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -301,26 +302,8 @@ class FabricAccumulator:
         self._resumed = True
 
 
-class _Optimizers:
-    """What ``reporting.report`` reads of a Trainer (the fit's optimizers), for one Fabric optimizer."""
-
-    def __init__(self, optimizer: Any) -> None:
-        self.optimizers: Sequence[Any] = [optimizer.optimizer]
-
-
 def _scale(scaler: Any) -> float:
     return 1.0 if scaler is None else float(scaler.get_scale())
-
-
-def _values(window: WindowReport) -> dict[str, float]:
-    values: dict[str, Any] = {"accum/k": window.k, "accum/effective_batch": window.samples}
-    if window.loss is not None:
-        values["accum/loss"] = window.loss
-    if window.grad_norm is not None:
-        values["accum/grad_norm"] = float(window.grad_norm)
-    values.update({f"accum/{name}": float(lr) for name, lr in window.lr.items()})
-    values.update({"accum/samples": window.progress.samples, "accum/items": window.progress.items})
-    return values
 
 
 __all__ = ["FabricAccumulator", "FabricStep"]

@@ -72,8 +72,11 @@ class WindowReport:
     optimizers: tuple[int, ...] = (0,)
 
 
-def report(trainer: Any, engine: WindowEngine, closing: Closing, group: tuple[int, ...] = (0,)) -> WindowReport:
-    """The report of the window ``engine`` has just advanced past (``closing``, stepped)."""
+def report(
+    optimizers: Sequence[Any], engine: WindowEngine, closing: Closing, group: tuple[int, ...] = (0,)
+) -> WindowReport:
+    """The report of the window ``engine`` has just advanced past (``closing``, stepped); ``optimizers``:
+    the fit's (``trainer.optimizers``), which name the learning rates."""
     losses = dict(closing.losses or {})
     loss = losses.pop("loss", None)
     if closing.norm_sq is not None:
@@ -91,7 +94,7 @@ def report(trainer: Any, engine: WindowEngine, closing: Closing, group: tuple[in
         progress=engine.progress,
         task_losses=MappingProxyType(losses),
         grad_norm=grad_norm,
-        lr=MappingProxyType(lr_names(trainer.optimizers, engine.used_lrs)),
+        lr=MappingProxyType(lr_names(optimizers, engine.used_lrs)),
         noise_scale=engine.noise_scale,
         optimizers=group,
     )
@@ -121,11 +124,9 @@ def lr_names(optimizers: Sequence[Any], used: Sequence[tuple[Any, list[Any]]]) -
     return out
 
 
-def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> dict[str, Any]:
-    """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar, and, every
-    ``log_every_n_steps`` optimizer steps, write them to the loggers. Host numbers only, but for a
-    device gradient norm or learning rate (read with the rest, once, when written to the loggers).
-    Returns what it put in ``callback_metrics``."""
+def metric_values(window: WindowReport) -> dict[str, Any]:
+    """The window's numbers by metric name (unprefixed: ``k``, ``loss``, ``loss/<task>``, ``grad_norm``,
+    the learning rates, ``effective_batch``, ``samples``, ``items``, ``noise_scale``), what is logged of it."""
     values: dict[str, Any] = {"k": window.k}
     if window.loss is not None:
         values["loss"] = window.loss
@@ -136,6 +137,15 @@ def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> dict[
     values.update(effective_batch=window.samples, samples=window.progress.samples, items=window.progress.items)
     if window.noise_scale is not None:
         values["noise_scale"] = window.noise_scale
+    return values
+
+
+def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> dict[str, Any]:
+    """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar, and, every
+    ``log_every_n_steps`` optimizer steps, write them to the loggers. Host numbers only, but for a
+    device gradient norm or learning rate (read with the rest, once, when written to the loggers).
+    Returns what it put in ``callback_metrics``."""
+    values = metric_values(window)
     names = [prefix + name for name in values]
     on_host = [float(v) for v in values.values() if not isinstance(v, Tensor)]
     as_tensors = iter(torch.tensor(on_host, dtype=torch.get_default_dtype()).unbind())

@@ -103,7 +103,7 @@ class WindowStep:
         _reset(config, optimizers)
         engine.advance(trainer.current_epoch)
         auto.window_closed(key, strategy, world)
-        window = reporting.report(trainer, engine, closing, key) if config.log or self.listeners else None
+        window = reporting.report(trainer.optimizers, engine, closing, key) if config.log or self.listeners else None
         if window is not None and config.log:  # (before the schedulers: a `ReduceLROnPlateau` may watch the loss)
             self.reported.publish(trainer, window, log_prefix)
         raw = [o.optimizer for o in optimizers]

@@ -327,7 +327,7 @@ class AccumulationScheduler(Callback):
         if closing.empty:
             return
         if self._log or self._listeners:
-            window = reporting.report(trainer, engine, closing)
+            window = reporting.report(trainer.optimizers, engine, closing)
             if self._log:
                 self._reported.publish(trainer, window)
             reporting.announce(self._listeners, trainer, pl_module, window)
