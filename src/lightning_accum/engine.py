@@ -256,6 +256,14 @@ class WindowEngine:
             self._warn_empty(counts[0])
         return self.closing
 
+    def close_and_reduce(self, strategy: Any, params: Sequence[Tensor]) -> Closing:
+        """``close`` where the package makes the window's gradient global itself (the mixin and Fabric
+        loops under DDP, every backward's sync skipped): the counts' all-reduce also says on how many
+        ranks each parameter has a gradient, then the gradient is all-reduced in flat buckets, one round."""
+        closing = self.close(strategy, [int(p.grad is not None) for p in params])
+        collectives.all_reduce_gradients(strategy, params, closing.extra)
+        return closing
+
     def measure_window(self, strategy: Any, grads: Sequence[Tensor] = (), factor: float = 1.0) -> None:
         """Noise probe: the closing window's normalised gradient (measured at the close, else
         ``grads * factor``: one host read)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_accum import collectives, gradients
+from lightning_accum import gradients
 from lightning_accum.checkpoint import PartialWindow
 from lightning_accum.engine import WindowEngine
 from lightning_accum.lr import LRMultiplier
@@ -250,10 +250,10 @@ class FabricAccumulator:
         engine, params, world = self._engine, self.params, self._ranks.world_size
         scaler = getattr(self.fabric.strategy.precision, "scaler", None)
         if world > 1:
-            closing = engine.close(self._ranks, [int(p.grad is not None) for p in params])
-            collectives.all_reduce_gradients(self._ranks, params, closing.extra)  # (one round: every skipped sync)
+            closing = engine.close_and_reduce(self._ranks, params)
             grads = gradients.grads_of(params)
-            engine.measure_window(self._ranks, grads, closing.scale / _scale(scaler))
+            if engine.probe is not None:
+                engine.measure_window(self._ranks, grads, closing.scale / _scale(scaler))
         else:
             closing = engine.close(self._ranks, grads=gradients.grads_of(params), loss_scale=lambda: _scale(scaler))
             grads = gradients.grads_of(params)
@@ -263,8 +263,9 @@ class FabricAccumulator:
             engine.advance(self._epoch)
             return
         gradients.scale_(grads, closing.scale)
-        if world > 1 and engine.metrics.tracking:
-            engine.metrics.add_grad_norm([g / _scale(scaler) for g in grads])
+        if world > 1 and engine.metrics.tracking:  # (made global after the counts: its norm measured now)
+            loss_scale = _scale(scaler)
+            engine.metrics.add_grad_norm(grads if loss_scale == 1.0 else [g / loss_scale for g in grads])
         if self.clip_val is not None:  # (Fabric unscales an AMP gradient first)
             if self.clip_algorithm == "norm":
                 self.fabric.clip_gradients(self.model, self.optimizer, max_norm=self.clip_val, error_if_nonfinite=False)

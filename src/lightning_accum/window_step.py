@@ -71,8 +71,7 @@ class WindowStep:
             engine.discard()
             return
         if world > 1 and plan.family == "ddp":
-            closing = engine.close(strategy, [int(p.grad is not None) for p in params])
-            collectives.all_reduce_gradients(strategy, params, closing.extra)
+            closing = engine.close_and_reduce(strategy, params)
         else:  # single device, or FSDP's own (reduce-)scatter on the last micro-batch made the gradient global
             grads = None if plan.sharded else gradients.grads_of(params)  # (a shard's norm is not the window's)
             closing = engine.close(strategy, grads=grads, loss_scale=lambda: loss_scale(trainer))
