@@ -24,7 +24,7 @@ from lightning_accum.guards import MixinGuards
 from lightning_accum.microbatch import AutoSize
 from lightning_accum.options import AccumulationConfig
 from lightning_accum.probe import check_noise_under
-from lightning_accum.window import sample_count
+from lightning_accum.samples import sample_count
 from lightning_accum.window_step import WindowStep
 from lightning_accum.windows import MixinWindows
 

@@ -25,8 +25,9 @@ from lightning_accum.lr import LRMultiplier
 from lightning_accum.metrics import weigh
 from lightning_accum.options import Count, LRScaling, Reduction, check_callback_items, check_common
 from lightning_accum.reporting import WindowReport, metric_values, report
+from lightning_accum.samples import sample_count
 from lightning_accum.schedules import Progress, Schedule
-from lightning_accum.window import Normalize, sample_count
+from lightning_accum.window import Normalize
 
 
 class _Ranks:

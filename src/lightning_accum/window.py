@@ -136,43 +136,6 @@ class Window:
         return window
 
 
-def batch_size(batch: Any) -> int | None:
-    """Samples in a micro-batch: dim 0 of its first tensor, depth first (fast path; in a retrieval
-    batch ``{"queries": {...}, "passages": {...}}``, the queries), else Lightning's search;
-    ``None`` where neither finds one (a batch class of the user's own)."""
-    first = batch
-    while True:  # the first tensor, depth first (a tuple of types: faster than a union on the hot path)
-        if isinstance(first, (list, tuple)) and first:
-            first = first[0]
-        elif isinstance(first, dict) and first:
-            first = next(iter(first.values()))
-        else:
-            break
-    if isinstance(first, Tensor) and first.ndim:
-        return int(first.shape[0])
-    from lightning_accum._lightning import extract_batch_size
-
-    try:
-        return extract_batch_size(batch)
-    except Exception:  # Lightning's MisconfigurationException: no tensor it can read a size from
-        return None
-
-
-def sample_count(batch: Any, needed_by: str | None) -> int:
-    """``batch_size``, or 0 where it is unknown and nothing needs it; ``needed_by`` names
-    what needs it (a schedule keyed on samples, the noise scale in samples)."""
-    samples = batch_size(batch)
-    if samples is not None:
-        return samples
-    if needed_by is not None:
-        raise ValueError(
-            f"{needed_by} needs each micro-batch's number of samples, but a batch of type `{type(batch).__name__}` "
-            "holds no tensor to read it from. Give batches as tensors (or dicts, lists, tuples or dataclasses of "
-            "them), or key the schedule on 'step', 'epoch' or 'items' (items are given by `count=`)."
-        )
-    return 0
-
-
 def check_item_count(value: object) -> int:
     """An item count as an ``int >= 0``, or a clear error naming ``count``."""
     if isinstance(value, float) and value.is_integer():

@@ -28,9 +28,10 @@ from lightning_accum.options import (
     check_flag,
 )
 from lightning_accum.probe import check_noise_under
+from lightning_accum.samples import sample_count
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.sync import SyncMode
-from lightning_accum.window import Normalize, lightning_divisor, sample_count
+from lightning_accum.window import Normalize, lightning_divisor
 
 
 class AccumulationScheduler(Callback):
