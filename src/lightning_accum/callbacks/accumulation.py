@@ -284,14 +284,13 @@ class AccumulationScheduler(Callback):
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
+        grads = None if deepspeed else gradients.optimizer_grads(optimizer)  # (DeepSpeed holds its own)
         # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
-        measurable = not (deepspeed or self._sharded)
-        closing = engine.close(trainer.strategy, grads=gradients.optimizer_grads(optimizer) if measurable else None)
+        closing = engine.close(trainer.strategy, grads=None if self._sharded else grads)  # (a shard's is not)
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
-        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None):
-            grads = gradients.optimizer_grads(optimizer)
+        elif grads is not None and (closing.scale != 1.0 or engine.probe is not None):
             gradients.scale_(grads, closing.scale)
             engine.measure_window(trainer.strategy, grads)
         engine.scale_lr(optimizer)
