@@ -201,7 +201,8 @@ def test_trainer_is_left_as_found() -> None:
         (dict(schedule=3, lr_scaling="cubic"), "lr_scaling"),
         (dict(schedule=Ramp(1, 4, over=100, unit="items")), "needs `count`"),
         (dict(schedule=3, reduction="none"), "`reduction` must be 'sum' or 'mean'"),
-        (dict(schedule=3, reduction="mean"), "needs `normalize='items'`"),
+        (dict(schedule=3, reduction="mean"), "only `normalize='items'` .* uses"),
+        (dict(schedule=3, reduction="sum"), "only `normalize='items'` .* uses"),
     ],
 )
 def test_construction_errors(kwargs: dict[str, Any], match: str) -> None:

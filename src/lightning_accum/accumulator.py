@@ -75,6 +75,11 @@ class Accumulator:
         if items is None:
             self._backward(loss)
             return
+        if self._block.windows.config.normalize != "items":
+            raise ValueError(
+                "`acc.backward(loss, items=n)` weights a mean loss by its item count, which needs "
+                "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
+            )
         _check_items(items)
         empty = gradients.no_items(items)
         if empty is True:  # a mean over no items (NaN): counted, adds nothing

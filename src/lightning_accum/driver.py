@@ -82,7 +82,7 @@ class MixinDriver(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _seam.resume_after_finished_epoch(trainer)
         self._trained = False
-        numbers = self.partial.numbers(trainer.strategy, trainer.global_rank)  # resumed inside a window
+        numbers = self.partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
             self.windows.load_local_numbers(numbers)
         self.partial.put_back(self.windows.params())

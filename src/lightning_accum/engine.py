@@ -115,6 +115,7 @@ class WindowEngine:
         #: after a resume from a checkpoint written on an exception: it must then add nothing
         self.redo: tuple[int, int] | None = None
         self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
+        self._lr_multiplier: float | None = None  # `lr_schedule`'s, asked when the open window opened
         self.metrics = WindowMetrics()  # the windows' losses, while logging
         #: the learning rates the closing window's step used: (optimizer, each group's LR)
         self.used_lrs: list[tuple[Any, list[Any]]] = []
@@ -130,7 +131,7 @@ class WindowEngine:
     ) -> None:
         """Set (or change, keeping progress and the open window) what the engine computes with."""
         self.schedule, self.normalize, self.lr_scaling = schedule, normalize, lr_scaling
-        self.lr_schedule = lr_schedule
+        self.lr_schedule, self._lr_multiplier = lr_schedule, None
         self.probe: NoiseProbe | None = None
         if isinstance(schedule, NoiseScale):
             self.probe = NoiseProbe(schedule, normalize)
@@ -148,6 +149,9 @@ class WindowEngine:
         k = self.schedule(self.progress)
         if not self.schedule.rank_consistent and strategy is not None:
             collectives.check_same_k(strategy, k, self.schedule)
+        # keyed on the progress the window opens with: asked now, so that a bad multiplier is refused before any
+        # micro-batch goes in
+        self._lr_multiplier = None if self.lr_schedule is None else self._multiplier()
         if self.first_k is None:
             self.first_k = k
         self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
@@ -228,8 +232,8 @@ class WindowEngine:
             factor = gain = adascale_gain(self.probe.estimator, units, self.first_units)
         else:
             factor = lr_factor(self.lr_scaling, window.k, self.first_k)
-        if self.lr_schedule is not None:  # keyed on the progress the window opened with
-            factor *= check_multiplier(self.lr_schedule(self.progress), self.lr_schedule, self.progress)
+        if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
+            factor *= self._multiplier() if self._lr_multiplier is None else self._lr_multiplier
         empty = not counts[0] or (self.normalize == "items" and not counts[2])
         denominator = counts[0] if self.normalize == "mean" else counts[2]
         window_losses = None
@@ -255,6 +259,11 @@ class WindowEngine:
         if empty:
             self._warn_empty(counts[0])
         return self.closing
+
+    def _multiplier(self) -> float:
+        """``lr_schedule``'s multiplier for the window opened at ``progress``, checked."""
+        assert self.lr_schedule is not None
+        return check_multiplier(self.lr_schedule(self.progress), self.lr_schedule, self.progress)
 
     def close_and_reduce(self, strategy: Any, params: Sequence[Tensor]) -> Closing:
         """``close`` where the package makes the window's gradient global itself (the mixin and Fabric
@@ -427,7 +436,7 @@ class WindowEngine:
         self.first_k, self.first_units = state.get("first_k"), state.get("first_units")
         if "adascale" in state:
             self.adascale.load_state_dict(state["adascale"])
-        self.closing, self.inflight = None, None
+        self.closing, self.inflight, self._lr_multiplier = None, None, None
         redo = state.get("redo")
         self.redo = None if redo is None else (int(redo[0]), int(redo[1]))
         if self.probe is not None:

@@ -144,8 +144,12 @@ def plan(strategy: Any, mode: SyncMode = "auto") -> SyncPlan:
     ``"skip"`` skips wherever the strategy can; ``"every"`` reduce-scatters sharded gradients after
     every micro-batch. DDP's gradients are whole on every rank, so DDP syncs once per window in all modes.
     """
+    return plan_for(family(strategy), mode)
+
+
+def plan_for(kind: Family, mode: SyncMode = "auto") -> SyncPlan:
+    """The ``SyncPlan`` of a strategy family under ``sync=mode`` (see ``plan``)."""
     check_sync_mode(mode)
-    kind = family(strategy)
     skip = {"ddp": True, "fsdp": mode == "skip", "fsdp2": mode != "every", "deepspeed": True}.get(kind, False)
     return SyncPlan(kind, skip)
 

@@ -313,7 +313,7 @@ def _fit(
                 schedule(c.schedule),
                 normalize=c.normalize,  # type: ignore[arg-type]
                 count=count_tokens if c.count else None,
-                reduction=c.reduction,  # type: ignore[arg-type]
+                reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
                 lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
                 lr_schedule=lr_schedule(c),
             )
