@@ -25,8 +25,10 @@ from typing import Any
 from torch import Tensor
 
 from lightning_accum import gradients, recovery
+from lightning_accum._lightning import rank_zero_warn
 from lightning_accum.checkpoint import PartialWindow, check_world
 from lightning_accum.engine import WindowEngine
+from lightning_accum.fabric_guards import check_set_up, guarded_block, sync_plan
 from lightning_accum.lr import LRMultiplier
 from lightning_accum.metrics import weigh
 from lightning_accum.multitask import check_loss
@@ -43,7 +45,7 @@ from lightning_accum.probe import check_noise_under
 from lightning_accum.reporting import WindowReport, metric_values, report
 from lightning_accum.samples import sample_count
 from lightning_accum.schedules import Progress, Schedule
-from lightning_accum.sync import SyncMode, SyncPlan, fsdp2_modules, plan_for
+from lightning_accum.sync import SyncMode
 from lightning_accum.window import Normalize, check_count, microbatch_items
 
 
@@ -111,9 +113,6 @@ class FabricStep:
         return microbatch_items(self._declared, self._implicit > 0, self._counted, samples)
 
 
-_MISSING = object()
-
-
 class FabricAccumulator:
     """Exact, scheduled gradient accumulation in a Lightning Fabric loop.
 
@@ -167,12 +166,12 @@ class FabricAccumulator:
         sync: SyncMode = "auto",
         log: bool = True,
     ) -> None:
-        _check_set_up(fabric, model, optimizer)
+        check_set_up(fabric, model, optimizer)
         self.schedule = check_common("FabricAccumulator", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         self.reduction = check_callback_items(normalize, count, reduction)
         check_clip(gradient_clip_val, gradient_clip_algorithm)
         self.log = check_flag("log", log)
-        self._plan = _sync_plan(fabric, model, sync)
+        self._plan = sync_plan(fabric, model, sync)
         check_noise_under(self._plan, self.schedule, lr_scaling)
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.normalize, self.count = normalize, count
@@ -185,6 +184,7 @@ class FabricAccumulator:
         self._resumed = False  # a checkpoint's numbers wait to be put back (at the next block)
         self._block: FabricStep | None = None  # the open `accumulate` block
         self._stuck: str | None = None  # why no window can go on (FSDP2 holds a cut-short pass's gradient)
+        self._told_to_load = False  # (FSDP2: how to load the state a sharded checkpoint hands back, said once)
         #: whose progress counter only `epoch=` moves (refused without it)
         self._epoch_keyed = [
             f"{name} {value!r}" for name, value in (("schedule", self.schedule), ("lr_schedule", lr_schedule))
@@ -234,7 +234,7 @@ class FabricAccumulator:
         step = self._block = FabricStep(self, counted)
         finished = False
         try:
-            with self._guard(), self.fabric.no_backward_sync(self.model, enabled=skip):
+            with guarded_block(self.fabric, self.optimizer), self.fabric.no_backward_sync(self.model, enabled=skip):
                 yield step
             finished = True
         finally:
@@ -262,27 +262,6 @@ class FabricAccumulator:
         if self._plan.family == "ddp":
             return self._ranks.world_size > 1
         return self._plan.skip and not final
-
-    @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
-        """While a block is open, ``fabric.backward`` and the optimizer's ``step`` and ``zero_grad`` refuse: each
-        would go around the window (an unweighted gradient, a step or a reset in the middle of a window)."""
-        refusals = (
-            (self.fabric, "backward", "`fabric.backward(loss)`", "call `step.backward(loss)`, which weights the loss"),
-            (self.optimizer, "step", "`optimizer.step()`", "the accumulator steps when the window's last block exits"),
-            (self.optimizer, "zero_grad", "`optimizer.zero_grad()`", "the accumulator resets after each step"),
-        )
-        saved = [(obj, name, vars(obj).get(name, _MISSING)) for obj, name, _, _ in refusals]
-        for obj, name, what, fix in refusals:
-            setattr(obj, name, _refusal(what, fix))
-        try:
-            yield
-        finally:
-            for obj, name, before in saved:
-                if before is _MISSING:
-                    vars(obj).pop(name, None)
-                else:
-                    setattr(obj, name, before)
 
     def _abandon(self, step: FabricStep, skipped: bool) -> None:
         """The block raised: if a backward pass had begun, its micro-batch is partly in the window, which then
@@ -489,6 +468,14 @@ class FabricAccumulator:
         ``fabric.save`` keeps to resume exactly, at a step or inside a window (call it on every rank).
         A window under FSDP2 with the sync skipped is left out, warned: its gradient is in FSDP2's buffers."""
         self._refuse_in_block("`acc.state_dict()`")
+        if self._plan.family == "fsdp2" and not self._told_to_load:
+            self._told_to_load = True
+            rank_zero_warn(
+                "Under `ModelParallelStrategy`, `fabric.load` of a sharded checkpoint puts the accumulator's state "
+                "into the `state` dict instead of loading it (as it does any object's but the model's and the "
+                "optimizers'): after `fabric.load(path, state)`, call `acc.load_state_dict(state['accumulation'])` "
+                "if `state['accumulation'] is not acc`, or the resumed run starts its windows from nothing."
+            )
         state = self._engine.state_dict()
         state.update(epoch=self._epoch, batch=self._batch)
         window = state["window"]
@@ -512,81 +499,6 @@ class FabricAccumulator:
         self._epoch, self._batch = int(state_dict.get("epoch", 0)), int(state_dict.get("batch", 0))
         self._partial.load(state_dict)
         self._resumed, self._stuck = True, None
-
-
-def _refusal(what: str, fix: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(f"{what} was called inside an `acc.accumulate(batch)` block, around the window: {fix}.")
-
-    return refuse
-
-
-def _classes(obj: Any) -> set[str]:
-    return {cls.__name__ for cls in type(obj).__mro__}
-
-
-def _check_set_up(fabric: Any, model: Any, optimizer: Any) -> None:
-    """``fabric`` a Fabric, ``model`` and ``optimizer`` what its ``setup`` returned (of either namespace,
-    ``lightning.fabric`` or ``lightning_fabric``; a compiled module too), or an error naming the argument."""
-    if "Fabric" not in _classes(fabric):
-        raise TypeError(
-            f"`fabric` must be the `lightning.fabric.Fabric` that set up `model` and `optimizer`; got {fabric!r}."
-        )
-
-    def kind(obj: Any) -> str:
-        names = _classes(getattr(obj, "_orig_mod", obj)) | _classes(obj)  # (`torch.compile` wraps the module)
-        return "module" if "_FabricModule" in names else "optimizer" if "_FabricOptimizer" in names else "plain"
-
-    if kind(model) == "optimizer" and kind(optimizer) == "module":
-        raise TypeError(
-            "`model` and `optimizer` are swapped: give `FabricAccumulator(fabric, model, optimizer, ...)`, in the "
-            "order `fabric.setup(model, optimizer)` returns them."
-        )
-    for name, obj, want in (("model", model, "module"), ("optimizer", optimizer, "optimizer")):
-        if kind(obj) != want:
-            raise TypeError(
-                f"`{name}` must be the {want} `fabric.setup(...)` returned (got a plain {type(obj).__name__}): "
-                "the accumulator skips its gradient sync and steps it through Fabric."
-            )
-
-
-def _sync_plan(fabric: Any, model: Any, mode: SyncMode) -> SyncPlan:
-    """How the windows make the gradient global under ``fabric.strategy``; a strategy the adapter is not
-    proved on is refused, naming it and the reason."""
-    strategy = fabric.strategy
-    names = _classes(strategy)
-    name = type(strategy).__name__
-    if "DeepSpeedStrategy" in names:
-        raise ValueError(
-            f"`FabricAccumulator` cannot run under `{name}`: DeepSpeed accumulates and steps by itself (its "
-            "`gradient_accumulation_steps`) and keeps the gradient in its own buffers. Use DDP or FSDP2 "
-            "(`ModelParallelStrategy`), or DeepSpeed's own accumulation."
-        )
-    if any("XLA" in n for n in names):
-        raise ValueError(f"`FabricAccumulator` is not proved on `{name}` (XLA): use a CUDA or CPU strategy.")
-    if "ModelParallelStrategy" in names:
-        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
-        if tensor_parallel != 1:
-            raise ValueError(
-                f"`FabricAccumulator` under `{name}` is proved for FSDP2 over a data-parallel mesh only, but this one "
-                f"has tensor_parallel_size={tensor_parallel}: its ranks would count the same samples. Give "
-                "`ModelParallelStrategy(parallelize_fn, data_parallel_size=N, tensor_parallel_size=1)`."
-            )
-        if not fsdp2_modules(getattr(getattr(model, "_orig_mod", model), "module", model)):
-            raise ValueError(
-                f"`FabricAccumulator` under `{name}` needs the model sharded with FSDP2 (`fully_shard` in the "
-                "strategy's `parallelize_fn`): without it the ranks' gradients are never made global."
-            )
-        return plan_for("fsdp2", mode)
-    if "DDPStrategy" in names:
-        return plan_for("ddp", mode)
-    if "SingleDeviceStrategy" in names:
-        return plan_for("single", mode)
-    raise ValueError(
-        f"`FabricAccumulator` is not proved on `{name}`, so it refuses to run there rather than risk a wrong "
-        "gradient. It runs on one device, DDP and FSDP2 (`ModelParallelStrategy`); FSDP (1) needs CUDA, on which "
-        "it is not tested yet: use FSDP2 instead."
-    )
 
 
 __all__ = ["FabricAccumulator", "FabricStep"]

@@ -77,6 +77,29 @@ CASES: dict[str, dict[str, Any]] = {
         "adapter": "fabric", "batch_size": 2, "clip": [0.5, "norm"], "epochs": 2, "interruptions": [["save", 0, 2]],
         "limit_train_batches": 3, "lr": 0.01, "max_steps": 5, "n": 18, "optimizer": "adam", "seed": 699,
         "schedule": {"family": "constant", "k": 5}},
+    # issue 30: two backward passes of one micro-batch counted its items twice (`reduction="mean"`: the gradient
+    # halved, `Progress.items` doubled, an items-keyed schedule twice as fast)
+    "fabric_two_passes_mean_loss": {
+        "adapter": "fabric", **_ITEMS, "reduction": "mean", "passes": 2, "epochs": 2, "n": 26, "seed": 7,
+        "schedule": {"family": "ramp", "start": 1, "end": 4, "over": 80, "unit": "items"}},
+    # issue 30: `state_dict` right after `load_state_dict` (before the next block) saved no partial gradient
+    "fabric_saved_again_right_after_a_load": {
+        "adapter": "fabric", **_ITEMS, "reduction": "sum", "epochs": 2, "n": 26, "seed": 8, "resave": True,
+        "interruptions": [["save", 0, 3], ["save", 1, 1]], "schedule": {"family": "constant", "k": 3}},
+    # issue 30: an `lr_schedule` keyed on epochs without `epoch=` stayed at epoch 0 (refused now, then given)
+    "fabric_epoch_lr_schedule_without_epoch": {
+        "adapter": "fabric", "epochs": 3, "n": 20, "epoch_arg": False, "schedule": {"family": "constant", "k": 2},
+        "lr_schedule": {"warmup": 1, "total": 3, "unit": "epoch", "final": 0.0}},
+    # issue 30: FSDP2 in a Fabric loop trained wrong parameters (or none); DDP resumed inside a window, the
+    # checkpoint refused on one process
+    "fabric_fsdp2_two_ranks": {
+        "adapter": "fabric", **_ITEMS, "reduction": "mean", "world": 2, "strategy": "fsdp2", "last_arg": True,
+        "epochs": 2, "n": 31, "seed": 11, "clip": [0.05, "norm"], "optimizer": "adam", "lr": 0.01,
+        "interruptions": [["save", 0, 1]], "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 40,
+                                                        "unit": "items"}},
+    "fabric_ddp_two_ranks_resumed_inside_a_window": {
+        "adapter": "fabric", "world": 2, "epochs": 2, "n": 32, "seed": 12, "passes": 2, "resave": True,
+        "interruptions": [["save", 0, 1], ["save", 1, 2]], "schedule": {"family": "constant", "k": 3}},
     # every option at once, through two resumes
     "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
                    "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},

@@ -60,6 +60,15 @@ class Config:
     callbacks: list[str] = dataclasses.field(default_factory=list)
     monitor: str = "probe"  # what EarlyStopping and ReduceLROnPlateau watch: "probe" (logged) or "accum/loss"
     swa: list[float] | None = None  # StochasticWeightAveraging: [swa_lrs, swa_epoch_start (from 1: epoch 0)]
+    # the Fabric loop: backward passes per micro-batch (its loss split over its tokens), whether each checkpoint
+    # is saved again right after it is loaded (before the next block), whether `accumulate` gets `epoch=`
+    passes: int = 1
+    resave: bool = False
+    epoch_arg: bool = True
+    last_arg: bool = False  # whether the epoch's last `accumulate` gets `last=True` (else `flush` closes it)
+    # the multi-process part (`ranks.py`): processes, each taking every `world`-th batch, and their strategy
+    world: int = 1
+    strategy: str = "ddp"  # "ddp" | "fsdp2"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -80,8 +89,13 @@ class Config:
         return "early_stopping" in self.callbacks or (self.scheduler or {}).get("kind") == "plateau"
 
     def batches_per_epoch(self) -> int:
-        n = -(-self.n // self.batch_size)
+        """Per process: rank r's j-th batch is the data's batch ``j * world + r``."""
+        n = -(-self.n // self.batch_size) // self.world
         return n if self.limit_train_batches is None else min(n, self.limit_train_batches)
+
+    def epoch_keyed(self) -> bool:
+        """Whether the schedule or the LR schedule is keyed on epochs (`epoch=` is then required)."""
+        return "epoch" in self.units()
 
 
 def generate(rng: random.Random) -> Config:
@@ -115,8 +129,8 @@ def generate(rng: random.Random) -> Config:
     if c.adapter == "mixin" and c.mode != "heads" and rng.random() < 0.3:
         c.optimizers, c.shared = 2, rng.random() < 0.5
     c.lr = 0.01 if c.optimizer == "adam" else 0.1
-    if rng.random() < 0.3:
-        c.clip = [rng.choice([0.05, 0.5]), rng.choice(["norm", "value"])]
+    if rng.random() < 0.3:  # (at the edges too: all but nothing clipped, or never)
+        c.clip = [rng.choice([1e-9, 0.05, 0.5, 1e9]), rng.choice(["norm", "value"])]
     if rng.random() < 0.25:
         c.lr_scaling = rng.choice(["linear", "sqrt"])
     r = rng.random()
@@ -150,17 +164,39 @@ def generate(rng: random.Random) -> Config:
     if c.mode == "cached":
         c.chunks = [rng.randint(1, 3), rng.randint(1, 5)]
     if rng.random() < 0.15:  # the same options in a Fabric loop, where it has them
-        c = fabric_config(c)
+        c = fabric_config(c, rng)
     return c
 
 
-def fabric_config(c: Config) -> Config:
+def fabric_config(c: Config, rng: random.Random) -> Config:
     """``c`` without what a Fabric loop does not have (Lightning's callbacks, schedulers, validation,
-    SWA, decay, failures at Lightning hooks, the mixin's modes): the ``"fabric"`` adapter's config."""
+    SWA, decay, failures at Lightning hooks, the mixin's modes): the ``"fabric"`` adapter's config, with
+    what only it has: two backward passes per micro-batch, checkpoints saved again right after their
+    load, and loops that give no `epoch=` (refused first where a schedule is keyed on epochs)."""
     c.adapter, c.mode, c.optimizers, c.shared, c.chunks = "fabric", "backward", 1, False, [2, 2]
     c.scheduler = c.decay = c.val_every = c.swa = None
     c.callbacks, c.monitor = [], "probe"
     c.interruptions = [i for i in c.interruptions if i[0] == "save"]
+    c.passes = rng.choice([1, 1, 2])
+    c.resave = bool(c.interruptions) and rng.random() < 0.5
+    # (a `Lambda` reading the epoch cannot be seen to: without `epoch=` its epoch would stay 0)
+    c.epoch_arg = c.schedule.get("fn") == "epoch_up" or rng.random() < 0.7
+    c.last_arg = rng.random() < 0.5
+    return c
+
+
+def ranks_config(rng: random.Random) -> Config:
+    """A Fabric loop on 2 processes (``ranks.py``), DDP or FSDP2: rank r takes every other batch."""
+    c = fabric_config(generate(rng), rng)
+    c.world, c.strategy = 2, rng.choice(["ddp", "fsdp2"])
+    c.last_arg = c.last_arg or c.strategy == "fsdp2"  # (FSDP2 needs to know a window's last micro-batch)
+    c.limit_train_batches = None
+    c.n = rng.randint(3, 8) * 2 * c.batch_size - rng.randrange(c.batch_size)  # an even number of batches
+    c.empty_batches = [b for b in c.empty_batches if b < -(-c.n // c.batch_size)]
+    c.max_steps = -1 if c.max_steps == -1 else rng.randint(1, 2 * c.batches_per_epoch())
+    total = c.batches_per_epoch() * c.epochs
+    c.interruptions = [["save", at // c.batches_per_epoch(), at % c.batches_per_epoch()] for at in
+                       sorted(rng.sample(range(total), min(total, len(c.interruptions))))]  # fmt: skip
     return c
 
 

@@ -141,8 +141,9 @@ def run(c: Config) -> Result:
         while i < batches and not done:
             k = schedule_k(c.schedule, p)
             first_k = first_k or k
-            window = [data.batch(j) for j in range(i, min(i + k, batches))]
-            i += len(window)
+            held = range(i, min(i + k, batches))  # each process's batches j: the data's j * world + r
+            window = [data.batch(j * c.world + r) for j in held for r in range(c.world)]
+            i += len(held)
             samples = sum(len(b["x"]) for b in window)
             counts = [float(b["mask"].sum()) if c.count else float(len(b["x"])) for b in window]
             tokens = sum(counts)
