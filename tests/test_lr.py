@@ -39,7 +39,7 @@ def test_shapes_against_their_formulas() -> None:
         (lambda: WarmupCosine(10, 10), "`total`=10 must be greater than `warmup`=10"),
         (lambda: WarmupCosine(-1, 10), "`warmup` must be a number >= 0"),
         (lambda: WarmupLinear(1, 10, final=2.0), r"`final` must be a multiplier in \[0, 1\]"),
-        (lambda: WarmupLinear(1, 10, unit="tokens"), "`unit` must be one of"),
+        (lambda: WarmupLinear(1, 10, unit="tokenz"), "`unit` must be one of"),
         (lambda: AccumulationScheduler(2, lr_schedule=0.5), "`lr_schedule` must be a function of Progress"),
         (lambda: ManualTokenModel(schedule=2, lr_schedule="cosine"), "`lr_schedule` must be a function of Progress"),
     ],
