@@ -18,7 +18,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 QUICK = {
     "overhead.py": ["--repeats", "1", "--batches", "40"],
-    "multitask_memory.py": ["--repeats", "1"],
+    "multitask_memory.py": ["--repeats", "1", "--scale", "16", "--tasks", "2"],
     "decay.py": ["--rounds", "1", "--steps", "2"],
     "noise_scale.py": ["--rounds", "0", "--batches", "24"],
     "comm_calls.py": [],
