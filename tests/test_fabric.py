@@ -337,7 +337,7 @@ def test_an_exception_inside_a_block_leaves_out_only_what_it_cut() -> None:
         raise KeyError("before any backward")
     block(acc, BATCHES[1]), block(reference, BATCHES[1])
     assert max_diff([p.grad for p in net.parameters()], [p.grad for p in reference_net.parameters()]) == 0.0
-    cut = r"leaves its 2 micro-batch\(es\) out"
+    cut = r"after its `step.backward`: .* the window \(2 earlier micro-batch\(es\) and this one\) was left out"
     with pytest.warns(UserWarning, match=cut), pytest.raises(KeyError), acc.accumulate(BATCHES[2]) as step:
         step.backward(token_losses(acc.model, BATCHES[2])[0])
         raise KeyError("after a backward")
@@ -425,3 +425,70 @@ def test_bit_identical_to_fabrics_own_loop_under_each_cpu_precision(precision: s
         got = _hand_written(Fabric(accelerator="cpu", devices=1, precision=precision), batches, 3, True)  # type: ignore[arg-type]
         want = _hand_written(Fabric(accelerator="cpu", devices=1, precision=precision), batches, 3, False)  # type: ignore[arg-type]
     assert max_diff(got, want) == 0.0
+
+
+def mean_loss(model: Any, batch: Batch) -> torch.Tensor:
+    total, tokens = token_losses(model, batch)
+    return total / tokens
+
+
+def test_a_rollback_to_a_step_checkpoint_inside_a_window_drops_the_window(tmp_path: Path) -> None:
+    """Loading a checkpoint saved at a step while a window is open (rolling back after a loss spike) gives up the
+    open window for the checkpoint's state: its gradient does not leak into the next window."""
+    net, acc = made(Constant(2))
+    state = {"accumulation": acc, "model": acc.model, "optimizer": acc.optimizer}
+    acc.fabric.save(tmp_path / "step.pt", state)  # at a step (none yet)
+    with acc.accumulate(BATCHES[5]) as step:
+        step.backward(mean_loss(acc.model, BATCHES[5]))
+    acc.fabric.load(tmp_path / "step.pt", state)
+    for batch in BATCHES[:4]:
+        with acc.accumulate(batch) as step:
+            step.backward(mean_loss(acc.model, batch))
+    expected, _ = Reference(Constant(2), optimizer="plain-sgd").run([[BATCHES[:4]]])
+    assert max_diff(list(net.parameters()), expected) <= 1e-12
+
+
+def test_a_block_that_backpropagates_around_step_backward_drops_the_window() -> None:
+    """`loss.backward()` in a block cannot be seen, but a block without `step.backward` is refused, and what it may
+    have added leaves the window (warned): the next window is clean."""
+    net, acc = made(Constant(2))
+    with acc.accumulate(BATCHES[0]) as step:
+        step.backward(mean_loss(acc.model, BATCHES[0]))
+    went_around = r"no `step.backward`: .* the window \(1 earlier micro-batch\(es\) and this one\) was left out"
+    refused = pytest.raises(RuntimeError, match=r"made no `step.backward")
+    with pytest.warns(UserWarning, match=went_around), refused, acc.accumulate(BATCHES[1]):
+        token_losses(acc.model, BATCHES[1])[0].backward()  # (the automatic-optimization habit)
+    assert all(p.grad is None for p in net.parameters()) and acc._engine.window is None
+    for batch in BATCHES[2:4]:
+        with acc.accumulate(batch) as step:
+            step.backward(mean_loss(acc.model, batch))
+    expected, _ = Reference(Constant(2), optimizer="plain-sgd").run([[BATCHES[2:4]]])
+    assert max_diff(list(net.parameters()), expected) <= 1e-12
+
+
+def test_a_count_the_batch_holds_is_taken_as_it_was_when_the_block_opened() -> None:
+    """A tensor count read at the window's end is a copy: changed in the block (or refilled by the loader for the
+    next micro-batch), it counts as it was."""
+    net, acc = made(Constant(2), normalize="items", count=lambda batch: batch["n"], reduction="sum")
+    for batch in BATCHES[:4]:
+        batch = {**batch, "n": batch["mask"].sum()}
+        with acc.accumulate(batch) as step:
+            step.backward(token_losses(acc.model, batch)[0])
+            batch["n"] += 100
+    expected, _ = Reference(Constant(2), normalize="items", optimizer="plain-sgd").run([[BATCHES[:4]]])
+    assert max_diff(list(net.parameters()), expected) <= 1e-12
+    assert acc.progress.items == int(sum(b["mask"].sum() for b in BATCHES[:4]))
+
+
+def test_a_tensor_count_found_bad_at_the_windows_end_says_so() -> None:
+    """A tensor's value is read with the window's counts: found negative then, the error names it and the warning
+    says the window was left out (its gradient cleared: a loop that goes on starts clean)."""
+    counts = iter([torch.tensor(3.0), torch.tensor(-1.0)])
+    net, acc = made(Constant(2), normalize="items", count=lambda batch: next(counts), reduction="sum")
+    with acc.accumulate(BATCHES[0]) as step:
+        step.backward(token_losses(acc.model, BATCHES[0])[0])
+    bad = r"the window's tensor count 1, from `count\(batch\)` or `items=`\) was -1"
+    left_out = pytest.warns(UserWarning, match=r"step failed \(ValueError\).*2 micro-batch")
+    with left_out, pytest.raises(ValueError, match=bad), acc.accumulate(BATCHES[1]) as step:
+        step.backward(token_losses(acc.model, BATCHES[1])[0])
+    assert all(p.grad is None for p in net.parameters()) and acc.progress.step == 0

@@ -279,8 +279,10 @@ def test_going_around_the_window_inside_a_block_is_refused() -> None:
     one_block(acc)
     for call, match in (
         (lambda: acc.fabric.backward(token_losses(acc.model, BATCHES[1])[0]), r"`fabric.backward\(loss\)` was called"),
-        (lambda: acc.optimizer.step(), r"`optimizer.step\(\)` was called inside"),
-        (lambda: acc.optimizer.zero_grad(), r"`optimizer.zero_grad\(\)` was called inside"),
+        (lambda: acc.optimizer.step(), r"`optimizer.step\(\)` was called while an accumulation window is open"),
+        (lambda: acc.optimizer.optimizer.step(), r"`optimizer.step\(\)` was called while"),
+        (lambda: acc.optimizer.zero_grad(), r"`optimizer.zero_grad\(\)` was called while"),
+        (lambda: acc.model.zero_grad(), r"`model.zero_grad\(\)` was called while"),
         (lambda: acc.flush(), r"`acc.flush\(\)` was called inside"),
         (lambda: acc.state_dict(), r"`acc.state_dict\(\)` was called inside"),
         (lambda: acc.load_state_dict({}), r"`acc.load_state_dict\(...\)` was called inside"),
@@ -292,8 +294,14 @@ def test_going_around_the_window_inside_a_block_is_refused() -> None:
                 call()
             assert same(state(acc), before)
             step.backward(token_losses(acc.model, BATCHES[1])[0])
-    # after the blocks, everything is back: Fabric's own backward, step and zero_grad
+    # between blocks, a reset or a step of the open window is refused too
+    calls = ((acc.optimizer.zero_grad, "zero_grad"), (acc.optimizer.step, "step"), (acc.model.zero_grad, "zero_grad"))
+    for call, match in calls:
+        _call_refused(acc, call, RuntimeError, rf"`(optimizer|model).{match}\(\)` was called while .* `acc.flush\(\)`")
+    acc.flush()  # the window closed: everything is back (Fabric's own backward, step and zero_grad)
     assert "backward" not in vars(acc.fabric) and not {"step", "zero_grad"} & set(vars(acc.optimizer))
+    assert "zero_grad" not in vars(acc.model)
+    acc.optimizer.zero_grad()
 
 
 def test_step_backward_after_its_block_is_refused() -> None:
@@ -326,3 +334,15 @@ def test_an_lr_schedule_gone_negative_is_refused_before_the_window_takes_a_batch
         one_block(acc, batch)
     assert acc.progress.step == 2
     _call_refused(acc, lambda: one_block(acc, BATCHES[0]), ValueError, r"returned -1.0 at Progress\(.*must return")
+
+
+def test_an_optimizer_of_another_model_or_another_fabric_is_refused() -> None:
+    fabric, model, optimizer = setup()
+    other_fabric, other_model, other_optimizer = setup()
+    with pytest.raises(ValueError, match=r"`optimizer` holds parameters that are not `model`'s"):
+        FabricAccumulator(fabric, model, fabric.setup_optimizers(torch.optim.SGD(make_net().parameters(), lr=0.1)))
+    with pytest.raises(ValueError, match=r"`model` was set up by another Fabric than `fabric`"):
+        FabricAccumulator(fabric, other_model, optimizer)
+    with pytest.raises(ValueError, match=r"`optimizer` was set up by another Fabric"):
+        FabricAccumulator(other_fabric, other_model, optimizer)
+    del other_optimizer

@@ -70,6 +70,13 @@ def samples_needed_by(schedule: Schedule, normalize: str, lr_scaling: str | None
     return None
 
 
+def window_id(epoch: int, start: int) -> list[int]:
+    """A window's identity (of its epoch and first micro-batch) and its square: small integers, exact in the
+    float64 count all-reduce, whose sums over ranks tell whether every rank closes the same window."""
+    ident = (epoch * 1_000_003 + start) % 65_521 + 1
+    return [ident, ident * ident]
+
+
 class WindowEngine:
     """One window group's lifecycle and state.
 
@@ -209,10 +216,15 @@ class WindowEngine:
         measure = grads is not None and (self.metrics.tracking or self.probe is not None)
         local.append(norms(grads) if measure else [])  # type: ignore[arg-type]
         local.append(self.probe.pending() if self.probe is not None else [])
-        summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *sums]
+        # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran
+        # out first, an exception one rank caught) fail together rather than mix their windows
+        ident = [] if single else window_id(self.progress.epoch, window.start)
+        summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *sums]
         totals, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)
-        window.settle_items(items)  # type: ignore[arg-type]
         counts = [round(v) for v in totals[: 3 + len(extra)]]
+        if ident:
+            collectives.check_same_window(strategy, *totals[3 + len(extra) : 5 + len(extra)])
+        window.settle_items(items)  # type: ignore[arg-type]
         scale = window.gradient_scale(
             self.normalize,
             world_size=collectives.world_size(strategy),
@@ -238,7 +250,7 @@ class WindowEngine:
         denominator = counts[0] if self.normalize == "mean" else counts[2]
         window_losses = None
         if self.metrics.tracking and denominator:
-            totals = totals[3 + len(extra) :]
+            totals = totals[3 + len(extra) + len(ident) :]
             window_losses = {
                 name: (total * factor + offset if single else total) / denominator
                 for (name, _, factor, offset), total in zip(losses, totals, strict=True)

@@ -18,17 +18,19 @@ window's gradient in FSDP2's own backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import Tensor
 
-from lightning_accum import gradients, recovery
+from lightning_accum import gradients
 from lightning_accum._lightning import rank_zero_warn
 from lightning_accum.checkpoint import PartialWindow, check_world
 from lightning_accum.engine import WindowEngine
-from lightning_accum.fabric_guards import check_set_up, guarded_block, sync_plan
+from lightning_accum.fabric_guards import WindowGuard, check_same_owner, check_set_up, sync_plan
 from lightning_accum.lr import LRMultiplier
 from lightning_accum.metrics import weigh
 from lightning_accum.multitask import check_loss
@@ -172,13 +174,16 @@ class FabricAccumulator:
         check_clip(gradient_clip_val, gradient_clip_algorithm)
         self.log = check_flag("log", log)
         self._plan = sync_plan(fabric, model, sync)
+        check_same_owner(fabric, model, optimizer)
         check_noise_under(self._plan, self.schedule, lr_scaling)
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.normalize, self.count = normalize, count
         self.clip_val, self.clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule)
         self._engine.start_fit(self._plan, log)
-        self._fabric_backward = fabric.backward  # (the block refuses `fabric.backward` while it is open)
+        # Fabric's own backward (refused to the user inside a block, where the instance's attribute is set)
+        self._fabric_backward = functools.partial(type(fabric).backward, fabric)
+        self._guard = WindowGuard(fabric, model, optimizer, optimizer.optimizer)
         self._ranks = _Ranks(fabric)
         self._partial = PartialWindow()
         self._resumed = False  # a checkpoint's numbers wait to be put back (at the next block)
@@ -225,26 +230,31 @@ class FabricAccumulator:
         self._check_epoch(epoch)
         engine = self._engine
         self._put_back()
-        # counted before the block's code can change the batch (e.g. `labels = batch.pop("labels")`)
+        # counted before the block's code can change the batch (e.g. `labels = batch.pop("labels")`); a tensor
+        # count is copied, so that a count the batch holds (or a buffer the loader fills again) stays as it was
         samples = sample_count(batch, engine.samples_needed_by)
         counted = None if self.count is None else check_count(self.count(batch))
+        if isinstance(counted, Tensor):
+            counted = counted.detach().clone()
         window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
         final = final or window.microbatches + 1 >= window.k
         skip = self._skips_sync(final)
         step = self._block = FabricStep(self, counted)
+        self._guard.arm()
         finished = False
         try:
-            with guarded_block(self.fabric, self.optimizer), self.fabric.no_backward_sync(self.model, enabled=skip):
+            with self._guard.block(), self.fabric.no_backward_sync(self.model, enabled=skip):
                 yield step
             finished = True
         finally:
             step._open, self._block = False, None
             if not finished:
-                self._abandon(step, skip)
+                self._abandon(step, skip, "An exception inside an `accumulate` block after its `step.backward`")
         if not step.passes:
+            self._abandon(step, skip, "An `accumulate` block that made no `step.backward`", always=True)
             raise RuntimeError(
-                "The `accumulate` block made no `step.backward(loss)`: call it (not `fabric.backward`) for the "
-                "micro-batch's loss, so that it is weighted into the window."
+                "The `accumulate` block made no `step.backward(loss)`: call it (not `loss.backward()` or "
+                "`fabric.backward`) for the micro-batch's loss, so that it is weighted into the window."
             )
         engine.count(samples, step._items(samples))
         engine.backward_done()
@@ -263,24 +273,38 @@ class FabricAccumulator:
             return self._ranks.world_size > 1
         return self._plan.skip and not final
 
-    def _abandon(self, step: FabricStep, skipped: bool) -> None:
-        """The block raised: if a backward pass had begun, its micro-batch is partly in the window, which then
-        cannot be stepped exactly: the window is left out (warned), its gradient cleared, so that a loop that
-        goes on starts a clean window."""
-        if not step.passes:
+    def _abandon(self, step: FabricStep, skipped: bool, what: str, always: bool = False) -> None:
+        """A block ended without its micro-batch counted (it raised, or made no ``step.backward``). If a backward
+        pass may have run (``always``: one that went around the window cannot be seen), the micro-batch may be
+        partly in the window, which then cannot be stepped exactly: the window is left out (warned), its
+        gradient cleared, so that a loop that goes on starts a clean one."""
+        window = self._engine.window
+        if not (step.passes or always):
+            if window is None or not window.microbatches:
+                self._guard.disarm()
             return  # nothing of this micro-batch reached the gradient: the window goes on as it was
-        recovery.settle(
-            self._engine, (self._epoch, self._batch), processed=False, in_backward=False, open_pass=True,
-            rescaled=False,
-        )  # fmt: skip
-        for p in self.params:
-            p.grad = None
+        held = 0 if window is None else window.microbatches
+        self._drop_window()
+        warnings.warn(
+            f"{what}: the micro-batch may be partly in the window's gradient, so the window ({held} earlier "
+            f"micro-batch(es) and this one) was left out and its gradient cleared; the next block starts a clean "
+            "window.",
+            stacklevel=4,
+        )
         if skipped and self._plan.family == "fsdp2":
             self._stuck = (
-                "A block raised after a backward pass under FSDP2 with the gradient sync skipped: FSDP2 holds that "
-                "pass's gradient in its own unsharded buffers, which the accumulator cannot clear, and the next "
-                "reduce-scatter would add it to the next window. Resume from the last checkpoint saved at a step."
+                "A block ended without its micro-batch under FSDP2 with the gradient sync skipped: FSDP2 holds what "
+                "its backward passes made in its own unsharded buffers, which the accumulator cannot clear, and the "
+                "next reduce-scatter would add it to the next window. Resume from the last checkpoint saved at a step."
             )
+
+    def _drop_window(self) -> None:
+        """Leave the open window out: its counts and gradient gone, the calls around it given back."""
+        self._engine.restore_lr()
+        self._engine.discard()
+        for p in self.params:
+            p.grad = None
+        self._guard.disarm()
 
     def _refuse_stuck(self) -> None:
         if self._stuck is not None:
@@ -343,6 +367,8 @@ class FabricAccumulator:
                     "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
                 )
             items = check_count(items, "`items=`")
+            if isinstance(items, Tensor):  # (kept until the window's end: a copy, as the batch may change)
+                items = items.detach().clone()
             step._declared = items if step._declared is None else step._declared + items
         else:
             step._implicit += 1
@@ -372,6 +398,7 @@ class FabricAccumulator:
         window = self._engine.window
         if window is None or not window.microbatches:
             self._engine.discard()
+            self._guard.disarm()
             return None
         if self._plan.sharded and self._plan.skip and not window.synced:
             raise RuntimeError(
@@ -385,14 +412,20 @@ class FabricAccumulator:
         return step.window
 
     def _step(self, step: FabricStep) -> None:
+        self._guard.disarm()
         try:
             self._close_and_step(step)
-        except BaseException:
+        except BaseException as error:
             # a window whose step did not finish cannot be stepped again exactly: left out, a clean one next
-            self._engine.restore_lr()
-            self._engine.discard()
-            for p in self.params:
-                p.grad = None
+            window = self._engine.window
+            self._drop_window()
+            if not isinstance(error, FloatingPointError):  # (whose message says so already)
+                warnings.warn(
+                    f"The window's step failed ({type(error).__name__}), so the window ("
+                    f"{0 if window is None else window.microbatches} micro-batch(es) on this rank) was left out and "
+                    "its gradient cleared; the next block starts a clean window.",
+                    stacklevel=3,
+                )
             raise
 
     def _close_and_step(self, step: FabricStep) -> None:
@@ -495,10 +528,21 @@ class FabricAccumulator:
             )
         if "grads" in state_dict:
             check_world(state_dict, self._ranks)
+        live = self._engine.window
+        held_by_fsdp2 = live is not None and live.microbatches and self._plan.sharded and self._plan.skip
+        # the window under way is given up for the checkpoint's (put back at the next block, if it holds one)
+        self._drop_window()
         self._engine.load_state_dict(dict(state_dict))
         self._epoch, self._batch = int(state_dict.get("epoch", 0)), int(state_dict.get("batch", 0))
         self._partial.load(state_dict)
         self._resumed, self._stuck = True, None
+        if held_by_fsdp2:
+            self._stuck = (
+                "A checkpoint was loaded while a window was open under FSDP2 with the gradient sync skipped: FSDP2 "
+                "holds that window's gradient in its own unsharded buffers, which the accumulator cannot clear, and "
+                "the next reduce-scatter would add it to the loaded run. Load the checkpoint in a fresh process (or "
+                "between windows)."
+            )
 
 
 __all__ = ["FabricAccumulator", "FabricStep"]

@@ -51,8 +51,8 @@ class Window:
 
     def add(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch (all or nothing: a bad count changes no counter)."""
-        if isinstance(items, Tensor):
-            self.pending_items.append(check_count(items).detach().reshape(()))  # type: ignore[union-attr]
+        if isinstance(items, Tensor):  # (a copy: a count the batch holds, or a loader's reused buffer, may change)
+            self.pending_items.append(check_count(items).detach().reshape(()).to(torch.float64, copy=True))  # type: ignore[union-attr]
         else:
             self.items += items if type(items) is int and items >= 0 else check_item_count(items)
         self.microbatches += 1
@@ -78,19 +78,21 @@ class Window:
     def local_items(self) -> int:
         """This rank's item count; resolves device counts with one host transfer."""
         if self.pending_items:
-            self.settle_items(torch.stack([t.to(torch.float64) for t in self.pending_items]).tolist())
+            self.settle_items(torch.stack(self.pending_items).tolist())
         return self.items
 
     def items_on_device(self) -> int | Tensor:
         """This rank's item count without a host transfer (a device scalar where counts are tensors)."""
         if not self.pending_items:
             return self.items
-        return self.items + torch.stack([t.to(torch.float64) for t in self.pending_items]).sum()
+        return self.items + torch.stack(self.pending_items).sum()
 
     def settle_items(self, values: Sequence[float]) -> None:
         """The device counts (``pending_items``), read: checked and added to ``items``."""
         self.pending_items.clear()
-        self.items += sum(check_item_count(v) for v in values)
+        counts = [check_item_count(v, f"the window's tensor count {i}, from `count(batch)` or `items=`")
+                  for i, v in enumerate(values)]  # fmt: skip
+        self.items += sum(counts)
 
     @property
     def full(self) -> bool:

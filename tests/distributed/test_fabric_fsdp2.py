@@ -45,6 +45,10 @@ CASES: dict[str, tuple[Schedule, dict[str, Any]]] = {
 
 
 def shard(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """Every Linear and the root; a module marked ``first_only``: its first layer alone (a mistake)."""
+    if getattr(module, "first_only", False):
+        fully_shard(module[0], mesh=mesh["data_parallel"])
+        return module
     for layer in module:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh["data_parallel"])
@@ -90,6 +94,14 @@ def ranks(fabric: Fabric, out: Path) -> None:
         report["refused"] = ""
     except RuntimeError as error:
         report["refused"] = str(error)
+    net = make_net()  # only the first layer sharded: the second's gradient would never be reduced
+    net.first_only = True
+    model = fabric.setup_module(net)
+    try:
+        FabricAccumulator(fabric, model, fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1)))
+        report["partly sharded"] = ""
+    except ValueError as error:
+        report["partly sharded"] = str(error)
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
 
 
@@ -122,3 +134,4 @@ def test_fsdp2_in_a_fabric_loop_matches_one_process(tmp_path: Path, monkeypatch:
             assert scatters == SHARDED_LAYERS * rounds, name
         assert "its last micro-batch skipped the gradient sync" in report["refused"]
         assert "Give `last=True`" in report["refused"]
+        assert "the parameters 2.weight, 2.bias are not sharded by `fully_shard`" in report["partly sharded"]
