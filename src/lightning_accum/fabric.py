@@ -148,7 +148,7 @@ class FabricAccumulator:
             with acc.accumulate(batch, last=i == len(loader) - 1) as step:
                 step.backward(model(**batch).loss)
         acc.flush()  # (a no-op after `last=True`) a short last window, divided by its own size
-        fabric.save(path, {"model": model, "optimizer": optimizer, "accumulation": acc})
+        fabric.save(path, {"accumulation": acc, "model": model, "optimizer": optimizer})
     """
 
     def __init__(

@@ -41,7 +41,7 @@ class WindowReport:
         task_losses: each task's window loss, by ``"loss/<task>"`` (the mixin's ``backward_each``/``backward_heads``).
         grad_norm: the norm of the window's normalised gradient before clipping (``None`` where it is not
             measured: ``log=False``, sharded strategies, DeepSpeed); a float, or a device scalar where the
-            gradient is made global after the counts (the mixin under DDP).
+            gradient is made global after the counts (the mixin and Fabric loops under DDP).
         lr: the learning rate each optimizer's group stepped with (``lr_scaling`` and ``lr_schedule``
             included), keyed as logged: ``"lr"`` for one optimizer of one group, else
             ``LearningRateMonitor``'s names (``"lr-Adam"``, ``"lr-Adam-1/pg2"``).
