@@ -228,7 +228,7 @@ def test_scheduler_keys_are_kept_from_configure_optimizers() -> None:
     """Lightning drops `monitor`, `strict` and `reduce_on_plateau` in manual optimization, and warns that it
     ignores them; the seam catches them first and hands Lightning copies without them (no warning)."""
     model, found = PlateauManual(step_schedulers=False), {}  # type: ignore[var-annotated]
-    keep_scheduler_keys(model, found)
+    keep_scheduler_keys(model, found, lambda: True)
     t = trainer(max_epochs=1, limit_train_batches=1)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*keys will be ignored.*")
@@ -238,8 +238,11 @@ def test_scheduler_keys_are_kept_from_configure_optimizers() -> None:
     assert found == {id(plateau): ("x", False, None), id(step): (None, True, False)}
     assert model.configs[0] == {"scheduler": plateau, "monitor": "x", "strict": False}  # the user's, as they were
     assert "configure_optimizers" not in vars(model)  # the class's method again
-    with pytest.warns(RuntimeWarning, match="keys will be ignored"):  # (what Lightning does without the seam)
-        trainer(max_epochs=1, limit_train_batches=1).fit(PlateauManual(step_schedulers=False), loader(TokenData(8), 4))
+    with pytest.warns(RuntimeWarning, match="keys will be ignored"):  # (Lightning's, where they are not honoured)
+        other, also = PlateauManual(step_schedulers=False), {}  # type: ignore[var-annotated]
+        keep_scheduler_keys(other, also, lambda: False)
+        trainer(max_epochs=1, limit_train_batches=1).fit(other, loader(TokenData(8), 4))
+    assert len(also) == 2
 
 
 class EpochEnds(ManualTokenModel):

@@ -4,6 +4,7 @@ multipliers keyed on progress (composed with the Trainer's LR scheduler and with
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -439,3 +440,22 @@ def test_plateau_of_the_epoch_sees_what_the_module_logged_at_its_end() -> None:
     assert manual.plateau.fed == manual.means == automatic.plateau.fed == automatic.means
     assert manual.plateau.optimizer.param_groups[0]["lr"] == automatic.plateau.optimizer.param_groups[0]["lr"] == 0.25
     assert all(torch.equal(a, b) for a, b in zip(manual.parameters(), automatic.parameters(), strict=True))
+
+
+class ConfiguredInSetup(ManualEpochMean):
+    """`configure_accumulation` in `setup` (after the mixin's own `setup` hook) rather than `__init__`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.configure_accumulation(step_schedulers=False)
+
+    def setup(self, stage: str) -> None:
+        self.configure_accumulation(step_schedulers=True)
+
+
+def test_the_contract_configured_in_setup_still_keeps_the_plateaus_monitor() -> None:
+    model = ConfiguredInSetup()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*keys will be ignored.*")  # (the mixin honours them)
+        trainer(max_epochs=2).fit(model, loader(DATA, 4))
+    assert model.plateau.fed == model.means

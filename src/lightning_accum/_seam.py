@@ -160,19 +160,23 @@ def suspend_clipping(trainer: Any) -> Any:
 DROPPED_SCHEDULER_KEYS = ("monitor", "strict", "reduce_on_plateau")
 
 
-def keep_scheduler_keys(module: Any, found: dict[int, tuple[str | None, bool, bool | None]]) -> None:
+def keep_scheduler_keys(
+    module: Any, found: dict[int, tuple[str | None, bool, bool | None]], honoured: Callable[[], bool]
+) -> None:
     """In manual optimization Lightning drops an LR scheduler config's ``monitor``, ``strict`` and
     ``reduce_on_plateau`` and warns that they are ignored (``core/optimizer.py``,
-    ``_configure_schedulers_manual_opt``), but the mixin that steps the schedulers honours them: catch
-    them as ``configure_optimizers`` returns (the instance's next call only, for the strategy's
-    ``setup_optimizers`` after the ``setup`` hooks) and hand Lightning the configs without them (copies:
-    the user's dicts are left as they are). ``found`` maps ``id(scheduler)`` to ``(monitor, strict,
-    reduce_on_plateau or None)``."""
+    ``_configure_schedulers_manual_opt``): catch them as ``configure_optimizers`` returns (the instance's
+    next call only, for the strategy's ``setup_optimizers`` after the ``setup`` hooks), and where the
+    mixin honours them (``honoured()``, asked then: it steps the schedulers) hand Lightning the configs
+    without them (copies: the user's dicts are left as they are). ``found`` maps ``id(scheduler)`` to
+    ``(monitor, strict, reduce_on_plateau or None)``."""
     original = module.configure_optimizers
 
     def configure_optimizers() -> Any:
         vars(module).pop("configure_optimizers", None)  # the class's method again
-        return _scheduler_keys(original(), None, found)
+        conf = original()
+        kept = _scheduler_keys(conf, None, found)
+        return kept if honoured() else conf
 
     module.configure_optimizers = configure_optimizers
 

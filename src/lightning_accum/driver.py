@@ -68,8 +68,8 @@ class MixinDriver(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.config.step_schedulers:  # (the keys Lightning drops in manual optimization)
-            _seam.keep_scheduler_keys(self.module, self.schedulers.fresh())
+        if stage == "fit":  # (the keys Lightning drops in manual optimization, for `step_schedulers=True`)
+            _seam.keep_scheduler_keys(self.module, self.schedulers.fresh(), lambda: bool(self.config.step_schedulers))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
