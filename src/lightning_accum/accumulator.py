@@ -26,7 +26,9 @@ class Accumulator:
     Attributes:
         k: micro-batches of the window.
         index: this micro-batch's position in the window (0-based).
-        last: whether the window closes after this micro-batch (``k`` reached or epoch end).
+        last: whether the window closes after this micro-batch (``k`` reached or epoch end): where a model that
+            steps its own LR scheduler once per window steps it, after the block. (A window whose epoch ends
+            on batches that run no block is closed at the epoch's end instead.)
     """
 
     def __init__(self, block: Block, batch: Any, auto: AutoSize) -> None:

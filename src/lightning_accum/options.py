@@ -12,6 +12,7 @@ from torch import Tensor
 
 from lightning_accum.decay import ResidualDecay
 from lightning_accum.lr import LRMultiplier, LRSchedule, check_multiplier
+from lightning_accum.schedulers import check_mode
 from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
 from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
@@ -159,11 +160,13 @@ class AccumulationConfig:
     log: bool = True
     sync: SyncMode = "auto"
     lr_schedule: LRMultiplier | None = None
+    step_schedulers: bool | None = None
 
     def __post_init__(self) -> None:
         args = (self.schedule, self.normalize, self.count, self.lr_scaling, self.sync, self.lr_schedule)
         check_common("configure_accumulation", *args)
         check_flag("log", self.log)
+        check_mode(self.step_schedulers)
         reset = self.reset
         if not (isinstance(reset, ResidualDecay) or reset in ("zero", "none")):
             raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 import warnings
 
@@ -11,9 +12,22 @@ from .differences import differences
 
 
 def check(c: Config) -> list[str]:
-    """What differs between the package and the reference on ``c`` (an error is a difference)."""
+    """What differs between the package and the reference on ``c`` (an error is a difference; where the package
+    must refuse ``c``, anything but that refusal)."""
     if c.world > 1:
         return ranks.check_all([c])[0]
+    if c.refused():  # a scheduler the model steps while the mixin steps it too: a double step, refused (where the
+        try:  # model's code did step it: else the mixin's steps alone, as the reference's)
+            got = package.run(c)
+        except RuntimeError as error:
+            if "was stepped by the model" in str(error):
+                return []
+            return ["raised: " + traceback.format_exc(limit=-3).strip().replace("\n", " | ")]
+        alone = dataclasses.replace(c, schedulers_by="package")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = reference.run(alone)
+        return [f"not refused, and not as the mixin's steps alone: {d}" for d in differences(want, got)]
     with warnings.catch_warnings():  # (torch's, on a scheduler stepped in an epoch whose windows held nothing)
         warnings.simplefilter("ignore")
         want = reference.run(c)
