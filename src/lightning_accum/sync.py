@@ -105,8 +105,9 @@ def fsdp2_modules(module: nn.Module) -> list[nn.Module]:
 def refuse_unsharded(module: nn.Module, who: str) -> None:
     """Under FSDP2 every trained parameter must be sharded by ``fully_shard``: FSDP2 reduces only those, so the
     gradient of any other would never be made global and the ranks' copies would drift apart."""
-    plain = [name for name, p in module.named_parameters() if p.requires_grad and not hasattr(p, "placements")]
-    if plain:
+    trained = [(name, hasattr(p, "placements")) for name, p in module.named_parameters() if p.requires_grad]
+    plain = [name for name, sharded in trained if not sharded]
+    if plain and len(plain) < len(trained):  # (none sharded: not FSDP2's parameters at all)
         listed = ", ".join(plain[:5]) + (", ..." if len(plain) > 5 else "")
         raise ValueError(
             f"{who}: the parameters {listed} are not sharded by `fully_shard`, so FSDP2 never reduces their "
