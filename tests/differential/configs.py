@@ -60,6 +60,11 @@ class Config:
     callbacks: list[str] = dataclasses.field(default_factory=list)
     monitor: str = "probe"  # what EarlyStopping and ReduceLROnPlateau watch: "probe" (logged) or "accum/loss"
     swa: list[float] | None = None  # StochasticWeightAveraging: [swa_lrs, swa_epoch_start (from 1: epoch 0)]
+    # the callback's `microbatch_size` (None, an int, or "auto"); with "auto", `oom` = [above, "forward" |
+    # "backward"]: the model runs out of memory (injected) in that pass of a piece of more than `above` samples
+    microbatch_size: Any = None
+    oom: list[Any] | None = None
+    fail_piece: int = 0  # a "training_step" failure fires at this piece (0-based) of its batch
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -151,7 +156,22 @@ def generate(rng: random.Random) -> Config:
         c.chunks = [rng.randint(1, 3), rng.randint(1, 5)]
     if rng.random() < 0.15:  # the same options in a Fabric loop, where it has them
         c = fabric_config(c)
+    if c.adapter == "callback":
+        _microbatches(c)
     return c
+
+
+def _microbatches(c: Config) -> None:
+    """The callback's ``microbatch_size`` (and injected out-of-memory errors for ``"auto"``), drawn from a
+    generator of the configuration's own, so that the other configurations' draws stay as they were."""
+    rng = random.Random(f"microbatch/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if rng.random() >= 0.35:
+        return
+    c.microbatch_size = rng.choice([1, 2, 3, "auto", "auto"])
+    if c.microbatch_size == "auto":
+        c.oom = [rng.randint(1, c.batch_size), rng.choice(["forward", "backward"])]
+    if any(kind == "training_step" for kind, _, _ in c.interruptions):
+        c.fail_piece = rng.choice([0, 1])
 
 
 def fabric_config(c: Config) -> Config:
