@@ -78,7 +78,9 @@ class Pieced(TokenModel):
         hidden = self.net[0](batch["x"])
         if oom:  # from inside the backward, after the last layer's gradient is in
             hidden.register_hook(lambda grad: (_ for _ in ()).throw(OOM("CUDA out of memory (injected)")))
-        err = (self.net[2](self.net[1](hidden)) - batch["y"]).squeeze(-1) ** 2
+        with torch.autocast(hidden.device.type, enabled=False):  # (bf16-mixed: a head kept in float32)
+            out = self.net[2](self.net[1](hidden).to(self.net[2].weight.dtype))
+        err = (out - batch["y"]).squeeze(-1) ** 2
         total, tokens = (err * batch["mask"]).sum(), batch["mask"].sum()
         return total if self.reduction == "sum" else total / tokens
 
@@ -139,19 +141,37 @@ def test_a_piece_without_items_adds_nothing() -> None:
     assert max_diff(params_of(model), want) <= 1e-12
 
 
+class Losses(pl.Callback):
+    """Each window's loss (`on_window_end`) and each batch's (Lightning's `outputs`)."""
+
+    def __init__(self) -> None:
+        self.windows: list[float | None] = []
+        self.batches: list[float] = []
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, window: WindowReport) -> None:
+        self.windows.append(window.loss)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.batches.append(float(outputs["loss"]))
+
+
 @pytest.mark.parametrize(("normalize", "reduction", "returns"), CASES)
+@pytest.mark.parametrize("precision", ["64-true", "bf16-mixed"])  # bf16: its float32 head's backward too
 def test_a_piece_of_the_whole_batch_is_the_unsplit_run_bit_for_bit(
-    normalize: str, reduction: str | None, returns: str
+    normalize: str, reduction: str | None, returns: str, precision: str
 ) -> None:
     data = TokenData(48, ragged=normalize == "items")
-    whole, split = Pieced(reduction=returns), Pieced(reduction=returns)
+    model = Float32Pieced if precision == "bf16-mixed" else Pieced
+    whole, split = model(reduction=returns), model(reduction=returns)
     plain, cut = callback(None, normalize, reduction), callback(8, normalize, reduction)
-    fit(whole, plain, data, log_every_n_steps=1)
-    fit(split, cut, data, log_every_n_steps=1)
+    seen: list[Losses] = []
+    for m, cb in ((whole, plain), (split, cut)):
+        seen.append(Losses())
+        trainer(callbacks=[cb, seen[-1]], max_epochs=2, precision=precision).fit(m, loader(data, 8))
     for a, b in zip(whole.parameters(), split.parameters(), strict=True):
         assert torch.equal(a, b)
+    assert seen[0].windows == seen[1].windows and seen[0].batches == seen[1].batches
     got, want = split.trainer.callback_metrics, whole.trainer.callback_metrics
-    assert float(got["accum/loss"]) == float(want["accum/loss"])
     assert float(got["accum/microbatch_size"]) == 8.0 and "accum/microbatch_size" not in want
 
 
@@ -200,15 +220,20 @@ def test_returned_dict_and_outputs() -> None:
             super().__init__()
             self.seen: list[tuple[float, int]] = []
             self.losses: list[float] = []
+            self.previous: Any = None  # the previous piece's output tensor, weakly
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
-            return {"loss": super().training_step(batch, batch_idx), "n": len(batch["x"])}
+            assert self.previous is None or self.previous() is None  # (freed before the next piece's forward)
+            preds = self.net(batch["x"])
+            self.previous = weakref.ref(preds)
+            return {"loss": super().training_step(batch, batch_idx), "n": len(batch["x"]), "preds": preds}
 
         def on_before_backward(self, loss: Tensor) -> None:
             self.losses.append(float(loss))
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.seen.append((float(outputs["loss"]), outputs["n"]))
+            self.previous = None
 
     data = TokenData(16, ragged=False)
     model = WithExtras()

@@ -52,16 +52,16 @@ Grads = list[Tensor | None]
 
 
 class _RNG:
-    """The CPU and CUDA generators' states at one point, to run a forward again alike."""
+    """The CPU generator's state and the current CUDA device's at one point, to run a forward again alike."""
 
     def __init__(self) -> None:
         self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)  # type: ignore[no-untyped-call]
+            torch.cuda.set_rng_state(self.cuda)
 
 
 @dataclasses.dataclass
@@ -154,8 +154,8 @@ class Pieces:
         self._fit, self.batch, self._next = None, None, None
         self._window, self._base = [], None
 
-    def window_opened(self) -> None:
-        """A window opened: forget the last one's batches."""
+    def forget_window(self) -> None:
+        """A window was stepped (or opened): forget its batches."""
         self._window, self._base = [], None
 
     def begin(

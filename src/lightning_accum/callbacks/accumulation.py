@@ -300,7 +300,7 @@ class AccumulationScheduler(Callback):
             length = window.divisor
         self._loss_factor = self._divisor / length
         if self._split is not None:
-            self._split.window_opened()
+            self._split.forget_window()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -432,6 +432,8 @@ class AccumulationScheduler(Callback):
             self._uncount = False
         if engine.closing is None:
             return
+        if self._split is not None:
+            self._split.forget_window()  # (the batches kept to redo it after an out-of-memory error)
         engine.restore_lr()  # normally done by the optimizer's post-step hook already
         closing = engine.advance(trainer.current_epoch)
         if closing.empty:
