@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -205,7 +205,8 @@ class Pieces:
             return False
         if not single:
             return True
-        loss, summed = (v.detach().cpu() if isinstance(v, Tensor) else v for v in (b.loss, b.summed))
+        done = b.loss if b.whole is None else b.whole
+        loss, summed = (v.detach().cpu() if isinstance(v, Tensor) else v for v in (done, b.summed))
         self.resume = (*where, b.done, loss, summed)
         return False
 
@@ -248,9 +249,8 @@ class Pieces:
                 p.grad = None
         if self.size == "auto" and not b.redoing:
             self._window.append(b)
-        value = self._value(b)
-        leaf = torch.zeros((), dtype=value.dtype, device=value.device, requires_grad=True)
-        return _with_loss(out, value.detach() + leaf)
+        # the batch's loss value for Lightning: a leaf of its own, so its backward reaches no parameter
+        return _with_loss(out, self._value(b).detach().requires_grad_())
 
     def _resume(self, b: _Batch, where: tuple[int, int]) -> None:
         assert self.resume is not None
@@ -390,14 +390,17 @@ class Pieces:
                 nothing = gradients.no_items(items)
             b.summed = b.summed + weigh(loss.detach(), items)
             value = loss
+        elif whole:
+            value = loss
         else:
-            value = loss if whole or fit.normalize != "mean" else loss * (n / b.samples)
+            value = loss if fit.normalize != "mean" else loss * (n / b.samples)
             b.loss = b.loss + value.detach()
         if whole:
             b.whole = loss.detach()
         if not backward:
             return
-        scaled = value / self._divisor  # (as Lightning divides the loss `training_step` returns)
+        # as Lightning divides the loss `training_step` returns (x / 1 is x, and so is its gradient)
+        scaled = value / self._divisor if self._divisor != 1 else value
         if fit.scaler is not None:
             scaled = fit.scaler.scale(scaled)
         sync.scale_backward(scaled, factor)
@@ -432,6 +435,10 @@ class Pieces:
 
 
 def _length(batch: Any) -> int:
+    """The batch's length along dim 0 (the same for every tensor), or an error naming where it cannot be cut."""
+    sizes: set[int] = set()
+    if _lengths(batch, sizes) and len(sizes) == 1:  # (the common case, without the error's bookkeeping)
+        return sizes.pop()
     try:
         return microbatch.batch_length(batch)
     except ValueError as error:
@@ -441,6 +448,24 @@ def _length(batch: Any) -> int:
             "all the same length along dim 0; `None` leaves are kept), e.g. tokenise text in the dataset or the "
             "collate function, or leave `microbatch_size` out."
         ) from error
+
+
+def _lengths(obj: Any, sizes: set[int]) -> bool:
+    """Add each tensor's dim 0 in ``obj`` to ``sizes``; ``False`` at anything that cannot be cut."""
+    if isinstance(obj, Tensor):
+        if not obj.ndim:
+            return False
+        sizes.add(obj.shape[0])
+        return True
+    if obj is None:
+        return True
+    if isinstance(obj, Mapping):
+        return all(_lengths(v, sizes) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_lengths(v, sizes) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return all(_lengths(getattr(obj, f.name), sizes) for f in dataclasses.fields(obj))
+    return False
 
 
 def _loss_of(out: Any) -> Tensor | None:
@@ -465,9 +490,11 @@ def _count(count: Count | None, piece: Any) -> int | Tensor:
     return count(piece)
 
 
-@contextlib.contextmanager
-def _no_autocast(loss: Tensor) -> Iterator[None]:
+def _no_autocast(loss: Tensor) -> contextlib.AbstractContextManager[Any]:
     """A backward pass inside ``training_step`` (where Lightning's precision plugin autocasts) runs as
-    Lightning's own backward does: without autocast."""
-    with torch.autocast(loss.device.type, enabled=False):
-        yield
+    Lightning's own backward does: without autocast (an op that ran in float32 under a disabled autocast
+    in the forward would otherwise run its backward in the autocast dtype)."""
+    kind = loss.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
