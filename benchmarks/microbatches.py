@@ -1,12 +1,13 @@
 """What ``AccumulationScheduler(microbatch_size=...)`` costs.
 
-1. Time per sample with ``microbatch_size`` equal to the loader batch (the split path with one piece:
-   ``training_step`` routed through the pieces, the piece's backward inside it, Lightning's backward
-   of the batch's loss value) against the plain callback, the same loop otherwise (target <= 1.02).
+1. Time per sample with ``microbatch_size`` equal to the loader batch (``training_step`` routed
+   through the pieces; a batch of one piece keeps Lightning's own backward) against the plain
+   callback, the same loop otherwise (target <= 1.02); and with ``"auto"`` where nothing runs out of
+   memory (one piece, its backward inside ``training_step``, then Lightning's backward of the batch's
+   loss value, a graph of one element).
 2. The package's own host work per piece, measured in place (thread CPU time, which a busy machine's
    preemptions do not inflate): the time inside the routed ``training_step`` less the model's forward
-   and the piece's backward; and the time of Lightning's backward of the loss value (a graph that
-   reaches no parameter) per loader batch.
+   and the piece's backward; and the time of Lightning's backward of the loss value per loader batch.
 3. For scale, the time per sample when each batch is cut into 4 pieces (smaller kernels: the cost
    of fitting, reported, not a target).
 
@@ -96,18 +97,19 @@ class InPlace:
         Pieces.step, pl.LightningModule.backward = self._step, self._backward  # type: ignore[method-assign]
 
 
-def fit(data: DataLoader[Any], size: int | None) -> float:
+def fit(data: DataLoader[Any], size: int | str | None) -> float:
     return timed_epoch(MLP(), data, [AccumulationScheduler(K, log=False, microbatch_size=size)])
 
 
-def in_place(data: DataLoader[Any], size: int, rounds: int) -> dict[str, float]:
+def in_place(data: DataLoader[Any], size: int | str, rounds: int) -> dict[str, float]:
     """Microseconds of the package's own work per piece and of Lightning's backward per batch (best of rounds)."""
     own, lightning = [], []
     for _ in range(rounds):
         MLP.inside = 0.0
         with InPlace() as timer:
             fit(data, size)
-        own.append((timer.step - MLP.inside - timer.piece_backward) / timer.pieces * 1e6)
+        pieces = max(timer.pieces, timer.batches)  # (a batch of one piece: no backward inside `training_step`)
+        own.append((timer.step - MLP.inside - timer.piece_backward) / pieces * 1e6)
         lightning.append(timer.lightning_backward / timer.batches * 1e6)
     return {"own_us_per_piece": min(own), "lightning_backward_us_per_batch": min(lightning)}
 
@@ -124,9 +126,10 @@ def main() -> None:
     n = args.batches * BATCH
     x, y = torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)
     data = DataLoader(TensorDataset(x, y), batch_size=BATCH)
-    variants = {
+    variants: dict[str, int | str | None] = {
         "plain callback": None,
         f"microbatch_size={BATCH} (one piece)": BATCH,
+        "microbatch_size='auto' (no out-of-memory: one piece)": "auto",
         f"microbatch_size={BATCH // 4} (4 pieces)": BATCH // 4,
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -137,16 +140,17 @@ def main() -> None:
                 times[name].append(seconds)
     baseline = min(times["plain callback"])
     rows = []
-    print(f"{'run':<34}{'best s':>8}{'ratio':>8}{'us/sample':>11}")
+    print(f"{'run':<54}{'best s':>8}{'ratio':>8}{'us/sample':>11}")
     for name, values in times.items():
         row = {"run": name, "best_s": min(values), "ratio": min(values) / baseline,
                "us_per_sample": min(values) / (args.batches * BATCH) * 1e6}  # fmt: skip
         rows.append(row)
-        print(f"{name:<34}{row['best_s']:>8.3f}{row['ratio']:>8.3f}{row['us_per_sample']:>11.1f}")
+        print(f"{name:<54}{row['best_s']:>8.3f}{row['ratio']:>8.3f}{row['us_per_sample']:>11.1f}")
     rounds = max(1, min(3, args.repeats))
-    one, four = in_place(data, BATCH, rounds), in_place(data, BATCH // 4, rounds)
+    whole, one, four = (in_place(data, size, rounds) for size in (BATCH, "auto", BATCH // 4))
+    print(f"in place, one piece a batch: the package's own work {whole['own_us_per_piece']:.1f} us per batch")
     own, lightning = one["own_us_per_piece"], one["lightning_backward_us_per_batch"]
-    print(f"in place, one piece a batch: the package's own work {own:.1f} us per piece, "
+    print(f"in place, 'auto', one piece a batch: the package's own work {own:.1f} us per piece, "
           f"Lightning's backward of the loss value {lightning:.1f} us per batch")  # fmt: skip
     print(f"in place, 4 pieces a batch: the package's own work {four['own_us_per_piece']:.1f} us per piece")
     result = {
@@ -156,7 +160,8 @@ def main() -> None:
         "baseline": "AccumulationScheduler(k) without microbatch_size",
         "rows": rows,
         "target": 1.02,
-        "one_piece": one,
+        "one_piece": whole,
+        "auto_one_piece": one,
         "four_pieces": four,
         "batch_us": baseline / args.batches * 1e6,
         "machine": f"{platform.machine()} torch {torch.__version__} lightning {pl.__version__}",

@@ -51,10 +51,12 @@ class Pieced(TokenModel):
         where: str = "forward",
         extra_at: int | None = None,
         extra_from: int = 3,
+        dropout: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.fits, self.where, self.extra_at, self.extra_from = fits, where, extra_at, extra_from
+        self.dropout = dropout
         self.calls: list[tuple[int, int, int]] = []  # (epoch, batch_idx, samples), a forward that got through
         self.counted = 0  # calls from `extra_from` on
 
@@ -76,6 +78,10 @@ class Pieced(TokenModel):
             raise OOM("CUDA out of memory (injected)")
         self.calls.append((self.current_epoch, batch_idx, n))
         hidden = self.net[0](batch["x"])
+        if self.dropout:
+            hidden = torch.nn.functional.dropout(hidden, self.dropout)
+        if oom and self.where == "forward, late":  # after the random draws
+            raise OOM("CUDA out of memory (injected)")
         if oom:  # from inside the backward, after the last layer's gradient is in
             hidden.register_hook(lambda grad: (_ for _ in ()).throw(OOM("CUDA out of memory (injected)")))
         with torch.autocast(hidden.device.type, enabled=False):  # (bf16-mixed: a head kept in float32)
@@ -157,13 +163,14 @@ class Losses(pl.Callback):
 
 @pytest.mark.parametrize(("normalize", "reduction", "returns"), CASES)
 @pytest.mark.parametrize("precision", ["64-true", "bf16-mixed"])  # bf16: its float32 head's backward too
+@pytest.mark.parametrize("size", [8, "auto"])  # 8: Lightning's own backward; "auto" (no OOM): the piece's own
 def test_a_piece_of_the_whole_batch_is_the_unsplit_run_bit_for_bit(
-    normalize: str, reduction: str | None, returns: str, precision: str
+    normalize: str, reduction: str | None, returns: str, precision: str, size: Any
 ) -> None:
     data = TokenData(48, ragged=normalize == "items")
     model = Float32Pieced if precision == "bf16-mixed" else Pieced
     whole, split = model(reduction=returns), model(reduction=returns)
-    plain, cut = callback(None, normalize, reduction), callback(8, normalize, reduction)
+    plain, cut = callback(None, normalize, reduction), callback(size, normalize, reduction)
     seen: list[Losses] = []
     for m, cb in ((whole, plain), (split, cut)):
         seen.append(Losses())
@@ -209,6 +216,28 @@ class _Holder:
 
 def _free(n: int) -> None:
     Saving.live -= n
+
+
+def test_one_piece_is_lightnings_own_backward() -> None:
+    """A batch that fits one piece of an int size runs as without pieces: Lightning's backward is its backward.
+    Cut into pieces, each piece's backward runs inside `training_step`, and Lightning's reaches no parameter."""
+
+    class Where(TokenModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[bool] = []  # each backward: whether it reaches a parameter
+
+        def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+            params = list(self.parameters())
+            grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+            self.seen.append(any(g is not None for g in grads))
+            super().backward(loss, *args, **kwargs)
+
+    one, three = Where(), Where()
+    fit(one, callback(8), TokenData(16), max_epochs=1)
+    fit(three, callback(3), TokenData(16), max_epochs=1)
+    assert one.seen == [True] * 2  # Lightning's, once a batch
+    assert three.seen == ([True] * 3 + [False]) * 2  # 3 pieces (8 = 3 + 3 + 2), then Lightning's
 
 
 def test_returned_dict_and_outputs() -> None:
@@ -302,7 +331,8 @@ def test_auto_backs_off_and_stays_exact(normalize: str, reduction: str | None, r
 def test_auto_out_of_memory_at_every_piece_of_a_window(where: str, position: int) -> None:
     """Pieces of 4 (after a first back-off from 8), then one more OOM at each piece position of the window
     of batches 3-5: in a forward the batch goes on from that piece; in a backward (part of the piece's
-    gradient is in) the window is redone from batch 3. No piece is counted twice, none is lost."""
+    gradient is in) the window is redone from batch 3 (its earlier batches cut as they ran). No piece is counted
+    twice, none is lost."""
     data = TokenData(48)
     model = Pieced(fits=4, where=where, extra_at=position, extra_from=3, reduction="sum")
     cb = callback("auto", "items", "sum", schedule=Constant(3))
@@ -312,8 +342,50 @@ def test_auto_out_of_memory_at_every_piece_of_a_window(where: str, position: int
     want, _ = Reference(Constant(3), normalize="items").run([rank_batches(data, 8)] * 2)
     assert max_diff(params_of(model), want) <= 1e-12
     assert cb._split.found == 2 and model.extra_at is None  # type: ignore[union-attr]
-    if where == "backward" and position >= 2:  # the window's earlier batches were trained again, at 2
-        assert model.calls.count((0, 3, 4)) == 2 and model.calls.count((0, 3, 2)) == 4
+    if where == "backward" and position >= 2:  # the window's earlier batches were trained again, as they ran
+        assert model.calls.count((0, 3, 4)) == 4 and (0, 3, 2) not in model.calls
+
+
+def test_auto_redoing_a_window_replays_its_batches_exactly() -> None:
+    """With dropout: out of memory inside the backward of batch 5 (the window of batches 3-5 redone: 3 and 4
+    replayed as they ran, from their generators' states), or in its forward after its random draws (the
+    piece again from its generators' state), ends bit for bit where the same error at the start of batch 5's
+    forward ends (nothing to redo)."""
+    runs = []
+    for where in ("forward", "forward, late", "backward"):
+        torch.manual_seed(0)
+        model = Pieced(where=where, extra_at=0, extra_from=5, dropout=0.3, reduction="sum")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(model, callback("auto", "items", "sum", schedule=Constant(3)), TokenData(48))
+        runs.append(model)
+    assert runs[2].calls.count((0, 3, 8)) == 2  # batch 3 replayed whole, as it ran
+    for run in runs[1:]:
+        for a, b in zip(runs[0].parameters(), run.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_auto_replay_that_no_longer_fits_is_cut_at_the_size_in_force() -> None:
+    """After the out-of-memory error in batch 5 less memory is left: batch 3, replayed as it ran (8 samples),
+    runs out too, and the window is redone once more with every batch at the size in force (4)."""
+    data = TokenData(48)
+    model = Pieced(where="backward", extra_at=0, extra_from=5, reduction="sum")
+    oom_now = model._oom_now
+
+    def tighter(batch_idx: int, n: int) -> bool:
+        if model.extra_at is None:
+            model.fits = 4
+        return oom_now(batch_idx, n)
+
+    model._oom_now = tighter  # type: ignore[method-assign]
+    cb = callback("auto", "items", "sum", schedule=Constant(3))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fit(model, cb, data)
+    want, _ = Reference(Constant(3), normalize="items").run([rank_batches(data, 8)] * 2)
+    assert max_diff(params_of(model), want) <= 1e-12
+    assert cb._split.found == 4 and len([w for w in seen if "continuing with" in str(w.message)]) == 1  # type: ignore[union-attr]
+    assert model.calls.count((0, 3, 8)) == 2 and model.calls.count((0, 3, 4)) == 2  # ran, replay failed, again at 4
 
 
 def test_auto_never_below_one_sample() -> None:

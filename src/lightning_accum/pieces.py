@@ -82,6 +82,7 @@ class _Batch:
     whole: Tensor | None = None  # its loss, when it ran as one piece
     at_start: tuple[Tensor | float, Tensor | float] = (0.0, 0.0)  # (loss, summed) when it began
     rng: _RNG | None = None  # "auto": the generators at its start
+    cuts: list[int] = dataclasses.field(default_factory=list)  # where its pieces so far ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,8 @@ class Pieces:
         found: ``"auto"``: the size out-of-memory errors left (``None``: the loader batch).
         used: the piece size the latest loader batch was cut with (reported as ``accum/microbatch_size``).
         in_backward: a piece's backward pass is under way (an exception there left part of its gradient).
+        whole: the batch under way is one piece of an int ``microbatch_size``: ``training_step`` returned its
+            own loss, and Lightning's backward and the callback treat it as without pieces.
         resume: ``(epoch, batch_idx, samples, loss, summed)``: the first ``samples`` of that batch are in
             the window's gradient but not counted (an exception cut the batch short between pieces): a
             resumed run trains the rest of it.
@@ -127,6 +130,7 @@ class Pieces:
         self.found: int | None = None
         self.used: int | None = None
         self.in_backward = False
+        self.whole = False
         self.resume: tuple[int, int, int, Tensor | float, Tensor | float] | None = None
         self._fit: Fit | None = None
         self._window: list[_Batch] = []  # "auto": the window's batches so far, to redo it after an OOM in backward
@@ -138,6 +142,7 @@ class Pieces:
         self._held = contextlib.ExitStack()  # DDP's sync off, till the end of Lightning's backward
         self._holding = False
         self._replaying = False
+        self._as_ran = True  # a window is redone with each batch cut as it ran (else at the size in force)
         self._attempt = 0  # samples of the piece under way
         self._piece_rng: _RNG | None = None
         self._tried: list[int] = []
@@ -156,7 +161,7 @@ class Pieces:
 
     def forget_window(self) -> None:
         """A window was stepped (or opened): forget its batches."""
-        self._window, self._base = [], None
+        self._window, self._base, self._as_ran = [], None, True
 
     def begin(
         self,
@@ -172,12 +177,12 @@ class Pieces:
         """The coming batch (epoch, index): its item count, whether the window closes after it, whether
         Lightning zeroes the gradients after its ``training_step``, whether it adds nothing, and how its
         loss is treated (Lightning's division, the callback's factor on the loss's gradient)."""
-        self._forward_only, self.batch, self.in_backward = False, None, False
+        self._forward_only, self.batch, self.in_backward, self.whole = False, None, False, False
         self._next = (where, items, final, zeroes_after, redoing, divisor, factor)
 
     def begin_forward_only(self) -> None:
         """The coming batch has no backward (``StochasticWeightAveraging``'s BatchNorm epoch)."""
-        self._forward_only, self.batch, self._next, self.in_backward = True, None, None, False
+        self._forward_only, self.batch, self._next, self.in_backward, self.whole = True, None, None, False, False
 
     def batch_done(self) -> None:
         self.batch, self._next = None, None
@@ -226,6 +231,9 @@ class Pieces:
             out = self._train(original, b, backward=False)
             return out if out is None else _with_loss(out, self._value(b).detach())
         where, items, final, zeroes_after, redoing, self._divisor, self._factor = self._next
+        if self.size != "auto" and samples <= self.size and self.resume is None:
+            self.whole, self.used = True, samples  # one piece: as without pieces (Lightning's backward is its own)
+            return original(batch, *args, **kwargs)
         b = _Batch(batch, args, kwargs, samples, items, final=final, redoing=redoing)
         if zeroes_after:  # Lightning zeroes after this step: the window starts from no gradient
             for p in fit.params:
@@ -302,8 +310,14 @@ class Pieces:
                         "length, or use a strategy that shards the model (FSDP2)."
                     ) from error
             # (outside the `except` block, so that the error's frames, and the failed piece's tensors, are freed)
+            larger = self._replaying and self._as_ran and attempt > self._size(b)
             self.in_backward = self._replaying = False
-            redo = self._back_off(attempt, where, b)
+            if larger:  # a batch replayed as it ran no longer fits: the window again, every batch at the size in force
+                self._as_ran = False
+                self._clear(b)
+                redo = True
+            else:
+                redo = self._back_off(attempt, where, b)
 
     def _back_off(self, attempt: int, where: str, b: _Batch) -> bool:
         """After an out-of-memory error in a piece of ``attempt`` samples: halve; whether the window is redone."""
@@ -325,21 +339,30 @@ class Pieces:
             if self._piece_rng is not None:
                 self._piece_rng.restore()
             return False
-        for p in fit.params:  # part of a backward pass is in the gradient: redo the window
+        self._clear(b)  # part of a backward pass is in the gradient: redo the window
+        return True
+
+    def _clear(self, b: _Batch) -> None:
+        """The window's gradient as it was at its start (none, or a resumed window's partial one), ``b`` not begun."""
+        fit = self._fit
+        assert fit is not None
+        for p in fit.params:
             p.grad = None
         if self._base is not None:
             gradients.restore(fit.params, self._base)
-        b.done, (b.loss, b.summed), b.whole = b.start, b.at_start, None
-        return True
+        b.done, (b.loss, b.summed), b.whole, b.cuts = b.start, b.at_start, None, []
 
     def _replay(self, original: Callable[..., Any]) -> None:
-        """The window's earlier batches again, each from its generators' state at its start."""
+        """The window's earlier batches again, each from its generators' state at its start and cut as it ran
+        (so that each adds what it added before, random draws included), or at the size in force once that
+        ran out of memory."""
         self._replaying = True
         for past in self._window:
-            past.done = past.start
+            past.done, cuts = past.start, past.cuts if self._as_ran else None
+            past.cuts = []
             if past.rng is not None:
                 past.rng.restore()
-            self._pieces(original, past, backward=True)
+            self._pieces(original, past, backward=True, cuts=cuts)
         self._replaying = False
 
     def _size(self, b: _Batch) -> int:
@@ -347,13 +370,15 @@ class Pieces:
             return self.found or b.samples
         return self.size
 
-    def _pieces(self, original: Callable[..., Any], b: _Batch, backward: bool) -> Any:
-        """Forward and backward of each piece of ``b`` not done yet; the last piece's output (``None`` if the
-        first returned ``None``: Lightning then skips the batch)."""
+    def _pieces(self, original: Callable[..., Any], b: _Batch, backward: bool, cuts: list[int] | None = None) -> Any:
+        """Forward and backward of each piece of ``b`` not done yet (ending at ``cuts``, or of the size in force);
+        the last piece's output (``None`` if the first returned ``None``: Lightning then skips the batch)."""
         out: Any = None
         size = self._size(b)
+        ends = iter(cuts or ())
         while b.done < b.samples:
-            start, stop = b.done, min(b.done + size, b.samples)
+            start = b.done
+            stop = next(ends) if cuts else min(b.done + size, b.samples)
             whole = start == 0 and stop == b.samples
             piece = b.batch if whole else microbatch.cut(b.batch, start, stop)
             self._attempt = stop - start
@@ -371,6 +396,7 @@ class Pieces:
                 )
             self._add(loss, piece, stop - start, b, backward, final=b.final and stop == b.samples)
             b.done = stop
+            b.cuts.append(stop)
             if stop < b.samples:
                 del out, loss, piece  # (one piece's tensors alive at a time)
         self.used = min(size, b.samples)

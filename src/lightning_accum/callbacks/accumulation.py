@@ -210,8 +210,10 @@ class AccumulationScheduler(Callback):
         if self._optimizer is not None:
             processed, in_backward = recovery.where(trainer, exception)
             open_pass = False
-            if self._split is not None:  # (the pieces' own backward passes; Lightning's reaches no parameter)
-                in_backward, open_pass = self._settle_pieces(trainer)
+            if self._split is not None and not self._split.whole:  # (the pieces' own backward passes: Lightning's
+                in_backward, open_pass = self._settle_pieces(trainer)  # reaches no parameter)
+            elif self._split is not None:
+                self._split.release()
             batch = (trainer.current_epoch, self._batch_idx)
             recovery.settle(self._engine, batch, processed=processed, in_backward=in_backward, open_pass=open_pass)
         optimizer = self._optimizer
@@ -307,7 +309,7 @@ class AccumulationScheduler(Callback):
         engine, window = self._engine, self._engine.window
         if window is None:
             return
-        if self._split is not None:
+        if self._split is not None and not self._split.whole:
             self._count_pieces(trainer, loss)
             return
         if self._partial.pending and self._optimizer is not None:  # resumed inside a window: its gradient, after
