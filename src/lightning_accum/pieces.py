@@ -14,9 +14,11 @@ by its share of the batch:
 Each piece's backward is divided and weighted as Lightning and the callback treat a whole batch
 (Lightning's division by ``accumulate_grad_batches``, AMP's loss scale, the callback's factor on the
 loss's gradient) and goes through the precision plugin's ``backward``, so the pieces add up to the
-batch's gradient. ``training_step`` then returns the batch's loss value on a graph of its own that
+batch's gradient. ``training_step`` then returns the batch's loss value as a leaf of its own, which
 reaches no parameter: Lightning's backward, its hooks and ``outputs`` see one backward per loader
-batch, and the schedule's ``k``, ``Progress`` and every report count loader batches.
+batch, and the schedule's ``k``, ``Progress`` and every report count loader batches. A batch that
+fits one piece of an int size is not touched: ``training_step`` returns its own loss, and
+Lightning's backward is its backward (``Pieces.whole``).
 
 * **Sync.** Under DDP every backward of the fit runs without DDP's sync (``block_backward_sync``
   held from inside DDP's forward to the end of Lightning's backward) and the callback all-reduces
@@ -27,10 +29,12 @@ batch, and the schedule's ``k``, ``Progress`` and every report count loader batc
   reference, no copy) and put back before Lightning's backward.
 * **"auto".** The size starts at the loader batch (or the last size that fitted) and halves on
   out-of-memory. A piece whose forward ran out of memory left no gradient: the batch continues from
-  that piece at the smaller size (a piece's share does not depend on the size). One whose backward
-  ran out left part of its gradient: the window is redone from its start at the smaller size, its
-  earlier batches kept by reference and their generators' states replayed (from the partial gradient
-  a checkpoint gave it, if it was resumed inside). Never below one sample.
+  that piece at the smaller size (a piece's share does not depend on the size), from the generators'
+  state the piece began with. One whose backward ran out left part of its gradient: the window is
+  redone from its start (from the partial gradient a checkpoint gave it, if it was resumed inside),
+  its earlier batches kept by reference and run again cut as they ran, from their generators' states
+  (so each adds exactly what it added; at the size in force if that no longer fits), and the batch
+  goes on at the smaller size. Never below one sample.
 """
 
 from __future__ import annotations
