@@ -230,8 +230,9 @@ class Pieces:
             self.release()
             self._held.enter_context(fit.strategy.block_backward_sync())
             self._holding = True
-        if self._forward_only or self._next is None:
-            b = _Batch(batch, args, kwargs, samples, samples, final=False, redoing=True)
+        if self._forward_only or self._next is None:  # (no backward: the pieces' forward, and the batch's loss)
+            items = _count(fit.count, batch) if fit.mean_items else samples
+            b = _Batch(batch, args, kwargs, samples, items, final=False, redoing=True)
             out = self._train(original, b, backward=False)
             return out if out is None else _with_loss(out, self._value(b).detach())
         where, items, final, zeroes_after, redoing, self._divisor, self._factor = self._next
