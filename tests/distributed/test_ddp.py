@@ -75,6 +75,8 @@ def fit_ddp(
     epochs: int = 2,
     batch_size: int = 4,
     data: TokenData | None = None,
+    precision: str | None = "64-true",
+    plugins: Sequence[Any] = (),
     **strategy_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Fit on 2 forked gloo ranks, each taking every other sample of ``data`` (TokenData(64)); the ranks' reports."""
@@ -86,6 +88,8 @@ def fit_ddp(
         devices=WORLD,
         strategy=strategy,
         use_distributed_sampler=False,
+        precision=precision,
+        plugins=list(plugins),
     )
     t.fit(model, loader(TokenData(64) if data is None else data, batch_size, sharded=True))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]

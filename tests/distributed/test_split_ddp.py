@@ -94,3 +94,67 @@ def test_ddp_pieces_match_the_reference(
         else:
             assert found["reported"] == size
     assert reports[0]["progress"] == reports[1]["progress"]
+
+
+class Float32RankPieces(RankPieces):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.net.float()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step({k: v.float() for k, v in batch.items()}, batch_idx)
+
+
+def test_ddp_pieces_under_bf16_mixed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 autocast in every piece's forward on 2 ranks, rank 0 backing off inside a backward: within bf16
+    rounding of the float64 reference, one gradient all-reduce per step."""
+    monkeypatch.setattr(collectives, "_all_reduce_sum", counting_explicit)
+    accumulation = AccumulationScheduler(SCHEDULE, normalize="items", count=count_tokens, reduction="mean",
+                                         microbatch_size="auto")  # fmt: skip
+    model = Float32RankPieces((2, 4), "backward", reduction="mean")
+    data = TokenData(64)
+    reports = fit_ddp(tmp_path, model, [accumulation], data=data, precision="bf16-mixed")
+    expected, _ = Reference(SCHEDULE, normalize="items").run([rank_batches(data, 4, world=WORLD)] * 2)
+    moved = max_diff([p.detach() for p in TokenModel().parameters()], expected)
+    for report in reports:
+        params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+        assert max_diff(params, expected) < 2e-3 < 0.1 * moved
+        assert report["explicit"] == report["steps"] and report["allreduces"] == 0
+
+
+class InfOnRankZero(Float32RankPieces):
+    """Rank 0's loss is infinite in the second piece of batch 4 (epoch 0): the GradScaler must skip the
+    window's step on both ranks."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        here = (self.current_epoch, batch_idx, self.global_rank, len(batch["x"]))
+        return loss * float("inf") if here == (0, 4, 0, 1) else loss
+
+
+def test_ddp_pieces_under_16_mixed_skip_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-mixed with a GradScaler (on CPU): the window's gradient is all-reduced before the scaler unscales
+    it, so an inf in one rank's piece makes every rank skip that step (and halve its scale) alike."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    monkeypatch.setattr(collectives, "_all_reduce_sum", counting_explicit)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    accumulation = AccumulationScheduler(SCHEDULE, normalize="items", count=count_tokens, reduction="mean",
+                                         microbatch_size=3)  # fmt: skip
+    data = TokenData(64)
+
+    class Scale(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            (tmp_path / f"scale{trainer.global_rank}").write_text(str(scaler.get_scale()))
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler)
+    reports = fit_ddp(tmp_path, InfOnRankZero(reduction="mean"), [accumulation, Scale()], data=data, precision=None,
+                      plugins=[plugin])  # fmt: skip
+    expected, _ = Reference(SCHEDULE, normalize="items", skipped=(1,)).run([rank_batches(data, 4, world=WORLD)] * 2)
+    not_skipped, _ = Reference(SCHEDULE, normalize="items").run([rank_batches(data, 4, world=WORLD)] * 2)
+    for rank, report in enumerate(reports):
+        params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+        error = max_diff(params, expected)
+        assert error < 1e-2 and error < 0.25 * max_diff(not_skipped, expected)
+        assert float((tmp_path / f"scale{rank}").read_text()) == 2.0**7  # the one skip, on both ranks
+    assert reports[0]["params"] == reports[1]["params"]
