@@ -276,6 +276,7 @@ def test_mixin_fault(tmp_path: Path, kind: str, fault: Any, source: str, warns: 
 
 SPLIT_FAULTS = [  # as CALLBACK_FAULTS, where a loader batch is cut into pieces
     ("in_piece", MID, "exception", False),  # the first piece is in: the resumed run trains the rest of the batch
+    ("in_piece", (0, 3), "exception", False),  # the same at a window's first batch, which Lightning zeroes
     ("on_before_backward:before", MID, "exception", False),  # every piece is in, the batch not yet counted
     ("on_before_backward", MID, "exception", False),  # counted: trained again, it adds nothing
     ("in_backward", MID, "exception", False),  # Lightning's backward reaches no parameter: nothing partial
