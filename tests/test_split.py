@@ -2,7 +2,7 @@
 reference that never cuts anything (``helpers.Reference``: the same windows of whole loader batches).
 
 Out-of-memory errors are simulated here (a model raising ``torch.OutOfMemoryError`` in a piece's forward
-or from inside its backward, after part of its gradient is in); ``tests/gpu/test_split.py`` runs out
+or from inside its backward, after part of its gradient is in); ``tests/gpu/test_pieces_cuda.py`` runs out
 of memory for real.
 """
 
