@@ -25,6 +25,7 @@ QUICK = {
     "rank_check.py": ["--calls", "200"],
     "noise_study.py": ["--seeds", "1", "--png", ""],
     "cached_memory.py": ["--batch", "256", "--rounds", "1"],
+    "microbatches.py": ["--repeats", "1", "--batches", "8"],
 }
 
 
@@ -83,6 +84,17 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
         ("noise study: NoiseScale defaults, true k = 16", "seeds with final k within 25 %",
          f"{study['within_25']}/{len(study['rows'])} (k = {ks})", "all")
     )  # fmt: skip
+    pieces = results["microbatches.py"]
+    for row in pieces["rows"]:
+        if row["run"] != "plain callback":
+            target = "<= 1.02" if row["run"].endswith("(one piece)") else "(reported)"
+            what = f"microbatches: {row['run']}"
+            table.append((what, "time per sample vs without (best)", f"{row['ratio']:.3f}", target))
+    for name, key in (("one piece", "one_piece"), ("'auto', one piece", "auto_one_piece"), ("4 pieces", "four_pieces")):
+        table.append((f"microbatches: the package's own work, {name} a batch", "us per piece, in place",
+                      f"{pieces[key]['own_us_per_piece']:.0f}", "(reported)"))  # fmt: skip
+    table.append(("microbatches: Lightning's backward of the batch's loss value ('auto')", "us per batch, in place",
+                  f"{pieces['auto_one_piece']['lightning_backward_us_per_batch']:.0f}", "(reported)"))  # fmt: skip
     check = results["rank_check.py"]
     table.append(
         ("rank check on k (Lambda), 2 gloo ranks", "us / step vs the count all-reduce", f"{check['check']:.0f} us, "

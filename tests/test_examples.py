@@ -93,3 +93,13 @@ def test_fabric_pretraining() -> None:
     pytest.importorskip("transformers")
     out = run("fabric_pretraining.py", "--epochs", "1")
     assert "done:" in out and "window loss" in out
+
+
+@pytest.mark.slow
+def test_microbatches() -> None:
+    out = run("microbatches.py", "--epochs", "1")
+    assert "no micro-batches: out of memory" in out
+    assert "continuing with micro-batches of 32" in out and "continuing with micro-batches of 16" in out
+    assert "'auto' on the small device: micro-batches of 16 samples" in out
+    gap = float(out.split("small device vs enough memory: ")[1].split()[0])
+    assert gap < 1e-12

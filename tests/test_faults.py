@@ -130,8 +130,43 @@ class ManualValidated(ManualTokenModel):
         self.log("val", token_losses(self.net, batch)[0], batch_size=4)
 
 
+class PieceFault(Validated):
+    """Batches of 4 cut into pieces (`microbatch_size`); ``fault = (where, at)`` raises in the second piece of
+    batch ``at``: in its forward (``"in_piece"``) or inside its backward (``"in_piece_backward"``). With
+    ``fits``, a piece of more samples runs out of memory (injected) in its forward."""
+
+    fault: tuple[str, tuple[int, int]] | None = None
+
+    def __init__(self, fits: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fits, self.calls = fits, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fits is not None and len(batch["x"]) > self.fits:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        here = (self.current_epoch, batch_idx)
+        where = None
+        if self.fault is not None and self.fault[1] == here:
+            self.calls += 1
+            if self.calls == 2:
+                where, self.fault = self.fault[0], None
+        if where == "in_piece":
+            raise Injected(where)
+        loss = super().training_step(batch, batch_idx)
+        if where == "in_piece_backward":
+            loss.register_hook(lambda grad: (_ for _ in ()).throw(Injected("in a piece's backward")))
+        return loss
+
+
 def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
-    """A fresh model and accumulation callbacks: `mean`, `items` with GradientDecay, or NoiseScale."""
+    """A fresh model and accumulation callbacks: `mean`, `items` with GradientDecay, or NoiseScale; `split`
+    (pieces of 3 of batches of 4), `split+auto` (out of memory above 2 samples) with GradientDecay."""
+    if kind == "split":
+        return PieceFault(), [AccumulationScheduler(WINDOWS, microbatch_size=3)]
+    if kind == "split+auto":
+        callback = AccumulationScheduler(WINDOWS, normalize="items", reduction="sum", count=count_tokens,
+                                         microbatch_size="auto")  # fmt: skip
+        return PieceFault(fits=2, reduction="sum"), [callback, GradientDecay(0.5)]
     if kind == "mean":
         return Validated(), [AccumulationScheduler(WINDOWS)]
     if kind == "items+decay":
@@ -179,6 +214,7 @@ def uninterrupted(kind: str) -> pl.LightningModule:
 
 def fail_and_resume(kind: str, tmp: Path, fault: Any, source: str) -> list[str]:
     """Fit until the fault, resume from ``source`` ("exception" or "step"), compare; the warnings seen."""
+    uninterrupted(kind)  # (first: its warnings are not the interrupted run's)
     with warnings.catch_warnings(record=True) as seen, pytest.raises((Injected, SystemExit)):
         warnings.simplefilter("always")
         fit(kind, tmp, fault)
@@ -234,5 +270,30 @@ def test_mixin_fault(tmp_path: Path, kind: str, fault: Any, source: str, warns: 
     fault = Fault(fault.hook, fault.at) if isinstance(fault, Fault) else fault  # a fresh one per case
     if kind == "mixin+noise" and fault == ("in_block", MID):
         warns = False  # NoiseScale's windows of 2 start at batch 4: nothing of the window is lost, nothing to warn of
+    seen = fail_and_resume(kind, tmp_path, fault, source)
+    assert bool(seen) == warns, seen
+
+
+SPLIT_FAULTS = [  # as CALLBACK_FAULTS, where a loader batch is cut into pieces
+    ("in_piece", MID, "exception", False),  # the first piece is in: the resumed run trains the rest of the batch
+    ("in_piece", (0, 3), "exception", False),  # the same at a window's first batch, which Lightning zeroes
+    ("on_before_backward:before", MID, "exception", False),  # every piece is in, the batch not yet counted
+    ("on_before_backward", MID, "exception", False),  # counted: trained again, it adds nothing
+    ("in_backward", MID, "exception", False),  # Lightning's backward reaches no parameter: nothing partial
+    ("on_after_backward", MID, "exception", False),
+    ("on_before_optimizer_step:before", LAST, "exception", False),
+    ("on_train_batch_end", MID, "exception", False),
+    ("validation", (0, 4), "exception", False),
+    ("sigterm", MID, "exception", False),
+    ("on_before_optimizer_step", LAST, "step", True),  # after the rescale: left out, with a warning
+    ("in_piece_backward", MID, "step", True),  # part of a piece's gradient: left out, with a warning
+]
+
+
+@pytest.mark.parametrize("kind", ["split", "split+auto"])
+@pytest.mark.parametrize(("hook", "at", "source", "warns"), SPLIT_FAULTS)
+def test_split_fault(tmp_path: Path, kind: str, hook: str, at: tuple[int, int], source: str, warns: bool) -> None:
+    """An exception anywhere in a batch cut into pieces, a piece's forward included, loses nothing."""
+    fault = (hook, at) if hook.startswith("in_piece") else Fault(hook, at)
     seen = fail_and_resume(kind, tmp_path, fault, source)
     assert bool(seen) == warns, seen

@@ -18,9 +18,11 @@ from lightning_accum._seam import (
     backward_skipped,
     batch_processed,
     batches_ran_out,
+    ddp_comm_hook,
     keep_progress_consistent,
     keep_scheduler_keys,
     resume_after_finished_epoch,
+    route_training_step,
     set_divisor,
     set_up_training_loader,
     show_in_progress_bar,
@@ -30,6 +32,7 @@ from lightning_accum._seam import (
     uncount_step,
     write_to_loggers,
     zero_grad_like_lightning,
+    zeroes_after_training_step,
 )
 from lightning_accum.window import lightning_divisor
 
@@ -368,3 +371,63 @@ def test_steps_counted_seam(counted: bool) -> None:
     t.fit(StepsAtBatchEnd(counted), loader(TokenData(12), 4))
     assert t.global_step == (3 if counted else 0)  # (Lightning counts none of them by itself)
     assert all(o._on_before_step.__name__ == "do_nothing_closure" for o in t.strategy._lightning_optimizers)
+class ZeroRule(Recorder):
+    """Also records, at each batch's start, where the package expects Lightning to zero after `training_step`."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if zeroes_after_training_step(trainer, batch_idx):
+            self.events.append(("expected_zero", batch_idx))
+
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        super().on_before_zero_grad(trainer, pl_module, optimizer)
+        assert pl_module.stepped == self.batch_idx  # (after this batch's `training_step`: the closure runs it first)
+
+
+class SteppedModel(RawLossModel):
+    stepped = -1
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.stepped = batch_idx
+        return super().training_step(batch, batch_idx)
+
+
+def test_zeroing_after_training_step_seam() -> None:
+    """Lightning zeroes after `training_step` exactly where `zeroes_after_training_step` says."""
+    recorder = ZeroRule({0: 2, 2: 5, 5: 10})
+    trainer(callbacks=[recorder], max_epochs=1).fit(SteppedModel(), loader(TokenData(44), 4))
+    zeros = [i for what, i in recorder.events if what == "zero"]
+    assert zeros == [i for what, i in recorder.events if what == "expected_zero"] == [0, 10]
+
+
+def test_route_training_step_seam() -> None:
+    """Lightning calls the routed step (through `Strategy.training_step`) with the arguments the module's own
+    `training_step` takes; undoing it gives the module its own method (or an instance attribute it had) back."""
+    calls: list[tuple[Any, ...]] = []
+
+    def step(original: Any, *args: Any) -> Any:
+        calls.append(tuple(type(a).__name__ for a in args))
+        return original(*args)
+
+    class NoIndex(TokenModel):
+        def training_step(self, batch: Any) -> Any:  # type: ignore[override]
+            return super().training_step(batch, 0)
+
+    for model, want in ((TokenModel(), ("dict", "int")), (NoIndex(), ("dict",))):
+        calls.clear()
+        restore = route_training_step(model, step)
+        trainer(max_epochs=1).fit(model, loader(TokenData(8), 4))
+        restore()
+        assert calls == [want, want] and "training_step" not in vars(model)
+    model = TokenModel()
+    own = model.training_step
+    model.training_step = own  # type: ignore[method-assign]
+    route_training_step(model, step)()
+    assert vars(model)["training_step"] is own
+
+
+def test_ddp_comm_hook_seam() -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert ddp_comm_hook(DDPStrategy(ddp_comm_hook=print)) is print
+    assert ddp_comm_hook(DDPStrategy()) is None

@@ -89,5 +89,6 @@ def test_no_private_base_or_internal_constructor_is_shown(site: Path, page: str)
     assert text.count("doctest:") == 0, f"doctest flags rendered on the {page} page"
     assert "= IGNORE_INDEX" not in text, "a default shown by its constant's name instead of its value"
     if page == "types":  # each alias a public signature uses, with its value
-        for alias in ("Normalize", "Reduction", "Count", "LRScaling", "Reset", "SyncMode", "Unit", "Factor", "GetRep"):
+        for alias in ("Normalize", "Reduction", "Count", "LRScaling", "Reset", "SyncMode", "Unit", "Factor", "GetRep",
+                      "MicrobatchSize"):
             assert re.search(rf"{alias} = \S", text), alias

@@ -31,6 +31,11 @@ def gradient_accumulation_schedulers() -> tuple[type, ...]:
     return tuple(m.GradientAccumulationScheduler for m in modules if m is not None)
 
 
+def grad_scaler(trainer: Any) -> Any:
+    """The precision plugin's AMP GradScaler (``16-mixed``), ``None`` without one."""
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
 def loss_scale(trainer: Any) -> float:
     """The AMP GradScaler's current scale (1 without one); a host sync, so once per window."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -48,6 +53,7 @@ __all__ = [
     "LightningModule",
     "Trainer",
     "extract_batch_size",
+    "grad_scaler",
     "gradient_accumulation_schedulers",
     "loss_scale",
     "pl",

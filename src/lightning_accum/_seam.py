@@ -14,6 +14,7 @@ writes the metrics its logger connector keeps (progress bar, callbacks', logged)
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +33,44 @@ def zero_grad_like_lightning(trainer: Any, batch_idx: int, optimizer: Optimizer)
     loop = trainer.fit_loop.epoch_loop.automatic_optimization
     loop._on_before_zero_grad(optimizer)
     loop._optimizer_zero_grad(batch_idx, optimizer)
+
+
+def zeroes_after_training_step(trainer: Any, batch_idx: int) -> bool:
+    """Whether Lightning's automatic loop zeroes the gradients after this batch's ``training_step``
+    (and before its backward): where ``batch_idx % accumulate_grad_batches == 0``, unless it skips
+    backward (``_AutomaticOptimization._make_zero_grad_fn``; the closure runs the step, then zero_grad)."""
+    return not backward_skipped(trainer) and batch_idx % trainer.accumulate_grad_batches == 0
+
+
+def route_training_step(module: Any, step: Callable[..., Any]) -> Callable[[], None]:
+    """Make Lightning call ``step(original, *args, **kwargs)`` where it calls ``module.training_step``;
+    call what this returns to undo it. Lightning looks the method up on the instance each batch
+    (``Strategy.training_step``, and ``_ForwardRedirection`` through a DDP wrapper's forward), and
+    reads which arguments to pass from its signature through ``__wrapped__`` (``_build_kwargs``,
+    ``is_param_in_hook_signature``), so the original's signature still decides them."""
+    mine = vars(module)
+    had, before = "training_step" in mine, mine.get("training_step")
+    original = module.training_step
+
+    @functools.wraps(original)
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        return step(original, *args, **kwargs)
+
+    mine["training_step"] = training_step
+
+    def restore() -> None:
+        if mine.get("training_step") is training_step:
+            if had:
+                mine["training_step"] = before
+            else:
+                del mine["training_step"]
+
+    return restore
+
+
+def ddp_comm_hook(strategy: Any) -> Any:
+    """The communication hook Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers (``None`` if none)."""
+    return getattr(strategy, "_ddp_comm_hook", None)
 
 
 def attached(module: Any) -> bool:

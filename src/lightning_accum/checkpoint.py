@@ -103,8 +103,10 @@ class PartialWindow:
         self._state = None
         return numbers
 
-    def put_back(self, params: Sequence[Tensor]) -> None:
-        """Put the partial gradient back into ``params`` (once)."""
-        if self._grads is not None:
-            gradients.restore(params, self._grads)
+    def put_back(self, params: Sequence[Tensor]) -> Partial | None:
+        """Put the partial gradient back into ``params`` (once); returns it (``None`` if none waited)."""
+        grads = self._grads
+        if grads is not None:
+            gradients.restore(params, grads)
             self._grads = None
+        return grads

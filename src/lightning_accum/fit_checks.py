@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_accum import sync
+from torch import nn
+
+from lightning_accum import _seam, collectives, sync
 from lightning_accum._lightning import gradient_accumulation_schedulers
 
 
@@ -54,3 +56,43 @@ def refuse_scheduler_misuse(callback: Any, trainer: Any, pl_module: Any, decay_t
     for name in ("lr_scaling", "lr_schedule"):  # (the LR is scaled for a window's step, which DeepSpeed takes itself)
         if getattr(callback, name) is not None:
             sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", f"({name}={getattr(callback, name)!r})")
+
+
+def refuse_split_misuse(size: object, trainer: Any, pl_module: Any, plan: sync.SyncPlan) -> None:
+    """``AccumulationScheduler(microbatch_size=size)`` where its pieces cannot be exact: DeepSpeed, Lightning's
+    FSDP, ``"auto"`` where ranks must cut alike (FSDP2, ``SyncBatchNorm``), a DDP communication hook."""
+    if size is None:
+        return
+    name = f"`AccumulationScheduler(microbatch_size={size!r})`"
+    if plan.family == "deepspeed":
+        raise RuntimeError(
+            f"{name} cannot run under DeepSpeed: its engine owns the backward pass (`engine.backward`, its own "
+            "loss scaling and gradient buffers), while each piece of a loader batch needs a backward pass of its "
+            "own inside `training_step`. Use DDP, FSDP2 (`ModelParallelStrategy`) or a single device, or DeepSpeed's "
+            "`train_micro_batch_size_per_gpu` with a smaller loader batch."
+        )
+    if plan.family == "fsdp":
+        raise RuntimeError(
+            f"{name} cannot run under Lightning's `FSDPStrategy`: Lightning runs `training_step` inside the FSDP root "
+            "module's forward, where a piece's backward pass cannot run. Use FSDP2 (`ModelParallelStrategy` with "
+            "`fully_shard` in `configure_model`), which the pieces support."
+        )
+    world = collectives.world_size(trainer.strategy)
+    if size == "auto" and plan.family == "fsdp2":
+        raise RuntimeError(
+            f"{name} cannot run under FSDP2: each piece's forward all-gathers the parameters with every rank, so "
+            "the ranks must cut their batches into the same pieces, and a rank backing off alone would hang "
+            "them. Give an int `microbatch_size` that fits every rank."
+        )
+    if size == "auto" and world > 1 and any(isinstance(m, nn.SyncBatchNorm) for m in pl_module.modules()):
+        raise RuntimeError(
+            f"{name} cannot run with `SyncBatchNorm` on {world} ranks: its forward synchronises with every rank, so "
+            "the ranks must cut their batches into the same pieces, and a rank backing off alone would hang them. "
+            "Give an int `microbatch_size`, or use plain BatchNorm."
+        )
+    if plan.family == "ddp" and _seam.ddp_comm_hook(trainer.strategy) is not None:
+        raise RuntimeError(
+            f"{name} runs every backward pass without DDP's sync and all-reduces the window's gradient once itself, "
+            "so DDP's communication hook (`DDPStrategy(ddp_comm_hook=...)`) would not apply: remove the hook, or "
+            "leave `microbatch_size` out."
+        )

@@ -93,6 +93,27 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+MicrobatchSize = int | Literal["auto"]
+"""``microbatch_size=`` of ``AccumulationScheduler``: the most samples a piece of a loader batch holds, or
+``"auto"`` (the loader batch, halved on out-of-memory)."""
+
+
+def check_microbatch_size(value: object) -> MicrobatchSize | None:
+    """``microbatch_size``: ``None``, an int >= 1 or ``"auto"``, or an error naming it and the fix."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value  # type: ignore[return-value]
+    fix = "give None (no split), a number of samples >= 1 (e.g. 8), or 'auto' (halved on out-of-memory)"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"`microbatch_size` must be at least 1 sample; got {value!r}: {fix}.")
+        return int(value)
+    if isinstance(value, str):
+        hint = " (lower case: 'auto')" if value.strip().lower() == "auto" else ""
+        raise ValueError(f"`microbatch_size` got the string {value!r}{hint}; {fix}.")
+    what = "a bool" if isinstance(value, bool) else f"a {type(value).__name__}"
+    raise TypeError(f"`microbatch_size` must be a whole number of samples; got {value!r} ({what}): {fix}.")
+
+
 Reduction = Literal["sum", "mean"]
 """What ``training_step`` returns over a micro-batch's items with ``normalize="items"``: their ``"sum"``, or
 their ``"mean"`` (weighted by ``count(batch)``)."""

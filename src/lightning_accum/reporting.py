@@ -51,6 +51,8 @@ class WindowReport:
         noise_scale: the ``NoiseScale`` schedule's estimate (``None`` for other schedules).
         progress: ``Progress`` after this window.
         optimizers: the indices, in ``trainer.optimizers``, of the optimizers that stepped.
+        microbatch_size: the samples per piece the window's last loader batch was cut into
+            (``AccumulationScheduler(microbatch_size=...)``; ``None`` without).
 
     Example:
 
@@ -73,10 +75,16 @@ class WindowReport:
     lr: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     noise_scale: float | None = None
     optimizers: tuple[int, ...] = (0,)
+    microbatch_size: int | None = None
 
 
 def report(
-    optimizers: Sequence[Any], engine: WindowEngine, closing: Closing, group: tuple[int, ...] = (0,)
+    optimizers: Sequence[Any],
+    engine: WindowEngine,
+    closing: Closing,
+    group: tuple[int, ...] = (0,),
+    *,
+    microbatch_size: int | None = None,
 ) -> WindowReport:
     """The report of the window ``engine`` has just advanced past (``closing``, stepped); ``optimizers``:
     the fit's (``trainer.optimizers``), which name the learning rates."""
@@ -100,6 +108,7 @@ def report(
         lr=MappingProxyType(lr_names(optimizers, engine.used_lrs)),
         noise_scale=engine.noise_scale,
         optimizers=group,
+        microbatch_size=microbatch_size,
     )
 
 
@@ -129,7 +138,8 @@ def lr_names(optimizers: Sequence[Any], used: Sequence[tuple[Any, list[Any]]]) -
 
 def metric_values(window: WindowReport) -> dict[str, Any]:
     """The window's numbers by metric name (unprefixed: ``k``, ``loss``, ``loss/<task>``, ``grad_norm``,
-    the learning rates, ``effective_batch``, ``samples``, ``items``, ``noise_scale``), what is logged of it."""
+    the learning rates, ``effective_batch``, ``samples``, ``items``, ``noise_scale``, ``microbatch_size``), what is
+    logged of it."""
     values: dict[str, Any] = {"k": window.k}
     if window.loss is not None:
         values["loss"] = window.loss
@@ -140,6 +150,8 @@ def metric_values(window: WindowReport) -> dict[str, Any]:
     values.update(effective_batch=window.samples, samples=window.progress.samples, items=window.progress.items)
     if window.noise_scale is not None:
         values["noise_scale"] = window.noise_scale
+    if window.microbatch_size is not None:
+        values["microbatch_size"] = window.microbatch_size
     return values
 
 

@@ -264,9 +264,10 @@ def deepspeed_window_length(batches: float, start: int, k: int) -> int:
 def scale_backward(loss: Tensor, factor: float | Tensor) -> None:
     """Multiply the gradient that ``loss``'s backward pass produces by ``factor`` (a number or a
     0-d tensor, not read on the host), before it reaches any parameter (a hook on the loss: loss
-    scaling and DeepSpeed's own division apply around it unchanged)."""
+    scaling and DeepSpeed's own division apply around it unchanged). The gradient keeps its dtype (a
+    float64 count on a float32 loss)."""
     if loss.requires_grad and (isinstance(factor, Tensor) or factor != 1.0):
-        loss.register_hook(lambda grad: grad * factor)  # type: ignore[no-untyped-call]
+        loss.register_hook(lambda grad: (grad * factor).to(grad.dtype))  # type: ignore[no-untyped-call]
 
 
 def skip_sync(sync_plan: SyncPlan, strategy: Any, final: bool) -> AbstractContextManager[None]:

@@ -142,6 +142,20 @@ CASES: dict[str, dict[str, Any]] = {
                    "scheduler": {"kind": "step", "interval": "step", "step_size": 2},
                    "decay": [0.5, "ema", True], "val_every": 2, "callbacks": ["model_checkpoint", "lr_monitor"],
                    "interruptions": [["on_after_backward", 0, 4], ["save", 1, 5]]},
+    # issue 33: loader batches cut into pieces. "auto" backs off twice (4 -> 2 -> 1) inside backward passes (the
+    # window redone), then a failure in the second piece of a batch: the resumed run trains the rest of it
+    "pieces_out_of_memory_then_failure_in_a_piece": {
+        "n": 26, "batch_size": 4, "epochs": 2, **_ITEMS, "reduction": "mean", "empty_batches": [3], "seed": 5,
+        "schedule": {"family": "constant", "k": 3}, "decay": [0.5, "sum", False], "microbatch_size": "auto",
+        "oom": [1, "backward"], "interruptions": [["training_step", 0, 4], ["save", 1, 2]], "fail_piece": 1},
+    # pieces with everything around them: validation inside windows, a plateau on `accum/loss`, clipping, SWA's
+    # BatchNorm-free epochs, a failure inside Lightning's backward (which reaches no parameter)
+    "pieces_with_lightning_around": {
+        "n": 22, "batch_size": 4, "epochs": 3, "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 4,
+        "unit": "step"}, "microbatch_size": 3, "val_every": 2, "clip": [0.05, "norm"], "optimizer": "adam",
+        "lr": 0.01, "callbacks": ["ema"], "interruptions": [["on_before_backward", 0, 3]]},
+    "pieces_swa": {"n": 20, "batch_size": 4, "epochs": 3, "microbatch_size": 3, "swa": [0.05, 2],
+                   "schedule": {"family": "constant", "k": 2}},
 }  # fmt: skip
 
 

@@ -77,6 +77,11 @@ class Config:
     skip: list[int] = dataclasses.field(default_factory=list)  # the mixin: batches (each epoch) trained by no block
     plain: bool = False  # the callback adapter without `AccumulationScheduler`: Lightning's own loop (k = 1)
     estimate: bool = False  # `configure_optimizers` calls `lightning_accum.estimated_stepping_batches(trainer)`
+    # the callback's `microbatch_size` (None, an int, or "auto"); with "auto", `oom` = [above, "forward" |
+    # "backward"]: the model runs out of memory (injected) in that pass of a piece of more than `above` samples
+    microbatch_size: Any = None
+    oom: list[Any] | None = None
+    fail_piece: int = 0  # a "training_step" failure fires at this piece (0-based) of its batch
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -182,6 +187,8 @@ def generate(rng: random.Random) -> Config:
     _contracts(rng, c, batches)
     if rng.random() < 0.15:  # the same options in a Fabric loop, where it has them
         c = fabric_config(c, rng)
+    if c.adapter == "callback" and not c.plain:  # (`microbatch_size` is the package callback's)
+        _microbatches(c)
     return c
 
 
@@ -212,6 +219,19 @@ def _contracts(rng: random.Random, c: Config, batches: int) -> None:
         c.interruptions = [i for i in c.interruptions if i[2] != batches - 1]
 
 
+def _microbatches(c: Config) -> None:
+    """The callback's ``microbatch_size`` (and injected out-of-memory errors for ``"auto"``), drawn from a
+    generator of the configuration's own, so that the other configurations' draws stay as they were."""
+    rng = random.Random(f"microbatch/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if rng.random() >= 0.35:
+        return
+    c.microbatch_size = rng.choice([1, 2, 3, "auto", "auto"])
+    if c.microbatch_size == "auto":
+        c.oom = [rng.randint(1, c.batch_size), rng.choice(["forward", "backward"])]
+    if any(kind == "training_step" for kind, _, _ in c.interruptions):
+        c.fail_piece = rng.choice([0, 1])
+
+
 def fabric_config(c: Config, rng: random.Random) -> Config:
     """``c`` without what a Fabric loop does not have (Lightning's callbacks, schedulers, validation,
     SWA, decay, failures at Lightning hooks, the mixin's modes): the ``"fabric"`` adapter's config, with
@@ -223,6 +243,7 @@ def fabric_config(c: Config, rng: random.Random) -> Config:
     c.interruptions = [i for i in c.interruptions if i[0] == "save"]
     c.schedulers_by, c.probe_in, c.windows, c.skip = "package", "callback", "shared", []
     c.plain = c.estimate = False
+    c.microbatch_size, c.oom, c.fail_piece = None, None, 0
     c.passes = rng.choice([1, 1, 2])
     c.resave = bool(c.interruptions) and rng.random() < 0.5
     # (a `Lambda` reading the epoch cannot be seen to: without `epoch=` its epoch would stay 0)

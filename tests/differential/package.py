@@ -104,12 +104,30 @@ class _Base(pl.LightningModule):
 
 
 class Automatic(_Base):
+    def __init__(self, c: Config, data: Data) -> None:
+        super().__init__(c, data)
+        self.calls: dict[tuple[int, int], int] = {}  # `training_step` calls per batch (one per piece)
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        self.maybe_fail()
-        total, _, positions = micro_loss(self.net, batch)
+        here = (self.current_epoch, batch_idx)
+        self.calls[here] = self.calls.get(here, 0) + 1
+        if self.calls[here] - 1 == self.c.fail_piece:  # (with `microbatch_size`, a later piece of the batch)
+            self.maybe_fail()
+        over = self.c.oom is not None and len(batch["x"]) > self.c.oom[0]
+        if over and self.c.oom[1] == "forward":  # type: ignore[index]
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        hidden = self.net[0](batch["x"])
+        if over:  # in backward, after the last layer's gradient is in: part of the piece's gradient is left
+            hidden.register_hook(_out_of_memory)
+        total = errors(self.net[2](self.net[1](hidden)), batch).sum()
+        positions = batch["x"].shape[0] * batch["x"].shape[1]
         if self.c.normalize == "mean":
             return total / positions
         return total / batch["mask"].sum() if self.c.reduction == "mean" else total
+
+
+def _out_of_memory(grad: Tensor) -> Tensor:
+    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
 
 class Manual(la.AccumulationMixin, _Base):
@@ -358,6 +376,7 @@ def _fit(
                 reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
                 lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
                 lr_schedule=lr_schedule(c),
+                microbatch_size=c.microbatch_size,
             )
         )
     if c.adapter == "callback" and c.decay is not None:

@@ -74,9 +74,12 @@ def fit_ddp(
     callbacks: Sequence[pl.Callback] = (),
     epochs: int = 2,
     batch_size: int = 4,
+    data: TokenData | None = None,
+    precision: str | None = "64-true",
+    plugins: Sequence[Any] = (),
     **strategy_kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """Fit on 2 forked gloo ranks, each taking every other sample of TokenData(64); the ranks' reports."""
+    """Fit on 2 forked gloo ranks, each taking every other sample of ``data`` (TokenData(64)); the ranks' reports."""
     recorder = KRecorder()
     strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", **strategy_kwargs)
     t = trainer(
@@ -85,8 +88,10 @@ def fit_ddp(
         devices=WORLD,
         strategy=strategy,
         use_distributed_sampler=False,
+        precision=precision,
+        plugins=list(plugins),
     )
-    t.fit(model, loader(TokenData(64), batch_size, sharded=True))
+    t.fit(model, loader(TokenData(64) if data is None else data, batch_size, sharded=True))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -154,3 +154,13 @@ def test_fsdp2_gradient_decay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     callbacks = [AccumulationScheduler(SCHEDULE), GradientDecay(0.8, mode="ema")]
     reports = fit_fsdp2(tmp_path, ShardedTokenModel(), callbacks, monkeypatch)
     check(reports, "mean", "auto", decay=(0.8, "ema", False))
+
+
+
+def test_fsdp2_callback_with_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``microbatch_size=3`` of batches of 4 (pieces of 3 and 1): every piece's forward all-gathers, only the
+    window's last piece reduce-scatters (one round per step), and the result is the reference's."""
+    callback = AccumulationScheduler(
+        SCHEDULE, normalize="items", reduction="sum", count=count_tokens, microbatch_size=3
+    )
+    check(fit_fsdp2(tmp_path, ShardedTokenModel(reduction="sum"), [callback], monkeypatch), "items", "auto")

@@ -12,7 +12,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_accum import _seam, fit_checks, gradients, recovery, reporting, steps, sync
-from lightning_accum._lightning import Callback, loss_scale, pl, rank_zero_warn
+from lightning_accum._lightning import Callback, grad_scaler, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.checkpoint import PartialWindow
@@ -22,11 +22,14 @@ from lightning_accum.metrics import weigh
 from lightning_accum.options import (
     Count,
     LRScaling,
+    MicrobatchSize,
     Reduction,
     check_callback_items,
     check_common,
     check_flag,
+    check_microbatch_size,
 )
+from lightning_accum.pieces import Fit, Pieces
 from lightning_accum.probe import check_noise_under
 from lightning_accum.samples import sample_count
 from lightning_accum.schedules import Progress, Schedule
@@ -74,6 +77,12 @@ class AccumulationScheduler(Callback):
             window; FSDP: every micro-batch, as Lightning), ``"skip"`` (once per window; FSDP and
             FSDP2 then hold unsharded gradients until its end) or ``"every"``. DDP always syncs
             once per window.
+        microbatch_size: ``None`` (each loader batch is one micro-batch), an int (each loader batch is cut
+            along dim 0 into pieces of at most this many samples, and ``training_step`` runs once per
+            piece, its loss weighted by the piece's share; one piece's graph alive at a time) or
+            ``"auto"`` (the loader batch, halved on out-of-memory; the window is kept exact). ``k`` still
+            counts loader batches and nothing but memory (and BatchNorm's statistics) changes: see the
+            guide's "Micro-batches that fit". Not under DeepSpeed or Lightning's FSDP.
 
     Example:
 
@@ -94,6 +103,7 @@ class AccumulationScheduler(Callback):
         lr_schedule: LRMultiplier | None = None,
         log: bool = True,
         sync: SyncMode = "auto",
+        microbatch_size: MicrobatchSize | None = None,
     ) -> None:
         self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         self.normalize, self.reduction = normalize, check_callback_items(normalize, count, reduction)
@@ -101,7 +111,12 @@ class AccumulationScheduler(Callback):
         self.lr_scaling, self.lr_schedule = lr_scaling, lr_schedule
         self._log = check_flag("log", log)  # not `self.log`: Lightning binds `log` on callbacks
         self.sync = sync
+        self.microbatch_size = check_microbatch_size(microbatch_size)
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule)
+        # `microbatch_size`: each loader batch's `training_step` run piece by piece (None: no split, no work)
+        self._split = None if self.microbatch_size is None else Pieces(self.microbatch_size)
+        self._unroute: Any = None  # gives the module its own `training_step` back
+        self._closed = False  # the window was closed (its gradient all-reduced) before Lightning's step
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
         self._partial = PartialWindow()  # a resumed window's part a checkpoint held
         self._strategy: Any = None
@@ -137,6 +152,7 @@ class AccumulationScheduler(Callback):
         fit_checks.refuse_scheduler_misuse(self, trainer, pl_module, decay_type=GradientDecay)
         plan = sync.plan(trainer.strategy, self.sync)
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
+        fit_checks.refuse_split_misuse(self.microbatch_size, trainer, pl_module, plan)
         self._engine.start_fit(plan, self._log)
         check_noise_under(plan, self.schedule, self.lr_scaling)
 
@@ -157,6 +173,28 @@ class AccumulationScheduler(Callback):
         self._reported.restore(trainer)
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
+        if self._split is not None:
+            self._attach_pieces(trainer, pl_module)
+
+    def _attach_pieces(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``microbatch_size``: Lightning's ``training_step`` calls go to the pieces until the fit ends."""
+        assert self._split is not None and self._optimizer is not None
+        params = gradients.optimizer_params(self._optimizer)
+        fit = Fit(
+            module=pl_module,
+            precision=trainer.precision_plugin,
+            scaler=grad_scaler(trainer),
+            strategy=trainer.strategy,
+            plan=self._engine.plan,
+            optimizer=self._optimizer,
+            params=params,
+            normalize=self.normalize,
+            mean_items=self.reduction == "mean",
+            count=self.count,
+            put_back=lambda: self._partial.put_back(params) if self._partial.pending else None,
+        )
+        self._split.attach(fit)
+        self._unroute = _seam.route_training_step(pl_module, self._split.step)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -171,15 +209,40 @@ class AccumulationScheduler(Callback):
         self._engine.restore_lr()
         if self._optimizer is not None:
             processed, in_backward = recovery.where(trainer, exception)
+            open_pass = False
+            if self._split is not None and not self._split.whole:  # (the pieces' own backward passes: Lightning's
+                in_backward, open_pass = self._settle_pieces(trainer)  # reaches no parameter)
+            elif self._split is not None:
+                self._split.release()
             batch = (trainer.current_epoch, self._batch_idx)
-            recovery.settle(self._engine, batch, processed=processed, in_backward=in_backward)
+            recovery.settle(self._engine, batch, processed=processed, in_backward=in_backward, open_pass=open_pass)
         optimizer = self._optimizer
         self._teardown(trainer)
         self._optimizer = optimizer
 
+    def _settle_pieces(self, trainer: pl.Trainer) -> tuple[bool, bool]:
+        """After an exception with ``microbatch_size``: whether a piece's backward was cut short (part of it is
+        in the gradient), and whether pieces of the uncounted batch are in the gradient for good."""
+        split = self._split
+        assert split is not None
+        split.release()
+        split.restore_aside()  # (Lightning's zeroing in between: the gradient goes back to `.grad`)
+        in_backward, open_pass = split.in_backward, False
+        if not self._redoing and self._engine.inflight is None and not _seam.batch_processed(trainer):
+            where = (trainer.current_epoch, self._batch_idx)
+            open_pass = split.cut_short(where, single=trainer.world_size == 1)
+        split.batch_done()
+        return in_backward, open_pass
+
     def _teardown(self, trainer: pl.Trainer) -> None:
         """Leave the Trainer, the model's sync flags and the LR scheduler configs as the user made them."""
         self._release()
+        self._closed = False
+        if self._unroute is not None:
+            self._unroute()
+            self._unroute = None
+        if self._split is not None:
+            self._split.detach()
         if self._user_divisor is not None:
             set_divisor(trainer, self._user_divisor)
             self._user_divisor = None
@@ -201,6 +264,8 @@ class AccumulationScheduler(Callback):
             self._trained = True
         if engine.window is None:
             if _seam.backward_skipped(trainer):
+                if self._split is not None:
+                    self._split.begin_forward_only()
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
             self._open(trainer, batch_idx)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
@@ -211,6 +276,16 @@ class AccumulationScheduler(Callback):
         self._batch_idx = batch_idx
         if self._deepspeed:
             sync.deepspeed_boundary(trainer.strategy, self._closes_window(trainer))
+        if self._split is not None:
+            self._split.begin(
+                (trainer.current_epoch, batch_idx),
+                self._counts[1],
+                final=self._closes_window(trainer),
+                zeroes_after=_seam.zeroes_after_training_step(trainer, batch_idx),
+                redoing=self._redoing,
+                divisor=self._divisor,
+                factor=self._loss_factor,
+            )
 
     def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
         window = self._engine.open(trainer.current_epoch, batch_idx, trainer.strategy)
@@ -226,11 +301,16 @@ class AccumulationScheduler(Callback):
         else:
             length = window.divisor
         self._loss_factor = self._divisor / length
+        if self._split is not None:
+            self._split.forget_window()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         engine, window = self._engine, self._engine.window
         if window is None:
+            return
+        if self._split is not None and not self._split.whole:
+            self._count_pieces(trainer, loss)
             return
         if self._partial.pending and self._optimizer is not None:  # resumed inside a window: its gradient, after
             self._partial.put_back(gradients.optimizer_params(self._optimizer))  # any zeroing of this batch
@@ -255,10 +335,33 @@ class AccumulationScheduler(Callback):
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
             engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._divisor)
 
+    def _count_pieces(self, trainer: pl.Trainer, loss: Tensor) -> None:
+        """``microbatch_size``: the pieces' backward passes ran in ``training_step``; Lightning's, of ``loss``, adds
+        nothing. The loader batch counts once, as one micro-batch of the window, and its gradient is in."""
+        assert self._split is not None and self._engine.window is not None
+        self._split.restore_aside()  # (after Lightning's zeroing of a window's first batch)
+        if self._redoing:
+            return
+        engine = self._engine
+        if self._sharded:  # the window's last piece synced
+            self._engine.window.mark_synced(self._closes_window(trainer))
+        engine.count(*self._counts)
+        if engine.metrics.tracking:
+            mean = self.reduction == "mean"
+            engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._divisor)
+        engine.backward_done()
+
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._release()
         engine = self._engine
+        if self._split is not None:
+            self._split.release()  # (DDP's sync back on)
+            if engine.plan.family == "ddp" and engine.window is not None and self._closes_window(trainer):
+                # every backward pass ran without DDP's sync: the window's gradient is all-reduced here, once
+                assert self._optimizer is not None  # (before AMP's unscaling, which then sees the global gradient)
+                engine.close_and_reduce(trainer.strategy, gradients.optimizer_params(self._optimizer))
+                self._closed = True
         engine.backward_done()
         if not engine.wants_prefix() or self._optimizer is None or self._redoing:
             return
@@ -285,14 +388,19 @@ class AccumulationScheduler(Callback):
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
         grads = None if deepspeed else gradients.optimizer_grads(optimizer)  # (DeepSpeed holds its own)
-        # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
-        closing = engine.close(trainer.strategy, grads=None if self._sharded else grads)  # (a shard's is not)
+        if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
+            assert engine.closing is not None
+            closing = engine.closing
+        else:  # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
+            closing = engine.close(trainer.strategy, grads=None if self._sharded else grads)  # (a shard's is not)
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
-        elif grads is not None and (closing.scale != 1.0 or engine.probe is not None):
+        elif grads is not None and (closing.scale != 1.0 or engine.probe is not None or self._closed):
             gradients.scale_(grads, closing.scale)
             engine.measure_window(trainer.strategy, grads)
+            if self._closed and closing.norm_sq is None:
+                engine.metrics.add_grad_norm(grads)
         engine.scale_lr(optimizer)
         self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
 
@@ -317,17 +425,24 @@ class AccumulationScheduler(Callback):
         engine = self._engine
         engine.batch_done()
         self._release()  # (after a step that moved nothing: clipping back on)
+        if self._split is not None:
+            self._split.release()  # (a batch whose `training_step` returned None had no backward)
+            self._split.batch_done()
+            self._closed = False
         if self._uncount:  # Lightning counted the step that moved nothing
             _seam.uncount_step(trainer)
             self._uncount = False
         if engine.closing is None:
             return
+        if self._split is not None:
+            self._split.forget_window()  # (the batches kept to redo it after an out-of-memory error)
         engine.restore_lr()  # normally done by the optimizer's post-step hook already
         closing = engine.advance(trainer.current_epoch)
         if closing.empty:
             return
         if self._log or self._listeners:
-            window = reporting.report(trainer.optimizers, engine, closing)
+            size = None if self._split is None else self._split.used
+            window = reporting.report(trainer.optimizers, engine, closing, microbatch_size=size)
             if self._log:
                 self._reported.publish(trainer, window)
             reporting.announce(self._listeners, trainer, pl_module, window)
@@ -348,7 +463,12 @@ class AccumulationScheduler(Callback):
         state = self._engine.state_dict()
         state["divisor"] = self._divisor
         state["reported"] = self._reported.state_dict()
-        if state["window"] is not None and state["window"]["microbatches"] and self._optimizer is not None:
+        cut_short = False  # part of a batch in the window's gradient, not counted (an exception between pieces)
+        if self._split is not None:
+            state["pieces"] = self._split.state_dict()
+            cut_short = self._split.resume is not None
+        window = state["window"]
+        if window is not None and (window["microbatches"] or cut_short) and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
             params = gradients.optimizer_params(self._optimizer)
             state.update(self._partial.save(self._strategy, self._engine.local_numbers(), params))
@@ -360,6 +480,8 @@ class AccumulationScheduler(Callback):
         self._engine.load_state_dict(state_dict)
         self._divisor = int(state_dict.get("divisor", 1))
         self._reported.load_state_dict(state_dict.get("reported", {}))
+        if self._split is not None:
+            self._split.load_state_dict(state_dict.get("pieces", {}))
         self._partial.load(state_dict)
         window = self._engine.window
         self._loss_factor = 1.0 if window is None else self._divisor / window.divisor
