@@ -16,10 +16,10 @@ from __future__ import annotations
 import collections
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -155,22 +155,100 @@ def metric_values(window: WindowReport) -> dict[str, Any]:
     return values
 
 
-def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> dict[str, Any]:
+class Wants(NamedTuple):
+    """What one window must compute, and where it goes (``Readers.wants``)."""
+
+    publish: bool  # its numbers go to `trainer.callback_metrics` and the progress bar
+    logs: bool  # ... and to the loggers (this step is theirs)
+    losses: bool  # its loss is read
+    norm: bool  # its gradient's norm is measured
+    hooks: bool  # the `on_window_end` hooks are handed its report
+
+
+NOTHING = Wants(False, False, False, False, False)
+
+
+class Readers:
+    """Who reads a fit's window numbers, found when it starts, so that no window computes a number nobody
+    reads. The readers, and what each is given:
+
+    * the loggers: every ``accum/*`` key at the steps they write (every ``Trainer(log_every_n_steps)``
+      optimizer steps), also into ``trainer.logged_metrics``;
+    * the ``on_window_end`` hooks: the whole ``WindowReport``, every window;
+    * a monitor, a callback with a ``monitor`` attribute (``EarlyStopping``, ``ModelCheckpoint``, ...) or an
+      LR scheduler config's ``monitor`` naming an ``accum/`` key, and the progress bar: ``callback_metrics``.
+
+    Where any of them is there, every window's numbers go to ``callback_metrics`` and the progress bar; the
+    gradient's norm (``accum/grad_norm``) is measured only where it is read: the loggers' steps, the hooks,
+    a monitor naming it (between, ``callback_metrics`` keeps the last measured). Where none is (no logger, no
+    progress bar, no monitor, no hook), only each epoch's last window and the fit's last step are published,
+    so that ``callback_metrics`` still holds the latest numbers when the epoch or the fit ends.
+
+    Example:
+
+        >>> readers = Readers(log=True, loggers=True, every=50, bar=False, hooks=[], watched={"accum/loss"})
+        >>> readers.wants(step=3).norm, readers.wants(step=50).logs
+        (False, True)
+    """
+
+    def __init__(
+        self, *, log: bool, loggers: bool, every: int, bar: bool, hooks: Sequence[Any], watched: Collection[str]
+    ) -> None:
+        self.log, self.hooks = log, hooks
+        self.loggers, self.every = log and loggers, every
+        watched = frozenset(key for key in watched if key.startswith("accum/")) if log else frozenset()
+        self.any = bool(self.loggers or (log and bar) or watched or hooks)
+        self._norm_watched = any(key.endswith("grad_norm") for key in watched)
+
+    @classmethod
+    def of(cls, trainer: Any, log: bool, hooks: Sequence[Any], watched: Collection[str] = ()) -> Readers:
+        """The readers of ``trainer``'s fit (``watched``: keys the adapter knows are monitored besides)."""
+        keys = set(watched)
+        for config in (*trainer.callbacks, *trainer.lr_scheduler_configs):
+            monitor = getattr(config, "monitor", None)
+            if isinstance(monitor, str):
+                keys.add(monitor)
+        bar = trainer.progress_bar_callback is not None
+        return cls(log=log, loggers=bool(trainer.loggers), every=trainer.log_every_n_steps, bar=bar, hooks=hooks,
+                   watched=keys)  # fmt: skip
+
+    @classmethod
+    def of_nobody(cls) -> Readers:
+        """No reader (before a fit starts)."""
+        return cls(log=False, loggers=False, every=0, bar=False, hooks=(), watched=())
+
+    def wants(self, step: int, last: bool = False) -> Wants:
+        """What the window that makes optimizer step ``step`` must compute (``last``: the epoch's or the fit's
+        last window), and where it goes."""
+        hooks = bool(self.hooks)
+        logs = self.loggers and bool(self.every) and step % self.every == 0
+        publish = self.log and (self.any or last)
+        if not (publish or hooks):
+            return NOTHING
+        return Wants(publish, logs, True, logs or hooks or self._norm_watched, hooks)
+
+
+def publish(
+    trainer: Any, window: WindowReport, prefix: str = "accum/", wants: Wants | None = None
+) -> dict[str, Any]:
     """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar, and, every
-    ``log_every_n_steps`` optimizer steps, write them to the loggers. Host numbers only, but for a
-    device gradient norm or learning rate (read with the rest, once, when written to the loggers).
-    Returns what it put in ``callback_metrics``."""
+    ``log_every_n_steps`` optimizer steps (or where ``wants.logs``, ``Readers.wants``), write them to the
+    loggers. Host numbers only, but for a device gradient norm or learning rate (read with the rest, once,
+    when written to the loggers). Returns what it put in ``callback_metrics``."""
     values = metric_values(window)
     names = [prefix + name for name in values]
-    on_host = [float(v) for v in values.values() if not isinstance(v, Tensor)]
-    as_tensors = iter(torch.tensor(on_host, dtype=torch.get_default_dtype()).unbind())
-    metrics = {n: v if isinstance(v, Tensor) else next(as_tensors) for n, v in zip(names, values.values(), strict=True)}
-    _seam.put_callback_metrics(trainer, metrics)
+    metrics: dict[str, Any] = {}
+    if values:
+        on_host = [float(v) for v in values.values() if not isinstance(v, Tensor)]
+        as_tensors = iter(torch.tensor(on_host, dtype=torch.get_default_dtype()).unbind() if on_host else ())
+        pairs = zip(names, values.values(), strict=True)
+        metrics = {n: v if isinstance(v, Tensor) else next(as_tensors) for n, v in pairs}
+        _seam.put_callback_metrics(trainer, metrics)
     _seam.show_in_progress_bar(trainer, f"{prefix}k", float(window.k))
     if window.loss is not None:
         _seam.show_in_progress_bar(trainer, f"{prefix}loss", window.loss)
     every = trainer.log_every_n_steps
-    if every and window.step % every == 0 and trainer.loggers:
+    if (wants.logs if wants is not None else every and window.step % every == 0) and trainer.loggers:
         devices = [v.detach().reshape(()).to(torch.float64) for v in values.values() if isinstance(v, Tensor)]
         read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
         scalars = [next(read) if isinstance(v, Tensor) else float(v) for v in values.values()]
@@ -195,9 +273,9 @@ class Reported:
     def __init__(self) -> None:
         self._metrics: dict[str, Any] = {}
 
-    def publish(self, trainer: Any, window: WindowReport, prefix: str = "accum/") -> None:
+    def publish(self, trainer: Any, window: WindowReport, prefix: str = "accum/", wants: Wants | None = None) -> None:
         """``publish`` the window, and keep what it put in ``callback_metrics``."""
-        self._metrics.update(publish(trainer, window, prefix))
+        self._metrics.update(publish(trainer, window, prefix, wants))
 
     def restore(self, trainer: Any) -> None:
         """At a fit's train start: put back what a checkpoint held (nothing in a fresh fit)."""
