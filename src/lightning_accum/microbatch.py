@@ -85,6 +85,17 @@ def split(batch: Any, size: int) -> list[Any]:
     return [_slice(batch, start, min(start + size, n)) for start in range(0, n, size)]
 
 
+def take(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``start`` to ``stop`` (dim 0) of every tensor in ``batch``, in the same structure.
+
+    Example:
+
+        >>> take({"x": torch.arange(6)}, 2, 5)["x"].tolist()
+        [2, 3, 4]
+    """
+    return _slice(batch, start, stop)
+
+
 def is_oom(error: BaseException) -> bool:
     """Whether ``error`` is a (CUDA) out-of-memory error."""
     return isinstance(error, OOM_ERRORS) or ("out of memory" in str(error).lower() and isinstance(error, RuntimeError))
