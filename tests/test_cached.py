@@ -708,7 +708,7 @@ def test_token_budget_with_a_row_cap_and_a_long_sample_alone() -> None:
     passages = padded([9, 1, 1, 1, 1, 2], 10, seed=0)
     towers = plan([bert()], [passages], info_nce_rows, 3, chunk_tokens=4)
     assert towers[0].chunks == [(0, 1), (1, 4), (4, 6)]  # 9 > 4 alone; then at most 3 rows; then 3 tokens
-    assert [tuple(p["input_ids"].shape) for p in towers[0].parts] == [(1, 9), (3, 1), (2, 2)]
+    assert [tuple(towers[0].part(j)["input_ids"].shape) for j in range(3)] == [(1, 9), (3, 1), (2, 2)]
 
 
 def test_per_token_outputs_with_trimmed_chunks_are_refused_with_the_fix() -> None:

@@ -53,18 +53,30 @@ CallStyle = Literal["positional", "keywords", "whole"]
 @dataclasses.dataclass
 class Tower:
     """One tower, planned: its encoder and how it is called (a Mapping input as keyword arguments,
-    or whole as the one argument), its chunks (rows ``start:stop`` of its input) and their inputs,
-    its representation picker, and whether it needs a gradient (``frozen``: it runs once)."""
+    or whole as the one argument), its input and chunks (rows ``start:stop``, and the width a chunk
+    keeps where its trailing padding columns go), its representation picker, and whether it needs
+    a gradient (``frozen``: it runs once)."""
 
     index: int
     encoder: Callable[..., Any]
-    style: CallStyle
     get_rep: GetRep | None
     frozen: bool
+    input: Any
     rows: int
     chunks: list[tuple[int, int]]
-    parts: list[Any]
-    trimmed: bool
+    widths: list[int | None]
+    style: CallStyle = "positional"
+
+    @property
+    def trimmed(self) -> bool:
+        """Whether some chunk's padding columns are trimmed."""
+        return any(w is not None for w in self.widths)
+
+    def part(self, j: int) -> Any:
+        """Chunk ``j``'s input (cut when it runs: the chunks' inputs are not kept)."""
+        start, stop = self.chunks[j]
+        width = self.widths[j]
+        return _take(self.input, start, stop, width, self.input["attention_mask"].shape[1] if width else 0)
 
     def encode(self, part: Any) -> tuple[Tensor, ...]:
         """The representations of one chunk."""
@@ -147,13 +159,12 @@ def plan(
         if budget is None:
             size = sizes[i] or rows
             chunks = [(s, min(s + size, rows)) for s in range(0, rows, size)]
-            widths, full = [None] * len(chunks), 0
+            widths = [None] * len(chunks)
         else:
             chunks, widths = _pack(x, i, budget, sizes[i])
-            full = x["attention_mask"].shape[1]
-        parts = [_take(x, a, b, w, full) for (a, b), w in zip(chunks, widths, strict=True)]
-        style, frozen, trimmed = _call_style(encoder, parts[0], i), flags[i] or _frozen(encoder), any(widths)
-        out.append(Tower(i, encoder, style, pickers[i], frozen, rows, chunks, parts, trimmed))
+        tower = Tower(i, encoder, pickers[i], flags[i] or _frozen(encoder), x, rows, chunks, widths)
+        tower.style = _call_style(encoder, tower.part(0), i)
+        out.append(tower)
     return out
 
 
@@ -467,10 +478,10 @@ def run(
             elif not tower.frozen and saved is None:
                 saved = _Buffers(modules)
             outs = []
-            for part in tower.parts:
+            for j in range(len(tower.chunks)):
                 if not tower.frozen:
                     states[tower.index].append(_RNG())
-                outs.append(tower.encode(part))
+                outs.append(tower.encode(tower.part(j)))
             reps = _join(outs, tower)
             del outs  # (the chunks' outputs: one copy of the representations is enough)
             offset = 0
@@ -496,15 +507,20 @@ def run(
     if local:
         total = _sum_over_ranks(leaves, grads, total, reduce)  # type: ignore[arg-type]
     del leaves
+    if gather is not None:  # (the replay needs this rank's rows only: the others' are let go)
+        for tower in towers:
+            i, start = tower.index, offsets[tower.index]
+            grads[i] = [None if g is None else g[start : start + tower.rows].clone() for g in grads[i]]
+            offsets[i] = 0
     factor = 1 if local else world
     for tower in towers:
         if tower.frozen:
             continue
         i = tower.index
-        for j, (part, (start, stop)) in enumerate(zip(tower.parts, tower.chunks, strict=True)):
+        for j, (start, stop) in enumerate(tower.chunks):
             rows = slice(offsets[i] + start, offsets[i] + stop)
             with states[i][j].replay():
-                again = tower.encode(part)
+                again = tower.encode(tower.part(j))
             pairs = [(r, g[rows]) for r, g in zip(again, grads[i], strict=True) if g is not None and r.requires_grad]
             del again
             if pairs:
@@ -550,7 +566,7 @@ def _sum_over_ranks(
     counts = summed[-1].tolist()  # (which gradients some rank has: every rank skips the same)
     for (i, j), grad, count in zip(slots, summed, counts, strict=False):
         grads[i][j] = grad if count else None
-    return summed[-1][-1].to(total.dtype)
+    return summed[-1][-1].to(total.dtype, copy=True)  # (a view would keep the whole flat buffer alive)
 
 
 def _or_zeros(grad: Tensor | None, leaf: Tensor) -> Tensor:
