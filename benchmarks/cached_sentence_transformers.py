@@ -64,7 +64,7 @@ def sentence_transformer(path: Path, dropout: float) -> Any:
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.BertModel(config).save_pretrained(path)
-    transformers.BertTokenizer(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    transformers.BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
     module = Transformer(str(path), model_kwargs={"attn_implementation": "eager"})
     return SentenceTransformer(modules=[module, Pooling(module.get_embedding_dimension(), "mean")], device="cpu")
 
@@ -73,7 +73,7 @@ def columns(model: Any, batch: int, seed: int) -> list[dict[str, Any]]:
     """Anchors, positives, hard negatives: ``batch`` texts of 8 to 24 random words each, tokenized."""
     rng = random.Random(seed)
     return [
-        model.tokenize([" ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randint(8, 24))) for _ in range(batch)])
+        model.preprocess([" ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randint(8, 24))) for _ in range(batch)])
         for _ in range(3)
     ]
 

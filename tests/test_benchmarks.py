@@ -20,6 +20,7 @@ def test_every_benchmark_runs(tmp_path: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
-    rows = ("overhead:", "multitask:", "decay:", "noise scale", "comm,", "cached backward vs GradCache", "rank check")
+    rows = ("overhead:", "multitask:", "decay:", "noise scale", "comm,", "cached backward vs GradCache", "rank check",
+            "cached backward vs sentence-transformers", "2 gloo ranks, rank-local")
     for row in rows:
         assert row in table, row

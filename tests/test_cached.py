@@ -788,7 +788,7 @@ def sentence_transformer(path: Any, dropout: float = 0.0) -> Any:
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.BertModel(config).save_pretrained(path)
-    transformers.BertTokenizer(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    transformers.BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
     transformers.logging.set_verbosity_error()
     module = Transformer(str(path), model_kwargs={"attn_implementation": "eager"})
     pooling = Pooling(module.get_embedding_dimension(), "mean")
@@ -828,7 +828,7 @@ def test_a_sentence_transformer_drops_in(tmp_path: Any, offline: None, columns: 
     pairs and triplets, the loss in blocks: the whole batch's gradient, to 1e-12."""
     model = sentence_transformer(tmp_path, dropout=0.1)
     features = [model.tokenize(texts(10, seed=c)) for c in range(columns)]
-    assert features[0]["modality"] == "text"
+    assert features[0]["modality"] == "text" and not (features[0]["input_ids"] == WORDS.index("[UNK]")).any()
 
     def embed(feature: dict[str, Any]) -> Tensor:  # the whole batch's forward, on the same chunks of 4
         parts = [{k: v[a : a + 4] if isinstance(v, Tensor) else v for k, v in feature.items()} for a in (0, 4, 8)]

@@ -93,3 +93,10 @@ def test_fabric_pretraining() -> None:
     pytest.importorskip("transformers")
     out = run("fabric_pretraining.py", "--epochs", "1")
     assert "done:" in out and "window loss" in out
+
+
+@pytest.mark.slow
+def test_large_batch_retrieval() -> None:
+    pytest.importorskip("sentence_transformers")
+    out = run("large_batch_retrieval.py", "--steps", "1", "--batch", "768", "--budget-mib", "8")
+    assert "(does not fit); in blocks of 64" in out and "(within the budget)" in out and "held-out top-1" in out

@@ -109,6 +109,7 @@ def make_scheduler(c: Config, opt: torch.optim.Optimizer) -> Any:
 def run(c: Config) -> Result:
     data = Data(c)
     net = make_net(c.seed)
+    guide = make_net(c.seed + 1) if c.guide else None  # (the cached mode's guide tower: fixed)
     opts = make_optimizers(c, net)
     sched = make_scheduler(c, opts[0])
     interval = None if c.scheduler is None else c.scheduler.get("interval", "epoch")
@@ -151,7 +152,7 @@ def run(c: Config) -> Result:
                 continue
             loss = torch.zeros((), dtype=torch.float64)
             for b in window:
-                total, n_items, positions = micro_loss(net, b)
+                total, n_items, positions = micro_loss(net, b, guide)
                 if c.normalize == "items":
                     if n_items > 0:
                         loss = loss + total / tokens
