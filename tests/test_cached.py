@@ -911,3 +911,72 @@ def test_a_sentence_transformer_trains_with_the_mixin(tmp_path: Any, offline: No
     start = [p.detach() for p in BiEncoder(tmp_path / "start", True).parameters()]
     assert max((a - b).abs().max().item() for a, b in zip(runs[1], start, strict=True)) > 1e-3  # (it trained)
     assert max((a - b).abs().max().item() for a, b in zip(*runs, strict=True)) <= 1e-12
+
+
+class Counted(TwoTower):
+    """``normalize="items"``: each cached batch weighs by its query count; batch ``empty`` declares no
+    items and its loss is NaN (a mean over nothing), which must add nothing."""
+
+    def __init__(self, empty: int, as_tensor: bool, block: int | None) -> None:
+        super().__init__(3, chunk=2, normalize="items")
+        self.empty, self.as_tensor, self.block = empty, as_tensor, block
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        n = 0 if batch_idx == self.empty else len(batch["q"])
+
+        def loss(q: Tensor, d: Tensor, rows: slice | None = None) -> Tensor:
+            part = info_nce_rows(q, d, rows)
+            return part * math.nan if n == 0 else part
+
+        with self.accumulate(batch) as acc:
+            acc.backward_cached([self.q_net, self.d_net], [batch["q"], batch["d"]], loss, chunk_size=2,
+                                items=torch.tensor(n) if self.as_tensor else n, loss_chunk_size=self.block)  # fmt: skip
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+@pytest.mark.parametrize("block", [None, 2])
+def test_a_cached_batch_of_no_items_adds_nothing(as_tensor: bool, block: int | None) -> None:
+    """Windows of 3 batches of 4, 5 and 3 queries (by ``items``), the middle one of the first window
+    without items: its NaN adds nothing, the window is the other two batches' count-weighted mean."""
+    model = Counted(1, as_tensor, block)
+    data = Pairs(12)
+    batches = [[0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11]]
+    trainer(max_epochs=1).fit(model, DataLoader(data, batch_sampler=batches))  # type: ignore[arg-type]
+    q_net, d_net = tower(), tower(seed=1)
+    opt = torch.optim.SGD([*q_net.parameters(), *d_net.parameters()], lr=0.5)
+    for rows in (batches[0], batches[2]):
+        (info_nce_rows(q_net(data.q[rows]), d_net(data.d[rows])) * len(rows) / 7).backward()
+    opt.step()
+    got = [p.detach() for p in model.parameters()]
+    expected = [p.detach() for p in [*q_net.parameters(), *d_net.parameters()]]
+    assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
+                                               loss_chunk_size=0), ValueError, "`loss_chunk_size` must be an int >= 1"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce, chunk_size=2,
+                                               loss_chunk_size=2), TypeError, "Add a `rows` argument"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_tokens=8),
+         ValueError, "`chunk_tokens` counts the tokens of `inputs\\[0\\]` by its `attention_mask`"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows),
+         ValueError, "Give `chunk_size` \\(samples per chunk\\) or `chunk_tokens`"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
+                                               no_grad=1), TypeError, "`no_grad` must be True or False"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
+                                               items=-1), ValueError, "`items` must be the micro-batch's number"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
+                                               no_grad=True), ValueError, "does not require grad"),
+    ],
+)  # fmt: skip
+def test_the_new_arguments_are_refused_through_the_mixin_before_anything_changes(
+    call: Any, error: type, match: str
+) -> None:
+    model = Refused(lambda acc, batch: call(model, acc, batch))
+    start = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=match):
+        trainer(max_epochs=1).fit(model, DataLoader(Pairs(12), batch_size=6))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), start, strict=True))
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

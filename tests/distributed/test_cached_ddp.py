@@ -81,13 +81,20 @@ def reference_local(schedule: list[int], per_rank: list[list[dict[str, Any]]]) -
     return [p.detach() for p in [*q_net.parameters(), *d_net.parameters()]]
 
 
-def test_fsdp2_with_gather_equals_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("block", [None, 2], ids=["whole-loss", "rank-local"])
+def test_fsdp2_with_gather_equals_one_process(tmp_path: Path, block: int | None) -> None:
     """FSDP2: the graph-free first pass, the replayed chunks and the skipped sync of all chunks but
-    the window's last work on sharded towers."""
+    the window's last work on sharded towers; in blocks, each rank's own rows."""
     pytest.importorskip("torch.distributed.fsdp")
+    from test_cached import info_nce_rows
     from test_fsdp2 import ForkedModelParallel, shard
 
     class Sharded(Gathered):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            with self.accumulate(batch) as acc:
+                acc.backward_cached([self.q_net, self.d_net], [batch["q"], batch["d"]], info_nce_rows, chunk_size=4,
+                                    gather=True, loss_chunk_size=block)  # fmt: skip
+
         def configure_model(self) -> None:
             shard(self.q_net, self.device_mesh["data_parallel"])
             shard(self.d_net, self.device_mesh["data_parallel"])
