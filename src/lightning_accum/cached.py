@@ -27,7 +27,6 @@ the arithmetic here is plain autograd and is tested on its own.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import inspect
 import numbers
@@ -82,8 +81,8 @@ class Tower:
         """The representations of one chunk."""
         if self.style == "keywords":
             out = self.encoder(**part)
-        elif self.style == "whole":  # (a fresh copy: a forward may add entries to its features dict)
-            out = self.encoder(copy.copy(part))
+        elif self.style == "whole":  # (each call a fresh dict, cut for it: a forward may add entries to it)
+            out = self.encoder(part)
         else:
             out = self.encoder(part)
         if self.get_rep is not None:
