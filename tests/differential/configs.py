@@ -162,23 +162,10 @@ def generate(rng: random.Random) -> Config:
     return c
 
 
-def _cached_options(c: Config, rng: random.Random) -> None:
-    """The cached mode's loss blocks, token budgets and guide tower (issue 32)."""
-    if rng.random() < 0.5:
-        c.loss_chunk = rng.randint(1, 3)
-    if rng.random() < 0.35:
-        c.chunk_tokens = [rng.choice([None, 1, 2, 3]), rng.choice([None, 1, 2])]
-        pairs = zip(c.chunks, c.chunk_tokens, strict=True)
-        c.chunks = [None if t is not None and rng.random() < 0.5 else k for k, t in pairs]  # (no row cap)
-    if rng.random() < 0.3:
-        c.guide = rng.choice(["frozen", "no_grad"])
-
-
 def fabric_config(c: Config) -> Config:
     """``c`` without what a Fabric loop does not have (Lightning's callbacks, schedulers, validation,
     SWA, decay, failures at Lightning hooks, the mixin's modes): the ``"fabric"`` adapter's config."""
     c.adapter, c.mode, c.optimizers, c.shared, c.chunks = "fabric", "backward", 1, False, [2, 2]
-    c.loss_chunk = c.chunk_tokens = c.guide = None
     c.scheduler = c.decay = c.val_every = c.swa = None
     c.callbacks, c.monitor = [], "probe"
     c.interruptions = [i for i in c.interruptions if i[0] == "save"]
@@ -200,3 +187,15 @@ def _schedule(rng: random.Random, batches: int) -> dict[str, Any]:
         start, end = rng.randint(1, 4), rng.randint(1, 5)
         return {"family": "ramp", "start": start, "end": end, "over": over, "unit": unit}
     return {"family": "lambda", "fn": rng.choice(LAMBDAS)}
+
+
+def _cached_options(c: Config, rng: random.Random) -> None:
+    """The cached mode's loss blocks, token budgets and guide tower (issue 32)."""
+    if rng.random() < 0.5:
+        c.loss_chunk = rng.randint(1, 3)
+    if rng.random() < 0.35:
+        c.chunk_tokens = [rng.choice([None, 1, 2, 3]), rng.choice([None, 1, 2])]
+        pairs = zip(c.chunks, c.chunk_tokens, strict=True)
+        c.chunks = [None if t is not None and rng.random() < 0.5 else k for k, t in pairs]  # (no row cap)
+    if rng.random() < 0.3:
+        c.guide = rng.choice(["frozen", "no_grad"])

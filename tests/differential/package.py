@@ -105,7 +105,7 @@ class Automatic(_Base):
 class Manual(la.AccumulationMixin, _Base):
     def __init__(self, c: Config) -> None:
         super().__init__(c)
-        self.guide = make_net(c.seed + 1) if c.guide else None  # (the cached mode's guide tower)
+        self.guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
         if c.guide == "frozen":
             self.guide.requires_grad_(False)  # type: ignore[union-attr]
         self.configure_accumulation(
@@ -172,7 +172,7 @@ class Manual(la.AccumulationMixin, _Base):
 
                 encoders: list[Any] = [partial(self.encode, width=2), partial(self.encode, width=1)]
                 inputs: list[Any] = [first, rest]
-                if c.guide:
+                if self.guide is not None:
                     encoders.append(self.guide)
                     inputs.append(x)
                 acc.backward_cached(

@@ -109,7 +109,7 @@ def make_scheduler(c: Config, opt: torch.optim.Optimizer) -> Any:
 def run(c: Config) -> Result:
     data = Data(c)
     net = make_net(c.seed)
-    guide = make_net(c.seed + 1) if c.guide else None  # (the cached mode's guide tower: fixed)
+    guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
     opts = make_optimizers(c, net)
     sched = make_scheduler(c, opts[0])
     interval = None if c.scheduler is None else c.scheduler.get("interval", "epoch")
