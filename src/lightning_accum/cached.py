@@ -79,12 +79,8 @@ class Tower:
 
     def encode(self, part: Any) -> tuple[Tensor, ...]:
         """The representations of one chunk."""
-        if self.style == "keywords":
-            out = self.encoder(**part)
-        elif self.style == "whole":  # (each call a fresh dict, cut for it: a forward may add entries to it)
-            out = self.encoder(part)
-        else:
-            out = self.encoder(part)
+        # ("whole": each call gets a dict of its own, cut for it, since a forward may add entries to it)
+        out = self.encoder(**part) if self.style == "keywords" else self.encoder(part)
         if self.get_rep is not None:
             out = self.get_rep(out)
         elif isinstance(out, Mapping) and "sentence_embedding" in out:  # (a SentenceTransformer's output)
