@@ -966,7 +966,7 @@ def test_a_cached_batch_of_no_items_adds_nothing(as_tensor: bool, block: int | N
         (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
                                                no_grad=1), TypeError, "`no_grad` must be True or False"),
         (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
-                                               items=-1), ValueError, "`items` must be the micro-batch's number"),
+                                               items=6), ValueError, "needs `normalize='items'`"),
         (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
                                                no_grad=True), ValueError, "does not require grad"),
     ],

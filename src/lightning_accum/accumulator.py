@@ -235,6 +235,11 @@ class Accumulator:
         self._check_open()
         check_flag("gather", gather)
         if items is not None:
+            if self._block.windows.config.normalize != "items":
+                raise ValueError(
+                    "`acc.backward_cached(..., items=n)` weights the loss by its item count, which needs "
+                    "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
+                )
             _check_items(items)
         towers = cached.plan(
             encoders, inputs, loss_fn, chunk_size, get_rep=get_rep, chunk_tokens=chunk_tokens, no_grad=no_grad,
