@@ -1,5 +1,6 @@
-"""Gradient collectives per optimizer step with k = 4, on 2 ranks: DDP and FSDP2 on CPU (gloo),
-and FSDP on CUDA where there is one (world size = the number of GPUs, at most 2).
+"""Gradient collectives per optimizer step with k = 4, on 2 ranks: DDP and FSDP2 on CPU (gloo), in the
+Trainer and in Fabric loops (LitGPT's hand-written accumulation against ``FabricAccumulator``), and FSDP on
+CUDA where there is one (world size = the number of GPUs, at most 2).
 
 Each configuration trains one epoch of 16 micro-batches per rank (4 optimizer steps) and counts,
 on rank 0: the gradient collectives (DDP's reducer through a communication hook; FSDP's
@@ -126,12 +127,20 @@ def _install_counters() -> None:
 
     def counting_explicit(flat: torch.Tensor) -> None:
         COUNTS["gradient"] += 1
-        explicit(flat)
+        DEPTH[0] += 1  # (its `dist.all_reduce` is this one)
+        try:
+            explicit(flat)
+        finally:
+            DEPTH[0] -= 1
 
     def counting_counts(strategy: Any, values: Any, local: Any = ()) -> Any:
         if collectives.world_size(strategy) > 1:
             COUNTS["package_counts"] += 1
-        return counts(strategy, values, local)
+        DEPTH[0] += 1
+        try:
+            return counts(strategy, values, local)
+        finally:
+            DEPTH[0] -= 1
 
     collectives._all_reduce_sum = counting_explicit  # type: ignore[assignment]
     collectives.sum_over_ranks = counting_counts  # type: ignore[assignment]
@@ -204,6 +213,86 @@ def run(name: str, accelerator: str, devices: int) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------- Fabric loops
+def run_fabric(name: str) -> dict[str, Any]:
+    """A Fabric loop on 2 CPU ranks: LitGPT's hand-written accumulation, or ``FabricAccumulator``."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+    from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher as FabricLauncher
+
+    strategy_name, mode = name.split(": ")
+    shard = strategy_name == "Fabric FSDP2"
+
+    class ForkedFabricFSDP2(FabricModelParallel):
+        def __init__(self) -> None:
+            super().__init__(parallelize_fn=_fully_shard, data_parallel_size=2, tensor_parallel_size=1)
+
+        def _configure_launcher(self) -> None:
+            self._launcher = FabricLauncher(self, start_method="fork")
+
+    strategy: Any = ForkedFabricFSDP2() if shard else FabricDDP(start_method="fork", process_group_backend="gloo")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(_fabric_loop, mode, shard, out)
+        report = json.loads(out.read_text())
+    return {
+        "run": name,
+        "device": "cpu",
+        "world": 2,
+        "steps": report["steps"],
+        "gradient_per_step": report["gradient"] / report["steps"],
+        "rounds_per_step": report["gradient"] / report["steps"] / report["per_round"],
+        "counts_per_step": report["package_counts"] / report["steps"],
+    }
+
+
+def _fully_shard(module: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["data_parallel"])
+    fully_shard(module, mesh=mesh["data_parallel"])
+    return module
+
+
+def _fabric_loop(fabric: Any, mode: str, shard: bool, out: Path) -> None:
+    from lightning_accum.fabric import FabricAccumulator
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+    if shard:
+        model = fabric.setup_module(net)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+    else:
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        model._forward_module.register_comm_hook(None, _counting_ddp_hook)  # (DDP's reducer, through Python)
+    data = [(torch.randn(BATCH, 32), torch.randn(BATCH, 1)) for _ in range(MICROBATCHES)]
+    acc = None
+    if mode.startswith("FabricAccumulator"):
+        acc = FabricAccumulator(fabric, model, optimizer, K, sync="every" if "every" in mode else "auto", log=False)
+    IN_BACKWARD[0] = True  # (every gradient collective of the loop counts; the package's counts apart)
+    steps = 0
+    for i, (x, y) in enumerate(data):
+        if acc is not None:
+            with acc.accumulate((x, y), last=i == len(data) - 1) as step:
+                step.backward(nn.functional.mse_loss(model(x), y))
+            steps = acc.progress.step
+            continue
+        accumulating = (i + 1) % K != 0  # LitGPT's `fit()`
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            fabric.backward(nn.functional.mse_loss(model(x), y) / K)
+        if not accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+    IN_BACKWARD[0] = False
+    shards = [m for m in sync.fsdp2_modules(net) if any(True for _ in m.parameters(recurse=False))]
+    if fabric.global_rank == 0:
+        out.write_text(json.dumps({**COUNTS, "steps": steps, "per_round": len(shards) or 1}))
+
+
 CPU_RUNS = [
     "DDP: built-in accumulate_grad_batches",
     "DDP: callback",
@@ -212,6 +301,13 @@ CPU_RUNS = [
     "FSDP2: callback sync=auto",
     "FSDP2: callback sync=every",
     "FSDP2: mixin sync=auto",
+]
+FABRIC_RUNS = [
+    "Fabric DDP: hand-written (LitGPT)",
+    "Fabric DDP: FabricAccumulator",
+    "Fabric FSDP2: hand-written (LitGPT)",
+    "Fabric FSDP2: FabricAccumulator last=",
+    "Fabric FSDP2: FabricAccumulator sync=every",
 ]
 CUDA_RUNS = [
     "FSDP: built-in accumulate_grad_batches",
@@ -226,7 +322,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path(__file__).with_name("comm_calls.json"))
     args = parser.parse_args()
     _install_counters()
-    rows = [run(name, "cpu", 2) for name in CPU_RUNS]
+    rows = [run(name, "cpu", 2) for name in CPU_RUNS] + [run_fabric(name) for name in FABRIC_RUNS]
     if torch.cuda.is_available():
         rows += [run(name, "gpu", min(2, torch.cuda.device_count())) for name in CUDA_RUNS]
     print(f"k = {K}, {MICROBATCHES} micro-batches per rank: gradient collectives per optimizer step", file=sys.stderr)

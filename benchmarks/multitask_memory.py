@@ -41,12 +41,13 @@ def mlp(*widths: int) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-def build(kind: str, tasks: int) -> tuple[list[nn.Module], Callable[[str], None]]:
-    """Modules and a step function for ``method`` in ``joint`` / ``sequential``."""
+def build(kind: str, tasks: int, scale: int = 1) -> tuple[list[nn.Module], Callable[[str], None]]:
+    """Modules and a step function for ``method`` in ``joint`` / ``sequential`` (``scale``: every size
+    divided by it, for a run that only checks the benchmark works)."""
     torch.manual_seed(0)
-    x = torch.randn(B, D)
+    x = torch.randn(B // scale, D)
     if kind == "independent":
-        nets = [mlp(D, 1024, 1024, 1024, 1) for _ in range(tasks)]
+        nets = [mlp(D, 1024 // scale, 1024 // scale, 1024 // scale, 1) for _ in range(tasks)]
 
         def step(method: str) -> None:
             closures = [lambda n=n: n(x).square().mean() for n in nets]
@@ -56,8 +57,9 @@ def build(kind: str, tasks: int) -> tuple[list[nn.Module], Callable[[str], None]
                 backward_each(lambda loss: loss.backward(), closures)
 
         return nets, step
-    trunk = mlp(D, 2048, 2048, 2048)
-    heads = [mlp(2048, 512, 1) for _ in range(tasks)]
+    wide = 2048 // scale
+    trunk = mlp(D, wide, wide, wide)
+    heads = [mlp(wide, 512 // scale, 1) for _ in range(tasks)]
 
     def step(method: str) -> None:
         features = trunk(x)
@@ -70,19 +72,20 @@ def build(kind: str, tasks: int) -> tuple[list[nn.Module], Callable[[str], None]
     return [trunk, *heads], step
 
 
-def graph_peak(kind: str, tasks: int, method: str) -> int:
-    modules, step = build(kind, tasks)
+def graph_peak(kind: str, tasks: int, method: str, scale: int) -> int:
+    modules, step = build(kind, tasks, scale)
     with measure_graph_memory(exclude=params_of(modules)) as memory:
         step(method)
     return memory.peak
 
 
-def part_sizes(tasks: int) -> tuple[int, int]:
+def part_sizes(tasks: int, scale: int) -> tuple[int, int]:
     """Graph bytes of the trunk alone and of one head alone (for the shared-trunk target)."""
-    modules, _ = build("trunk", tasks)
+    modules, _ = build("trunk", tasks, scale)
     trunk, head = modules[0], modules[1]
-    sizes = []
-    for run in (lambda: trunk(torch.randn(B, D)).sum().backward(), lambda: head(torch.randn(B, 2048)).sum().backward()):
+    sizes, b = [], B // scale
+    for run in (lambda: trunk(torch.randn(b, D)).sum().backward(),
+                lambda: head(torch.randn(b, 2048 // scale)).sum().backward()):  # fmt: skip
         with measure_graph_memory(exclude=params_of(modules)) as memory:
             run()
         sizes.append(memory.peak)
@@ -106,9 +109,9 @@ def hwm_bytes() -> int:
     return int(line.split()[1]) * 1024
 
 
-def child(kind: str, tasks: int, method: str) -> None:
+def child(kind: str, tasks: int, method: str, scale: int) -> None:
     """In a fresh process: resident-memory peak of one step above the level before it."""
-    modules, step = build(kind, tasks)
+    modules, step = build(kind, tasks, scale)
     for m in modules:
         for p in m.parameters():
             p.grad = torch.zeros_like(p)
@@ -118,15 +121,15 @@ def child(kind: str, tasks: int, method: str) -> None:
     print(json.dumps({"rss_peak_above_start": max(peak - before, 0)}))
 
 
-def allocator_peak(kind: str, tasks: int, method: str) -> int:
+def allocator_peak(kind: str, tasks: int, method: str, scale: int) -> int:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--child", kind, str(tasks), method]
+    cmd = [sys.executable, __file__, "--child", kind, str(tasks), method, "--scale", str(scale)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return int(json.loads(out.strip().splitlines()[-1])["rss_peak_above_start"])
 
 
-def time_ratio(kind: str, tasks: int, repeats: int) -> float:
-    modules, step = build(kind, tasks)
+def time_ratio(kind: str, tasks: int, repeats: int, scale: int) -> float:
+    modules, step = build(kind, tasks, scale)
     ratios = []
     for _ in range(repeats + 1):
         times = {}
@@ -144,25 +147,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", nargs=3, metavar=("KIND", "T", "METHOD"), help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--scale", type=int, default=1, help="divide every size by this (a quick check that it runs)")
+    parser.add_argument("--tasks", default="2,4,8", help="the numbers of tasks, comma-separated")
     parser.add_argument("--json", type=Path, default=Path(__file__).with_name("multitask_memory.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.child:
-        child(args.child[0], int(args.child[1]), args.child[2])
+        child(args.child[0], int(args.child[1]), args.child[2], args.scale)
         return
 
     rows = []
     header = f"{'setup':<22}{'T':>3}{'graph ratio':>13}{'target':>8}{'alloc ratio':>13}{'time ratio':>12}"
     print(header)
     for kind in ("independent", "trunk"):
-        for tasks in (2, 4, 8):
-            joint, seq = graph_peak(kind, tasks, "joint"), graph_peak(kind, tasks, "sequential")
+        for tasks in map(int, args.tasks.split(",")):
+            joint, seq = graph_peak(kind, tasks, "joint", args.scale), graph_peak(kind, tasks, "sequential", args.scale)
             if kind == "independent":
                 target = 1 / tasks + 0.05
             else:
-                trunk, head = part_sizes(tasks)
+                trunk, head = part_sizes(tasks, args.scale)
                 target = (trunk + head) / (trunk + tasks * head) + 0.05
-            alloc_joint, alloc_seq = allocator_peak(kind, tasks, "joint"), allocator_peak(kind, tasks, "sequential")
+            alloc_joint = allocator_peak(kind, tasks, "joint", args.scale)
+            alloc_seq = allocator_peak(kind, tasks, "sequential", args.scale)
             row = {
                 "setup": "independent tasks" if kind == "independent" else "shared trunk + heads",
                 "tasks": tasks,
@@ -173,7 +179,7 @@ def main() -> None:
                 "alloc_bytes_joint": alloc_joint,
                 "alloc_bytes_sequential": alloc_seq,
                 "alloc_ratio": alloc_seq / alloc_joint if alloc_joint else float("nan"),
-                "time_ratio": time_ratio(kind, tasks, args.repeats),
+                "time_ratio": time_ratio(kind, tasks, args.repeats, args.scale),
             }
             rows.append(row)
             print(

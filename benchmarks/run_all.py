@@ -18,7 +18,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 QUICK = {
     "overhead.py": ["--repeats", "1", "--batches", "40"],
-    "multitask_memory.py": ["--repeats", "1"],
+    "multitask_memory.py": ["--repeats", "1", "--scale", "16", "--tasks", "2"],
     "decay.py": ["--rounds", "1", "--steps", "2"],
     "noise_scale.py": ["--rounds", "0", "--batches", "24"],
     "comm_calls.py": [],
@@ -62,9 +62,12 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
         table.append((f"noise scale, k={row['k']}", "loop time vs constant k", f"{row['ratio']:.3f}", "(noisy)"))
     for row in results["comm_calls.py"]["rows"]:
         what = f"comm, k=4, {row['world']} {row['device']} ranks: {row['run']}"
-        target = "1 (sync skipped)" if "built-in" not in row["run"] and "every" not in row["run"] else "(baseline: k)"
-        if row["run"].startswith("DDP"):
+        baseline = "built-in" in row["run"] or "every" in row["run"] or "hand-written" in row["run"]
+        target = "(baseline: k)" if baseline else "1 (sync skipped)"
+        if "DDP" in row["run"]:
             target = "1"
+        if "hand-written" in row["run"]:
+            target = "(baseline)"
         table.append((what, "gradient collective rounds / step", f"{row['rounds_per_step']:g}", target))
     for row in results["cached_memory.py"]["rows"]:
         if row["run"] != "whole":

@@ -5,17 +5,18 @@ the standard library's docstrings as ``hf_causal_lm.py``. The loop is Fabric's o
 accumulator gives it a token ramp (k from 1 to 8 micro-batches over the first 60 % of the tokens),
 the token mean over each window (``reduction="mean"`` with ``causal_lm_tokens``: what each
 micro-batch's ``outputs.loss`` averages over), a learning rate keyed on tokens (warm-up and
-cosine), clipping of the normalised gradient, and a checkpoint it can resume from inside a window.
+cosine), clipping of the normalised gradient, and, with ``--checkpoint PATH``, a checkpoint after each
+epoch that a second run with the same path resumes from (exactly: at a step, or inside a window).
 Prints every tenth step: k, the tokens seen, the window's loss per token and the LR it used.
 
     pip install -e ".[examples,hf]" && python examples/fabric_pretraining.py
+    python examples/fabric_pretraining.py --epochs 1 --checkpoint state.ckpt  # then again, with --epochs 2
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from _quiet import quiet
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--checkpoint", type=Path, help="save after each epoch; resume from it if it exists")
     args = parser.parse_args()
     quiet()
     transformers.logging.set_verbosity_error()
@@ -54,16 +56,23 @@ def main() -> None:
         lr_schedule=WarmupCosine(warmup=int(0.1 * tokens), total=tokens, unit="items"),
         gradient_clip_val=1.0,
     )  # fmt: skip
-    state = {"model": model, "optimizer": optimizer, "accumulation": accumulation}
-    checkpoint = Path(tempfile.mkdtemp()) / "state.ckpt"
+    # (the accumulator first: Fabric loads in this order, and a checkpoint it refuses then changes nothing)
+    state = {"accumulation": accumulation, "model": model, "optimizer": optimizer}
+    start = 0
+    if args.checkpoint is not None and args.checkpoint.exists():
+        start = fabric.load(args.checkpoint, state)["epochs_done"]
+        print(f"resumed from {args.checkpoint} after epoch {start}: {accumulation.progress.step} steps so far")
 
     rng = random.Random(1)
     for epoch in range(args.epochs):
         order = list(range(0, len(data), 8))
-        rng.shuffle(order)
-        for i in order:
+        rng.shuffle(order)  # (drawn for the epochs done too, so that a resumed run sees the same order)
+        if epoch < start:
+            continue
+        for n, i in enumerate(order):
             batch = fabric.to_device(collate(data[i : i + 8]))
-            with accumulation.accumulate(batch, epoch=epoch) as step:
+            # the epoch's last micro-batch closes its window: a short last window, divided by its own size
+            with accumulation.accumulate(batch, epoch=epoch, last=n == len(order) - 1) as step:
                 step.backward(model(**batch).loss)  # a mean over the micro-batch's predicted tokens
             if step.stepped and step.window is not None and step.window.step % 10 == 0:
                 w = step.window
@@ -71,8 +80,9 @@ def main() -> None:
                     f"step {w.step:>4}: k {w.k}, {w.progress.items:>6} tokens seen, window loss {w.loss:.3f} per "
                     f"token, lr {w.lr['lr']:.2e}"
                 )
-        accumulation.flush()  # the epoch's data ran out: its short last window, divided by its own size
-        fabric.save(checkpoint, state)  # (resumable at a step, or inside a window if saved there)
+        if args.checkpoint is not None:
+            fabric.save(args.checkpoint, {**state, "epochs_done": epoch + 1})
+            print(f"saved {args.checkpoint} after epoch {epoch}")
     progress = accumulation.progress
     print(f"done: {progress.step} optimizer steps, {progress.items} tokens, final k {accumulation.schedule(progress)}")
 

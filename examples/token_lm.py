@@ -112,7 +112,8 @@ def main() -> None:
     for name, normalize, reduction in (("token-weighted", "items", "sum"), ("mean of means", "mean", "mean")):
         pl.seed_everything(0, verbose=False)
         model = CharLM(reduction)
-        accumulation = AccumulationScheduler(4, normalize=normalize, reduction="sum", count=count_tokens)  # type: ignore[arg-type]
+        sums = {"reduction": "sum"} if normalize == "items" else {}  # (a loss over items: only "items" asks)
+        accumulation = AccumulationScheduler(4, normalize=normalize, count=count_tokens, **sums)  # type: ignore[arg-type]
         trainer = pl.Trainer(
             max_epochs=args.epochs,
             accelerator="cpu",

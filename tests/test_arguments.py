@@ -87,8 +87,8 @@ def _encode(model: Any) -> Callable[[Any], torch.Tensor]:
          ValueError, r"`chunk_size` must be an int >= 1 \(samples per chunk\), or one per encoder"),
         (lambda m, acc, b: acc.backward_cached([lambda x, **_: m.net(x).sum()], [b], lambda r: r.sum(), chunk_size=2),
          ValueError, r"returned a 0-d tensor; it must return one row per sample"),
-        (lambda m, acc, b: acc.backward(_loss(m, b), items=torch.tensor(math.nan)), ValueError,
-         r"item count \(from `count\(batch\)`, or `items=` of `acc.backward`\) was nan"),
+        (lambda m, acc, b: acc.backward(_loss(m, b), items=3), ValueError,
+         r"`acc.backward\(loss, items=n\)` weights a mean loss .* needs `normalize='items'`"),
     ],
 )  # fmt: skip
 def test_mixin_arguments_are_named_with_the_fix(what: Any, error: type, match: str) -> None:

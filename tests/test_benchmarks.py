@@ -17,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def test_every_benchmark_runs(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     command = [sys.executable, str(BENCHMARKS / "run_all.py"), "--quick", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
     rows = ("overhead:", "multitask:", "decay:", "noise scale", "comm,", "cached backward vs GradCache", "rank check",

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_accum as la
-from lightning_accum import AccumulationScheduler, Constant, NoiseScale
+from lightning_accum import AccumulationScheduler, Constant, GradientDecay, NoiseScale
 
 from helpers import ManualTokenModel, ResumableLoader, TokenData, TokenModel, count_tokens, loader, params_of, trainer
 from helpers import token_losses as losses
@@ -102,10 +102,10 @@ class PlateauPerStep(ManualTokenModel):
 
 def test_mixin_steps_reduce_on_plateau_per_step_with_its_monitor() -> None:
     """Lightning drops `monitor` in manual optimization (`step() missing 'metrics'` before)."""
-    model = PlateauPerStep(schedule=2)
+    model = PlateauPerStep(schedule=2, step_schedulers=True)
     t = trainer(max_epochs=1)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*keys will be ignored.*")
+        warnings.filterwarnings("error", message=".*keys will be ignored.*")  # (the mixin honours them)
         t.fit(model, loader(DATA, 4))
     # windows end after batches 1, 3, 5, where `seen` is 1, 0, 2: 1 sets the best, 0 improves, 2 does not
     assert t.optimizers[0].param_groups[0]["lr"] == 0.5
@@ -117,7 +117,7 @@ def test_plateau_without_its_metric_says_which() -> None:
             ManualTokenModel.training_step(self, batch, batch_idx)
 
     with pytest.raises(RuntimeError, match=r"`ReduceLROnPlateau` monitors 'seen', which was not logged"):
-        trainer(max_epochs=1).fit(Unlogged(schedule=2), loader(DATA, 4))
+        trainer(max_epochs=1).fit(Unlogged(schedule=2, step_schedulers=True), loader(DATA, 4))
 
 
 def test_noise_scale_resumed_from_another_schedule_starts_afresh(tmp_path: Path) -> None:
@@ -165,6 +165,8 @@ class Endless(torch.utils.data.IterableDataset[Any]):
     [
         ({"limit_train_batches": 10, "max_epochs": 2}, "iterable", 8),  # windows of 3 over 10 batches: 4 an epoch
         ({"max_steps": 0}, "sized", 0),
+        ({"limit_train_batches": 0}, "sized", 0),  # (a fit that trains nothing; before: "no length" with the callback
+        # and -1, Lightning's, without)
         ({"max_epochs": -1}, "sized", float("inf")),
     ],
 )
@@ -182,6 +184,20 @@ def test_steps_in_the_corners(limits: dict[str, Any], data: str, expected: float
         plain = Counted()
         trainer(callbacks=[Stop()], max_epochs=-1).fit(plain, loader(DATA, 4))
         assert plain.total == float("inf")  # without the package: Lightning's estimate, not OverflowError
+    if expected == 0:
+        plain = Counted()
+        trainer(**{"max_epochs": 1, **limits}).fit(plain, loader(DATA, 4))
+        assert plain.total == 0
+
+
+def test_steps_before_a_fit_or_of_an_endless_loader_say_what_to_do() -> None:
+    with pytest.raises(RuntimeError, match=r"called before a fit.*Call it inside the fit, in `configure_optimizers`"):
+        la.estimated_stepping_batches(trainer(callbacks=[AccumulationScheduler(3)]))
+    with pytest.raises(RuntimeError, match="called before a fit"):
+        la.estimated_stepping_batches(trainer())  # (Lightning's own property gives -1 here)
+    endless = torch.utils.data.DataLoader(Endless(), batch_size=4)
+    with pytest.raises(ValueError, match=r"no length \(an iterable dataset\).*give the Trainer `max_steps`"):
+        trainer(callbacks=[AccumulationScheduler(3)], max_epochs=1).fit(Counted(), endless)
 
 
 class Stop(pl.Callback):
@@ -209,19 +225,25 @@ class Halt(pl.Callback):
             raise Halted
 
 
-def test_onecycle_recipe_resumed_mid_epoch_is_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accumulation", ["callback", "decay alone", "none"])
+def test_onecycle_recipe_resumed_mid_epoch_is_exact(tmp_path: Path, accumulation: str) -> None:
     """Before: the count set the loader up before the checkpoint restored it, so the resumed epoch started over
-    (0.068 off)."""
+    (0.068 off); and so did Lightning's own estimate, which the count falls back on without an accumulation
+    schedule (`GradientDecay` alone: 3.6e-2 off)."""
 
     def fit(callbacks: list[Any], resume: Path | None = None) -> list[torch.Tensor]:
         model = OneCycle()
-        callbacks = [AccumulationScheduler(3), *callbacks]
-        t = trainer(callbacks=callbacks, max_epochs=3, enable_checkpointing=len(callbacks) > 1)
+        own = {"callback": [AccumulationScheduler(3)], "decay alone": [GradientDecay(0.5)], "none": []}[accumulation]
+        saving = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+        t = trainer(callbacks=[*own, *callbacks], max_epochs=3, enable_checkpointing=saving)
         t.fit(model, ResumableLoader(TokenData(50), 4), ckpt_path=resume)
         return params_of(model)
 
     saver = ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=1, save_top_k=-1)
     with pytest.raises(Halted):
         fit([saver, Halt()])
-    resumed = fit([], resume=tmp_path / "step=6.ckpt")  # windows of 3 over 13 batches: step 6 is inside epoch 1
+    # windows of 3 over 13 batches: step 6 is inside epoch 1; of 1: step 16
+    resumed = fit([], resume=tmp_path / ("step=6.ckpt" if accumulation == "callback" else "step=16.ckpt"))
     assert all(torch.equal(a, b) for a, b in zip(resumed, fit([]), strict=True))
+
+

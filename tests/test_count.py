@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -17,3 +19,15 @@ def test_count_helpers() -> None:
     for helper in (causal_lm_tokens, masked_lm_tokens, seq2seq_tokens):
         with pytest.raises(ValueError, match="needs"):
             helper({})
+
+
+
+@pytest.mark.parametrize(
+    ("helper", "key"),
+    [(causal_lm_tokens, "labels"), (causal_lm_tokens, "attention_mask"), (masked_lm_tokens, "labels"),
+     (seq2seq_tokens, "labels")],
+)  # fmt: skip
+def test_a_batch_not_collated_into_tensors_is_named(helper: Any, key: str) -> None:
+    named = rf"`{helper.__name__}` .*`batch\['{key}'\]`, which must be a tensor.*got a list"
+    with pytest.raises(TypeError, match=named):
+        helper({key: [[1, 2, 3]]})

@@ -56,7 +56,9 @@ def test_with_accumulation_scheduler(normalize: str) -> None:
     schedule, data = Piecewise({0: 3, 4: 2}, unit="step"), TokenData(50)
     model = TokenModel(reduction="sum" if normalize == "items" else "mean")
     callbacks = [
-        AccumulationScheduler(schedule, normalize=normalize, reduction="sum", count=count_tokens),
+        AccumulationScheduler(
+            schedule, normalize=normalize, reduction="sum" if normalize == "items" else None, count=count_tokens
+        ),
         GradientDecay(0.7, mode="ema", bias_correction=True),
     ]
     trainer(callbacks=callbacks, max_epochs=3, gradient_clip_val=0.5).fit(model, loader(data, 4))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_accum import Constant, Lambda, Piecewise, Progress, sync
-from lightning_accum.engine import WindowEngine
+from lightning_accum.engine import WindowEngine, window_id
 from lightning_accum.window import lightning_divisor
 
 ENGINE = Path(__file__).parents[1] / "src" / "lightning_accum" / "engine.py"
@@ -62,7 +62,8 @@ def test_full_and_short_windows_single_device() -> None:
 
 @pytest.mark.parametrize("normalize", ["mean", "items"])
 def test_global_counts_in_one_collective(normalize: str) -> None:
-    strategy = FakeStrategy(world_size=2, others=[1, 4, 9, 1, 0])  # the other rank: 1 micro-batch, 4 samples, 9 items
+    # the other rank: 1 micro-batch, 4 samples, 9 items, its two extras, and the same window's identity
+    strategy = FakeStrategy(world_size=2, others=[1, 4, 9, 1, 0, *window_id(0, 0)])
     engine = WindowEngine(Constant(2), normalize=normalize)
     engine.open(0, 0)
     engine.count(samples=4, items=6)
@@ -73,6 +74,18 @@ def test_global_counts_in_one_collective(normalize: str) -> None:
     # each loss was divided by k=2 and DDP averages over 2 ranks: sum(g)/2/2 -> mean over 3 (or over 22 items)
     expected = Fraction(2 * 2, 3) if normalize == "mean" else Fraction(2 * 2, 22)
     assert closing.scale == float(expected)
+
+
+def test_ranks_closing_different_windows_fail_together() -> None:
+    """(A rank whose data ran out first, or that caught an exception the others did not, would otherwise mix
+    another window's gradient into this one.) Both ranks read the same sums, so both raise."""
+    engine = WindowEngine(Constant(2))
+    engine.open(0, 4)
+    engine.count(samples=4, items=4)
+    for other in (window_id(0, 6), window_id(1, 4)):  # another first micro-batch; another epoch
+        with pytest.raises(RuntimeError, match=r"The ranks closed different accumulation windows"):
+            engine.close(FakeStrategy(world_size=2, others=[1, 4, 4, *other]))
+    assert engine.close(FakeStrategy(world_size=2, others=[1, 4, 4, *window_id(0, 4)])).microbatches == 2
 
 
 def test_schedule_is_asked_when_a_window_opens_with_the_progress_so_far() -> None:

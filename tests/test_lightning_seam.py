@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,18 +14,21 @@ from hypothesis import strategies as st
 
 from lightning_accum import AccumulationScheduler, Piecewise
 from lightning_accum._seam import (
+    after_module_hook,
     backward_skipped,
     batch_processed,
     batches_ran_out,
     keep_progress_consistent,
-    keep_scheduler_monitors,
+    keep_scheduler_keys,
     resume_after_finished_epoch,
     set_divisor,
     set_up_training_loader,
     show_in_progress_bar,
     step_plateau_after_resume,
+    steps_counted,
     suspend_clipping,
     uncount_step,
+    write_to_loggers,
     zero_grad_like_lightning,
 )
 from lightning_accum.window import lightning_divisor
@@ -211,19 +216,94 @@ class PlateauManual(ManualTokenModel):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "x", "strict": False}}
+        step = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        self.configs = [
+            {"scheduler": plateau, "monitor": "x", "strict": False},
+            {"scheduler": step, "interval": "step", "reduce_on_plateau": False},
+        ]
+        return [optimizer], self.configs
 
 
-def test_scheduler_monitors_are_kept_from_configure_optimizers() -> None:
-    """Lightning drops `monitor` and `strict` in manual optimization; the seam catches them first."""
-    model, found = PlateauManual(), {}  # type: ignore[var-annotated]
-    keep_scheduler_monitors(model, found)
+def test_scheduler_keys_are_kept_from_configure_optimizers() -> None:
+    """Lightning drops `monitor`, `strict` and `reduce_on_plateau` in manual optimization, and warns that it
+    ignores them; the seam catches them first and hands Lightning copies without them (no warning)."""
+    model, found = PlateauManual(step_schedulers=False), {}  # type: ignore[var-annotated]
+    keep_scheduler_keys(model, found, lambda: True)
     t = trainer(max_epochs=1, limit_train_batches=1)
-    with pytest.warns(RuntimeWarning, match="keys will be ignored"):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*keys will be ignored.*")
         t.fit(model, loader(TokenData(8), 4))
-    config = t.lr_scheduler_configs[0]
-    assert config.monitor is None and found == {id(config.scheduler): ("x", False)}
+    plateau, step = (c.scheduler for c in t.lr_scheduler_configs)
+    assert t.lr_scheduler_configs[1].interval == "step"
+    assert found == {id(plateau): ("x", False, None), id(step): (None, True, False)}
+    assert model.configs[0] == {"scheduler": plateau, "monitor": "x", "strict": False}  # the user's, as they were
     assert "configure_optimizers" not in vars(model)  # the class's method again
+    with pytest.warns(RuntimeWarning, match="keys will be ignored"):  # (Lightning's, where they are not honoured)
+        other, also = PlateauManual(step_schedulers=False), {}  # type: ignore[var-annotated]
+        keep_scheduler_keys(other, also, lambda: False)
+        trainer(max_epochs=1, limit_train_batches=1).fit(other, loader(TokenData(8), 4))
+    assert len(also) == 2
+
+
+class EpochEnds(ManualTokenModel):
+    """Records the order of the epoch-end hooks, with a step set up to run after the module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    def on_train_epoch_end(self) -> None:
+        self.order.append("module")
+
+
+class MonitoringLike(pl.callbacks.EarlyStopping):
+    def __init__(self, order: list[str]) -> None:
+        super().__init__(monitor="x", check_on_train_epoch_end=False)
+        self.order = order
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.order.append("monitoring callback")
+
+
+class SetsUp(pl.Callback):
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.order.append("callback")
+        after_module_hook(pl_module, "on_train_epoch_end", lambda: self.order.append("after the module"))
+
+
+def test_after_module_hook_runs_right_after_the_modules_epoch_end() -> None:
+    """Lightning calls the module's hook by `getattr` after the callbacks' and before the monitoring ones."""
+    model = EpochEnds()
+    trainer(callbacks=[MonitoringLike(model.order), SetsUp(model.order)], max_epochs=2).fit(
+        model, loader(TokenData(8), 4)
+    )
+    epoch = ["callback", "module", "after the module", "monitoring callback"]
+    assert model.order == epoch * 2
+    assert "on_train_epoch_end" not in vars(model)
+    undo = after_module_hook(model, "on_train_epoch_end", lambda: None)
+    assert "on_train_epoch_end" in vars(model)
+    undo()
+    assert "on_train_epoch_end" not in vars(model)
+
+
+class LogsAndWrites(TokenModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.log("own", 1.0)
+        write_to_loggers(self.trainer, {"mine": 2.0}, {"mine": torch.tensor(2.0)})
+        return super().training_step(batch, batch_idx)
+
+
+def test_write_to_loggers_keeps_logged_metrics_as_lightning_does(tmp_path: Any) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    t = trainer(max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    t.fit(LogsAndWrites(), loader(TokenData(8), 4))
+    assert isinstance(t.logged_metrics["own"], torch.Tensor)  # (what Lightning keeps for `self.log`)
+    assert isinstance(t.logged_metrics["mine"], torch.Tensor) and float(t.logged_metrics["mine"]) == 2.0
+    assert "mine" in (tmp_path / "lightning_logs/version_0/metrics.csv").read_text()
 
 
 class CountsSteps(TokenModel):
@@ -260,3 +340,31 @@ def test_attached_seam() -> None:
     assert not attached(model)
     trainer(max_epochs=1).fit(model, loader(TokenData(8), 4))
     assert attached(model)
+
+
+class StepsAtBatchEnd(pl.LightningModule):
+    """Manual optimization stepping in `on_train_batch_end` (outside `training_step`), counted or not."""
+
+    def __init__(self, counted: bool) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer, self.counted = torch.nn.Linear(3, 1).double(), counted
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.manual_backward(self.layer(batch["x"]).sum())
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        with steps_counted(self.trainer) if self.counted else contextlib.nullcontext():
+            self.optimizers().step()  # type: ignore[union-attr]
+        self.optimizers().zero_grad()  # type: ignore[union-attr]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_steps_counted_seam(counted: bool) -> None:
+    t = trainer(max_epochs=1)
+    t.fit(StepsAtBatchEnd(counted), loader(TokenData(12), 4))
+    assert t.global_step == (3 if counted else 0)  # (Lightning counts none of them by itself)
+    assert all(o._on_before_step.__name__ == "do_nothing_closure" for o in t.strategy._lightning_optimizers)

@@ -4,6 +4,7 @@ multipliers keyed on progress (composed with the Trainer's LR scheduler and with
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,7 +15,7 @@ import lightning_accum as la
 from lightning_accum import AccumulationScheduler, NoiseScale, Piecewise, Progress, Ramp, Schedule
 from lightning_accum.lr import LRSchedule, WarmupCosine, WarmupLinear
 
-from helpers import KRecorder, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
+from helpers import KRecorder, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, token_losses, trainer
 
 DATA = TokenData(50)  # 13 batches of 4 per epoch, the last one of 2
 
@@ -39,7 +40,7 @@ def test_shapes_against_their_formulas() -> None:
         (lambda: WarmupCosine(10, 10), "`total`=10 must be greater than `warmup`=10"),
         (lambda: WarmupCosine(-1, 10), "`warmup` must be a number >= 0"),
         (lambda: WarmupLinear(1, 10, final=2.0), r"`final` must be a multiplier in \[0, 1\]"),
-        (lambda: WarmupLinear(1, 10, unit="tokens"), "`unit` must be one of"),
+        (lambda: WarmupLinear(1, 10, unit="tokenz"), "`unit` must be one of"),
         (lambda: AccumulationScheduler(2, lr_schedule=0.5), "`lr_schedule` must be a function of Progress"),
         (lambda: ManualTokenModel(schedule=2, lr_schedule="cosine"), "`lr_schedule` must be a function of Progress"),
     ],
@@ -91,7 +92,7 @@ def test_onecycle_sized_with_it_ends_at_the_last_step(name: str, limits: dict[st
 
 
 def test_mixin_counts_its_steps_too() -> None:
-    model = ManualSized(schedule=SCHEDULES["step-piecewise"])
+    model = ManualSized(schedule=SCHEDULES["step-piecewise"], step_schedulers=True)
     t = trainer(max_epochs=2)
     t.fit(model, loader(DATA, 4))
     assert model.total == model.accumulation_progress.step == t.lr_scheduler_configs[0].scheduler.last_epoch
@@ -287,3 +288,174 @@ def test_adascale_is_refused_where_the_noise_cannot_be_measured() -> None:
     schedule = Piecewise({0: 2}, unit="scaled_steps")
     with pytest.raises(ValueError, match="cannot be known in advance"):
         trainer(callbacks=[AccumulationScheduler(schedule)], max_epochs=1).fit(Sized(), loader(DATA, 4))
+
+
+# ---------------------------------------------------------------------- the mixin's `step_schedulers=True`
+class NoStep:
+    """A scheduler without `.step` (stateful, as Lightning requires)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _plateau(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+
+
+BAD_CONFIGS = {  # what Lightning's automatic loop refuses before training (or fails on at its first step)
+    "plateau without monitor": (lambda opt: _plateau(opt), "must include a monitor when a `ReduceLROnPlateau`"),
+    "plateau dict without monitor": (lambda opt: {"scheduler": _plateau(opt)}, "must include a monitor"),
+    "reduce_on_plateau without monitor": (
+        lambda opt: {"scheduler": step_lr(opt), "reduce_on_plateau": True}, "must include a monitor"),
+    "no step": (lambda opt: NoStep(opt), "`NoStep` doesn't follow PyTorch's LRScheduler API.*lr_scheduler_step` hook"),
+    "frequency 0": (lambda opt: {"scheduler": step_lr(opt), "frequency": 0}, r'"frequency" .* integer >= 1 .* is 0'),
+    "frequency -2": (lambda opt: {"scheduler": step_lr(opt), "frequency": -2}, "integer >= 1 .* is -2"),
+    "frequency 1.5": (lambda opt: {"scheduler": step_lr(opt), "frequency": 1.5}, "integer >= 1 .* is 1.5"),
+    "frequency True": (lambda opt: {"scheduler": step_lr(opt), "frequency": True}, "integer >= 1 .* is True"),
+    "interval steps": (
+        lambda opt: {"scheduler": step_lr(opt), "interval": "steps"}, 'must be "step" or "epoch" but is "steps"'),
+}  # fmt: skip
+
+
+class Configured(ManualTokenModel):
+    def __init__(self, make: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.make = make
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [self.make(optimizer)]
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_what_lightnings_automatic_loop_refuses_is_refused_at_the_fits_start(name: str) -> None:
+    """Before: refused after the first epoch had trained (global_step 4; a raw AttributeError, a
+    ZeroDivisionError), or never stepped, silently (`interval="steps"`)."""
+    make, match = BAD_CONFIGS[name]
+    model = Configured(make, schedule=2, step_schedulers=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    t = trainer(max_epochs=2)
+    with pytest.raises((ValueError, TypeError), match=rf"(?=.*{match})(?=.*step_schedulers=True)"):
+        t.fit(model, loader(DATA, 4))
+    assert t.global_step == 0 and all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("name", ["plateau without monitor", "no step", "frequency 0", "interval steps"])
+def test_leaving_them_to_the_model_accepts_what_lightnings_manual_optimization_does(name: str) -> None:
+    model = Configured(BAD_CONFIGS[name][0], schedule=2, step_schedulers=False)
+    t = trainer(max_epochs=1)
+    t.fit(model, loader(DATA, 4))
+    assert t.global_step == 7
+
+
+class CustomStep(Configured):
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        self.stepped = getattr(self, "stepped", 0) + 1
+
+
+def test_a_custom_scheduler_with_its_own_lr_scheduler_step() -> None:
+    model = CustomStep(lambda opt: {"scheduler": NoStep(opt), "interval": "step"}, schedule=2, step_schedulers=True)
+    trainer(max_epochs=1).fit(model, loader(DATA, 4))
+    assert model.stepped == 7  # once per window
+
+
+def test_onecycle_per_epoch_is_warned_about_as_lightning_does() -> None:
+    def onecycle(opt: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+
+    with pytest.warns(UserWarning, match="A `OneCycleLR` scheduler is using 'interval': 'epoch'"):
+        trainer(max_epochs=1).fit(Configured(onecycle, schedule=2, step_schedulers=True), loader(DATA, 4))
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, 1.0])
+def test_step_schedulers_takes_true_false_or_none(bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"`step_schedulers` must be True .*, False .* or None; got"):
+        ManualTokenModel(step_schedulers=bad)
+
+
+class RecordingPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer, factor=0.5, patience=0, threshold=0.0)
+        self.fed: list[float] = []
+
+    def step(self, metrics: Any, epoch: Any = None) -> None:  # type: ignore[override]
+        self.fed.append(float(metrics))
+        super().step(metrics)
+
+
+class EpochMean:
+    """Logs the epoch's mean training loss in the LightningModule's `on_train_epoch_end` (the usual place), which
+    a `ReduceLROnPlateau` of the epoch watches."""
+
+    losses: list[torch.Tensor]
+    means: list[float]
+
+    def on_train_epoch_end(self) -> None:
+        mean = torch.stack(self.losses).mean()
+        self.losses.clear()
+        self.means.append(float(mean))
+        self.log("epoch_loss", mean)  # type: ignore[attr-defined]
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)  # type: ignore[attr-defined]
+        self.plateau = RecordingPlateau(optimizer)
+        return [optimizer], [{"scheduler": self.plateau, "monitor": "epoch_loss"}]
+
+
+class AutomaticEpochMean(EpochMean, TokenModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses, self.means = [], []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = TokenModel.training_step(self, batch, batch_idx)
+        self.losses.append(loss.detach())
+        return loss
+
+
+class ManualEpochMean(EpochMean, ManualTokenModel):
+    def __init__(self) -> None:
+        super().__init__(step_schedulers=True)
+        self.losses, self.means = [], []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        total, tokens = token_losses(self.net, batch)
+        with self.accumulate(batch) as acc:
+            acc.backward(total / tokens)
+        self.losses.append((total / tokens).detach())
+
+
+def test_plateau_of_the_epoch_sees_what_the_module_logged_at_its_end() -> None:
+    """Lightning steps an epoch's plateau after the LightningModule's `on_train_epoch_end`; the mixin stepped it
+    in its own, before: one epoch stale with `strict=False`, refused at epoch 0 with `strict=True`."""
+    automatic, manual = AutomaticEpochMean(), ManualEpochMean()
+    trainer(max_epochs=4).fit(automatic, loader(DATA, 4))
+    trainer(max_epochs=4).fit(manual, loader(DATA, 4))
+    assert manual.plateau.fed == manual.means == automatic.plateau.fed == automatic.means
+    assert manual.plateau.optimizer.param_groups[0]["lr"] == automatic.plateau.optimizer.param_groups[0]["lr"] == 0.25
+    assert all(torch.equal(a, b) for a, b in zip(manual.parameters(), automatic.parameters(), strict=True))
+
+
+class ConfiguredInSetup(ManualEpochMean):
+    """`configure_accumulation` in `setup` (after the mixin's own `setup` hook) rather than `__init__`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.configure_accumulation(step_schedulers=False)
+
+    def setup(self, stage: str) -> None:
+        self.configure_accumulation(step_schedulers=True)
+
+
+def test_the_contract_configured_in_setup_still_keeps_the_plateaus_monitor() -> None:
+    model = ConfiguredInSetup()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*keys will be ignored.*")  # (the mixin honours them)
+        trainer(max_epochs=2).fit(model, loader(DATA, 4))
+    assert model.plateau.fed == model.means

@@ -88,6 +88,7 @@ def test_clipping_schedulers_and_lr_scaling(lr_scaling: str | None) -> None:
         lr_scaling=lr_scaling,
         scheduler=scheduler,
         scheduler_frequency=2,
+        step_schedulers=True,
         optimizer="adam",
         lr=0.01,
     )

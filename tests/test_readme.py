@@ -1,5 +1,5 @@
-"""The README's Python blocks run exactly as written: the first after the examples' install, the
-Hugging Face one after ``[hf]``'s (with the first's imports, as the README reads)."""
+"""The README's Python blocks run exactly as written, each alone (the first after the examples' install,
+the Hugging Face one after ``[hf]``'s), in a fresh folder that they leave as they found it."""
 
 from __future__ import annotations
 
@@ -17,18 +17,18 @@ def blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def run(code: str, where: Path) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=where)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not list(where.iterdir()), f"the snippet left {sorted(p.name for p in where.iterdir())} behind"
     return done.stdout
 
 
-def test_the_first_snippet_runs_as_written() -> None:
-    out = run(blocks()[0])
+def test_the_first_snippet_runs_as_written(tmp_path: Path) -> None:
+    out = run(blocks()[0], tmp_path)
     assert "Progress(" in out and "step=40" in out
 
 
-def test_the_hugging_face_snippet_runs_after_the_first() -> None:
+def test_the_hugging_face_snippet_runs_alone(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    first, hf = blocks()[:2]
-    run(first.split("class Regressor")[0] + hf)  # (the first block's imports)
+    run(blocks()[1], tmp_path)

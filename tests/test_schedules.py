@@ -112,7 +112,7 @@ def test_stateless_state_dict() -> None:
         (lambda: Piecewise({0: 0}), r"milestones\[0\]"),
         (lambda: Piecewise([(1, 2), (1, 3)]), "repeats milestone 1"),
         (lambda: Piecewise([(1, 2, 3)]), "pairs"),
-        (lambda: Piecewise({0: 2}, unit="tokens"), "`unit` must be one of"),
+        (lambda: Piecewise({0: 2}, unit="tokenz"), "`unit` must be one of"),
         (lambda: Ramp(0, 4, over=10), "`start`"),
         (lambda: Ramp(1, 4, over=0), "`over`"),
         (lambda: Ramp(1, 4, over=10, shape="cosine"), "`shape`"),
@@ -132,11 +132,24 @@ def test_invalid_result_is_named(bad: Any) -> None:
         Lambda(lambda p: bad)(Progress())
 
 
-@pytest.mark.parametrize(("given", "canonical"), [("epochs", "epoch"), ("steps", "step"), ("sample", "samples"),
-                                                  ("item", "items")])  # fmt: skip
+SPELLINGS = [("epochs", "epoch"), ("steps", "step"), ("sample", "samples"), ("item", "items"), ("tokens", "items"),
+             ("token", "items")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("given", "canonical"), SPELLINGS)
 def test_a_unit_in_either_number_is_the_same_unit(given: str, canonical: str) -> None:
     from lightning_accum.lr import WarmupCosine
 
     assert Piecewise({0: 1, 3: 2}, unit=given) == Piecewise({0: 1, 3: 2}, unit=canonical)  # type: ignore[arg-type]
     assert Ramp(1, 4, over=10, unit=given).unit == canonical  # type: ignore[arg-type]
     assert WarmupCosine(1, 10, unit=given).unit == canonical
+
+
+NEAR_MISSES = [("tokns", "items"), ("Tokens", "items"), ("smaples", "samples"), ("Steps", "step"), ("epcoh", "epoch"),
+               ("scaled", "scaled_steps")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("given", "hint"), NEAR_MISSES)
+def test_a_near_miss_unit_names_the_unit_meant(given: str, hint: str) -> None:
+    with pytest.raises(ValueError, match=rf"got {given!r}\. Did you mean {hint!r}\?"):
+        Ramp(1, 4, over=10, unit=given)  # type: ignore[arg-type]

@@ -265,6 +265,7 @@ def test_mixin_refuses_skip_when_fsdp_wraps_the_whole_module() -> None:
     class FakeTrainer:
         callbacks = [model._accumulation]
         strategy = Strategy(FakeFSDP(model.net))
+        lr_scheduler_configs: list[Any] = []
 
     with pytest.raises(ValueError, match="`sync='skip'` cannot work with the mixin when `FSDPStrategy` wraps"):
         model._accumulation.on_fit_start(FakeTrainer(), model)  # type: ignore[arg-type]

@@ -40,7 +40,8 @@ def test_window_counts_python_and_device_items() -> None:
 @pytest.mark.parametrize("bad", [-1, 1.5, torch.tensor(-3), torch.tensor(2.5)])
 def test_window_rejects_bad_counts(bad: object) -> None:
     window = Window(k=2)
-    with pytest.raises(ValueError, match=r"item count \(from `count\(batch\)`, or `items=` of `acc.backward`\) was"):
+    named = r"from `count\(batch\)`, or `items=`|the window's tensor count 0, from `count\(batch\)` or `items=`"
+    with pytest.raises(ValueError, match=rf"item count \(({named})\) was"):
         window.add(1, bad)  # type: ignore[arg-type]
         window.local_items()
 

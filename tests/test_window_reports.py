@@ -147,7 +147,7 @@ class ManualPlateauModel(ManualTokenModel):
 
 @pytest.mark.parametrize("adapter", adapters())
 def test_reduce_lr_on_plateau_is_fed_each_window_loss(adapter: str) -> None:
-    model = PlateauModel() if adapter == "callback" else ManualPlateauModel(schedule=SCHEDULE)
+    model = PlateauModel() if adapter == "callback" else ManualPlateauModel(schedule=SCHEDULE, step_schedulers=True)
     callbacks = [AccumulationScheduler(SCHEDULE)] if adapter == "callback" else []
     trainer(callbacks=callbacks, max_epochs=EPOCHS).fit(model, loader(DATA, 4))
     ref = Reference(SCHEDULE, optimizer="plain-sgd", scheduler=RecordingPlateau)
@@ -309,3 +309,121 @@ def test_a_scheduler_sized_with_lightnings_estimate_is_warned_about() -> None:
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message=".*(does not have many workers|isinstance.treespec)")
         trainer(callbacks=[AccumulationScheduler(SCHEDULE)], max_epochs=EPOCHS).fit(OneCycle("ours"), loader(DATA, 4))
+
+
+# ---------------------------------------------------------------------- where each window is reported
+class Alternating(AccumulationMixin, pl.LightningModule):
+    """A GAN's habit: two optimizers over their own layers, each with a window of its own, one after the
+    other in every batch (`toggle_optimizer` keeps each pass out of the other's parameters); k = 1 at first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 1).double(), nn.Linear(3, 1).double()
+        self.configure_accumulation(lightning_accum.Piecewise({0: 1, 2: 2}, unit="step"))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        for i, optimizer in enumerate(self.optimizers()):  # type: ignore[arg-type]
+            self.toggle_optimizer(optimizer)
+            with self.accumulate(batch, optimizer=i) as acc:
+                acc.backward((self.a(batch["x"]) * self.b(batch["x"]) - batch["y"]).square().mean())
+            self.untoggle_optimizer(optimizer)
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+
+class Fresh(pl.Callback):
+    """At each window's end: what `callback_metrics` holds under the window's own names."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[tuple[int, ...], float, float]] = []
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: WindowReport) -> None:
+        name = "accum/" if len(window.optimizers) == len(trainer.optimizers) else f"accum/opt{window.optimizers[0]}/"
+        self.seen.append((window.optimizers, float(trainer.callback_metrics[name + "loss"]), window.loss))  # type: ignore[arg-type]
+
+
+def test_a_windows_names_are_fixed_by_its_group() -> None:
+    """Before: optimizer 0's first window (k = 1, before optimizer 1's existed) went to `accum/*`, the others to
+    `accum/opt0/*`, so `accum/loss` stayed at step 1 and `EarlyStopping(monitor="accum/loss")` stopped early."""
+    fresh = Fresh()
+    t = trainer(callbacks=[fresh], max_epochs=3)
+    t.fit(Alternating(), loader(DATA, 4))
+    assert {group for group, _, _ in fresh.seen} == {(0,), (1,)}
+    assert all(metric == loss for _, metric, loss in fresh.seen)  # every window fresh under its own name
+    accum = {name for name in t.callback_metrics if name.startswith("accum/")}
+    assert accum and all(name.startswith(("accum/opt0/", "accum/opt1/")) for name in accum)
+    with pytest.raises(RuntimeError, match="Early stopping conditioned on metric `accum/loss` which is not available"):
+        trainer(callbacks=[EarlyStopping("accum/loss", check_on_train_epoch_end=True)]).fit(
+            Alternating(), loader(DATA, 4)
+        )
+
+
+class HookedModel(ManualTokenModel):
+    def __init__(self, order: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.order = order
+
+    def on_window_end(self, window: WindowReport) -> None:
+        self.order.append(f"module {window.step}")
+
+
+class HookedAutomatic(TokenModel):
+    def __init__(self, order: list[str]) -> None:
+        super().__init__()
+        self.order = order
+
+    on_window_end = HookedModel.on_window_end
+
+
+class Heard(pl.Callback):
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: WindowReport) -> None:
+        self.order.append(f"callback {window.step}")
+
+
+@pytest.mark.parametrize("adapter", adapters())
+def test_on_window_end_on_the_module_after_the_callbacks(adapter: str) -> None:
+    """Lightning calls its hooks on the LightningModule as well as on callbacks, the module's after; the module's
+    hooks take no trainer: `on_window_end(self, window)`. Before: never called on the module."""
+    order: list[str] = []
+    if adapter == "callback":
+        model: pl.LightningModule = HookedAutomatic(order)
+        callbacks: list[pl.Callback] = [AccumulationScheduler(SCHEDULE)]
+    else:
+        model, callbacks = HookedModel(order, schedule=SCHEDULE), []
+    trainer(callbacks=[*callbacks, Heard(order)], max_epochs=1).fit(model, loader(DATA, 4))
+    steps = len(order) // 2
+    assert steps == 5 and order == [f"{who} {step}" for step in range(1, steps + 1) for who in ("callback", "module")]
+
+
+class CallbackSignature(ManualTokenModel):
+    def on_window_end(self, trainer: Any, pl_module: Any, window: WindowReport) -> None:
+        pass
+
+
+def test_a_module_hook_with_the_callbacks_signature_is_refused_at_the_start() -> None:
+    model = CallbackSignature(schedule=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    t = trainer(max_epochs=1)
+    with pytest.raises(TypeError, match=r"`CallbackSignature.on_window_end` must take the window's report alone"):
+        t.fit(model, loader(DATA, 4))
+    assert t.global_step == 0 and max_diff(list(model.parameters()), before) == 0.0
+
+
+@pytest.mark.parametrize("adapter", adapters())
+def test_logged_metrics_hold_tensors_as_lightnings_own(tmp_path: Path, adapter: str) -> None:
+    """Lightning keeps what it logs in `trainer.logged_metrics` as tensors; the package put floats there."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    model, callbacks = model_and_callbacks(adapter)
+    seen = Windows()
+    t = trainer(callbacks=[*callbacks, seen], max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    t.fit(model, loader(DATA, 4))
+    accum = {name: value for name, value in t.logged_metrics.items() if name.startswith("accum/")}
+    assert {"accum/k", "accum/loss", "accum/grad_norm", "accum/lr"} <= set(accum)
+    assert all(isinstance(value, torch.Tensor) and value.dim() == 0 for value in accum.values())
+    assert float(accum["accum/loss"]) == seen.reports[-1].loss
+    assert accum["accum/loss"] is t.callback_metrics["accum/loss"]  # (one tensor for both readers)

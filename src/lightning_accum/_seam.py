@@ -13,7 +13,8 @@ writes the metrics its logger connector keeps (progress bar, callbacks', logged)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.optim import Optimizer
@@ -77,14 +78,32 @@ def put_callback_metrics(trainer: Any, metrics: dict[str, Any]) -> None:
     trainer._logger_connector._callback_metrics.update(metrics)
 
 
-def write_to_loggers(trainer: Any, metrics: dict[str, float]) -> None:
+def write_to_loggers(trainer: Any, metrics: dict[str, float], kept: dict[str, Any]) -> None:
     """Write ``metrics`` to every logger at the step Lightning writes this batch's logged metrics
-    (``_TrainingEpochLoop._batches_that_stepped``, as ``LearningRateMonitor`` does), and keep them
-    in ``trainer.logged_metrics``."""
+    (``_TrainingEpochLoop._batches_that_stepped``, as ``LearningRateMonitor`` does), and keep ``kept``
+    (the same values as tensors, as Lightning keeps what it logs) in ``trainer.logged_metrics``."""
     step = trainer.fit_loop.epoch_loop._batches_that_stepped
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
-    trainer._logger_connector._logged_metrics.update(metrics)
+    trainer._logger_connector._logged_metrics.update(kept)
+
+
+@contextlib.contextmanager
+def steps_counted(trainer: Any) -> Iterator[None]:
+    """Count the optimizer steps taken inside in ``trainer.global_step`` outside ``training_step`` (the mixin's
+    window left open at an epoch's end, stepped in ``on_train_batch_end``): manual optimization counts a step
+    only while its loop runs, through hooks it puts on the ``LightningOptimizer`` s for that time
+    (``_ManualOptimization.on_run_start`` / ``on_run_end``, ``_on_before_step`` / ``_on_after_step``)."""
+    loop = trainer.fit_loop.epoch_loop.manual_optimization
+    optimizers = trainer.strategy._lightning_optimizers
+    saved = [(o._on_before_step, o._on_after_step) for o in optimizers]
+    for optimizer in optimizers:
+        optimizer._on_before_step, optimizer._on_after_step = loop._on_before_step, loop._on_after_step
+    try:
+        yield
+    finally:
+        for optimizer, (before, after) in zip(optimizers, saved, strict=True):
+            optimizer._on_before_step, optimizer._on_after_step = before, after
 
 
 def backward_skipped(trainer: Any) -> bool:
@@ -137,37 +156,79 @@ def suspend_clipping(trainer: Any) -> Any:
     return restore
 
 
-def keep_scheduler_monitors(module: Any, found: dict[int, tuple[str | None, bool]]) -> None:
-    """In manual optimization Lightning drops an LR scheduler config's ``monitor`` and ``strict``
-    (``core/optimizer.py``, ``_configure_schedulers_manual_opt``), which a ``ReduceLROnPlateau``
-    needs: catch them as ``configure_optimizers`` returns (the instance's next call only, for the
-    strategy's ``setup_optimizers`` after the ``setup`` hooks). ``found`` maps ``id(scheduler)`` to
-    ``(monitor, strict)``."""
+#: the keys of a scheduler config that Lightning drops in manual optimization (and warns are ignored)
+DROPPED_SCHEDULER_KEYS = ("monitor", "strict", "reduce_on_plateau")
+
+
+def keep_scheduler_keys(
+    module: Any, found: dict[int, tuple[str | None, bool, bool | None]], honoured: Callable[[], bool]
+) -> None:
+    """In manual optimization Lightning drops an LR scheduler config's ``monitor``, ``strict`` and
+    ``reduce_on_plateau`` and warns that they are ignored (``core/optimizer.py``,
+    ``_configure_schedulers_manual_opt``): catch them as ``configure_optimizers`` returns (the instance's
+    next call only, for the strategy's ``setup_optimizers`` after the ``setup`` hooks), and where the
+    mixin honours them (``honoured()``, asked then: it steps the schedulers) hand Lightning the configs
+    without them (copies: the user's dicts are left as they are). ``found`` maps ``id(scheduler)`` to
+    ``(monitor, strict, reduce_on_plateau or None)``."""
     original = module.configure_optimizers
 
     def configure_optimizers() -> Any:
         vars(module).pop("configure_optimizers", None)  # the class's method again
         conf = original()
-        _monitors(conf, None, found)
-        return conf
+        kept = _scheduler_keys(conf, None, found)
+        return kept if honoured() else conf
 
     module.configure_optimizers = configure_optimizers
 
 
-def _monitors(conf: Any, monitor: str | None, found: dict[int, tuple[str | None, bool]]) -> None:
+def _scheduler_keys(conf: Any, monitor: str | None, found: dict[int, tuple[str | None, bool, bool | None]]) -> Any:
+    """``conf`` with each scheduler config's dropped keys taken out into ``found``."""
     if isinstance(conf, dict):
         if "scheduler" in conf:
-            found[id(conf["scheduler"])] = conf.get("monitor", monitor), bool(conf.get("strict", True))
-            return
+            plateau = conf.get("reduce_on_plateau")
+            found[id(conf["scheduler"])] = (
+                conf.get("monitor", monitor),
+                bool(conf.get("strict", True)),
+                None if plateau is None else bool(plateau),
+            )
+            return {key: value for key, value in conf.items() if key not in DROPPED_SCHEDULER_KEYS}
         monitor = conf.get("monitor", monitor)
-        conf = conf.get("lr_scheduler")
-        if conf is not None and not isinstance(conf, dict):
-            found[id(conf)] = monitor, True
-            return
-        _monitors(conf, monitor, found)
-    elif isinstance(conf, (list, tuple)):
-        for part in conf:
-            _monitors(part, monitor, found)
+        inner = conf.get("lr_scheduler")
+        if inner is not None and not isinstance(inner, dict):
+            found[id(inner)] = monitor, True, None
+            return conf
+        kept = _scheduler_keys(inner, monitor, found)
+        return conf if kept is inner else {**conf, "lr_scheduler": kept}
+    if isinstance(conf, list | tuple):
+        parts = [_scheduler_keys(part, monitor, found) for part in conf]
+        if all(a is b for a, b in zip(parts, conf, strict=True)):
+            return conf
+        return tuple(parts) if isinstance(conf, tuple) else parts
+    return conf
+
+
+def after_module_hook(module: Any, name: str, then: Callable[[], None]) -> Callable[[], None]:
+    """Run ``then`` right after the LightningModule's hook ``name`` the next time Lightning calls it (and
+    not if it raises). Lightning calls a module's hook as ``getattr(pl_module, name)(...)``
+    (``trainer/call.py``, ``_call_lightning_module_hook``), after the callbacks' but, for
+    ``on_train_epoch_end``, before the monitoring callbacks' and the loop's own plateau step
+    (``_FitLoop.on_advance_end``): the instance's next call runs the class's hook, then ``then``.
+    Returns a function that takes this back if the hook was not called."""
+    original = getattr(module, name)
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        vars(module).pop(name, None)  # the class's hook again
+        out = original(*args, **kwargs)
+        then()
+        return out
+
+    setattr(module, name, hook)
+
+    def undo() -> None:
+        if vars(module).get(name) is hook:
+            del vars(module)[name]
+
+    return undo
 
 
 def keep_progress_consistent(trainer: Any) -> None:

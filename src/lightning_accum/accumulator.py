@@ -26,7 +26,9 @@ class Accumulator:
     Attributes:
         k: micro-batches of the window.
         index: this micro-batch's position in the window (0-based).
-        last: whether the window closes after this micro-batch (``k`` reached or epoch end).
+        last: whether the window closes after this micro-batch (``k`` reached or epoch end): where a model that
+            steps its own LR scheduler once per window steps it, after the block. (A window whose epoch ends
+            on batches that run no block is closed at the epoch's end instead.)
     """
 
     def __init__(self, block: Block, batch: Any, auto: AutoSize) -> None:
@@ -75,6 +77,11 @@ class Accumulator:
         if items is None:
             self._backward(loss)
             return
+        if self._block.windows.config.normalize != "items":
+            raise ValueError(
+                "`acc.backward(loss, items=n)` weights a mean loss by its item count, which needs "
+                "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
+            )
         _check_items(items)
         empty = gradients.no_items(items)
         if empty is True:  # a mean over no items (NaN): counted, adds nothing

@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_accum import gradients, multitask, sync
 from lightning_accum.engine import WindowEngine
 from lightning_accum.guards import MixinGuards
-from lightning_accum.window import Window
+from lightning_accum.window import Window, microbatch_items
 from lightning_accum.windows import GroupKey, MixinWindows
 
 
@@ -44,6 +44,7 @@ class Block:
         self.window, self.last, self.redoing = window, last, redoing
         self._samples, self._counted = counts  # (counted before the block's code ran)
         self._items: int | Tensor | None = None  # what `items=` declared
+        self._declared = self._loss_passes = 0  # passes that declared `items=`, and loss passes
         self._plan, self._guards = plan, guards
         self.passes = 0
 
@@ -71,6 +72,7 @@ class Block:
         """``manual_backward(loss)`` into the window (``nothing``: the pass adds nothing to any gradient,
         NaN included, as a redone micro-batch's; a 0-d bool tensor: the same where it holds)."""
         self.passes += 1
+        self._loss_passes += 1
         nothing = True if self.redoing else nothing
         handles = [] if nothing is False else gradients.add_nothing_if(self.windows.params(), nothing)
         try:
@@ -96,8 +98,10 @@ class Block:
             self.engine.metrics.add_loss(loss, name)
 
     def add_items(self, items: int | Tensor | None) -> None:
+        """A pass declared its items (``items=``)."""
         if items is not None:
             self._items = items if self._items is None else self._items + items
+            self._declared += 1
 
     # ------------------------------------------------------------------ the block's end
     def finish(self, loss_scale: Callable[[], float]) -> None:
@@ -113,13 +117,10 @@ class Block:
             engine.measure_prefix(gradients.grads_of(self.params()), loss_scale())
 
     def _item_count(self) -> int | Tensor:
-        if self._items is not None:
-            return self._items
-        if self._counted is not None:
-            return self._counted
-        if self.windows.config.normalize == "items":
+        if self._items is None and self._counted is None and self.windows.config.normalize == "items":
             raise ValueError(
                 "`normalize='items'` needs the micro-batch's item count: give `count=` to "
                 "`configure_accumulation`, or call `acc.backward(loss, items=n)`."
             )
-        return self._samples
+        implicit = self._loss_passes > self._declared  # (a pass that declared nothing: `count(batch)` counts it)
+        return microbatch_items(self._items, implicit, self._counted, self._samples)

@@ -20,24 +20,39 @@ def save_partial(
     """The partial gradient of ``params`` (``pending``: one restored from a checkpoint and not put
     back yet) and, on several ranks, every rank's ``numbers`` and partial gradient."""
     grads = list(pending) if pending is not None else gradients.snapshot(params)
-    state: dict[str, Any] = {"grads": grads}
-    if collectives.world_size(strategy) > 1:
+    world = collectives.world_size(strategy)
+    state: dict[str, Any] = {"grads": grads, "world_size": world}
+    if world > 1:
         state["ranks"] = collectives.gather_partial(strategy, numbers, params, grads)
     return state
 
 
-def load_partial(state: Mapping[str, Any], strategy: Any, rank: int) -> tuple[list[float] | None, Partial | None]:
-    """This rank's numbers (``None`` in a checkpoint of one process) and partial gradient."""
+def check_world(state: Mapping[str, Any], strategy: Any, checkpoint: object = None) -> None:
+    """Refuse to resume a window a checkpoint holds part of on another number of ranks than it was saved
+    on (``checkpoint``: its name, for the message), in either direction: each rank's partial gradient and
+    counts are its own until the window's end, and another world size would split the data otherwise."""
+    ranks = state.get("ranks")
+    saved = int(state.get("world_size", 1 if ranks is None else len(ranks)))
+    world = collectives.world_size(strategy)
+    if saved != world:
+        name = "The checkpoint" if checkpoint is None else f"The checkpoint {str(checkpoint)!r}"
+        raise ValueError(
+            f"{name} was saved inside an accumulation window on {saved} rank(s), whose partial gradients are each "
+            f"rank's own; it cannot resume on {world}. Resume it on {saved} rank(s), or resume on {world} from a "
+            "checkpoint saved at an optimizer step (e.g. `ModelCheckpoint(every_n_train_steps=...)`, or `fabric.save` "
+            "right after a step)."
+        )
+
+
+def load_partial(
+    state: Mapping[str, Any], strategy: Any, rank: int, checkpoint: object = None
+) -> tuple[list[float] | None, Partial | None]:
+    """This rank's numbers (``None`` in a checkpoint of one process) and partial gradient; refused on another
+    number of ranks than the checkpoint's (``check_world``)."""
+    check_world(state, strategy, checkpoint)
     ranks = state.get("ranks")
     if ranks is None:
         return None, state.get("grads")
-    world = collectives.world_size(strategy)
-    if len(ranks) != world:
-        raise ValueError(
-            f"This checkpoint was saved inside an accumulation window on {len(ranks)} ranks, whose partial "
-            f"gradients differ; it cannot resume on {world}. Resume on {len(ranks)} ranks, or from a checkpoint "
-            "saved at an optimizer step."
-        )
     numbers, grads = ranks[rank]
     return list(numbers), list(grads)
 
@@ -60,11 +75,15 @@ class PartialWindow:
         self._grads: Partial | None = None  # the partial gradient, until it is put back
 
     def save(self, strategy: Any, numbers: Sequence[float], params: Sequence[Tensor]) -> dict[str, Any]:
-        """What a checkpoint holds of the open window (``numbers``: this rank's counts)."""
+        """What a checkpoint holds of the open window (``numbers``: this rank's counts). Saved again before
+        what a checkpoint held was put back (a save right after a load), that is what it holds."""
+        if self._state is not None:
+            return {key: self._state[key] for key in ("grads", "world_size", "ranks") if key in self._state}
         return save_partial(strategy, numbers, params, self._grads)
 
     def load(self, state: Mapping[str, Any]) -> None:
         self._state = state if "grads" in state else None
+        self._grads = None
 
     @property
     def loaded(self) -> bool:
@@ -75,11 +94,12 @@ class PartialWindow:
         """Whether a partial gradient waits to be put back."""
         return self._grads is not None
 
-    def numbers(self, strategy: Any, rank: int) -> list[float] | None:
-        """At train start: this rank's numbers (``None`` without a partial window or in a one-process checkpoint)."""
+    def numbers(self, strategy: Any, rank: int, checkpoint: object = None) -> list[float] | None:
+        """At train start: this rank's numbers (``None`` without a partial window or in a one-process checkpoint);
+        refused on another number of ranks than the checkpoint's (``checkpoint``: its name, for the message)."""
         if self._state is None:
             return None
-        numbers, self._grads = load_partial(self._state, strategy, rank)
+        numbers, self._grads = load_partial(self._state, strategy, rank, checkpoint)
         self._state = None
         return numbers
 

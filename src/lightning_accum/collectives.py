@@ -91,6 +91,18 @@ def check_same_k(strategy: Any, k: int, schedule: object) -> None:
     )
 
 
+def check_same_window(strategy: Any, total: float, squares: float) -> None:
+    """Raise on every rank if the ranks' windows differ (``total`` and ``squares``: a window's identity and its
+    square, summed over ranks; all equal exactly when ``world * squares == total ** 2``)."""
+    if world_size(strategy) * round(squares) != round(total) ** 2:
+        raise RuntimeError(
+            "The ranks closed different accumulation windows (their epoch or first micro-batch differ): a rank's "
+            "data ran out before the others', or an exception was caught on one rank only, and their gradients "
+            "would mix different windows. Every rank must run the same number of micro-batches per epoch (e.g. "
+            "`DistributedSampler(drop_last=True)`, loaders of equal length) and fail, or go on, together."
+        )
+
+
 def mean_over_ranks(strategy: Any, values: Sequence[float]) -> list[float]:
     """Floats averaged over ranks in one collective (as they are on a single device)."""
     if world_size(strategy) == 1:

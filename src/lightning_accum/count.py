@@ -19,10 +19,16 @@ IGNORE_INDEX = -100
 """The label Hugging Face losses skip (PyTorch's `cross_entropy` default `ignore_index`)."""
 
 
-def _get(batch: Any, key: str) -> Tensor | None:
-    if isinstance(batch, Mapping):
-        return batch.get(key)
-    return getattr(batch, key, None)
+def _get(batch: Any, key: str, who: str) -> Tensor | None:
+    """``batch[key]`` (or the attribute), ``None`` if absent; refused unless it is a tensor."""
+    value = batch.get(key) if isinstance(batch, Mapping) else getattr(batch, key, None)
+    if value is not None and not isinstance(value, Tensor):
+        raise TypeError(
+            f"`{who}` counts the tokens of `batch[{key!r}]`, which must be a tensor (of token ids, batch x sequence) "
+            f"as a collator gives it; got a {type(value).__name__}. Collate the batch into tensors first (e.g. "
+            f"`torch.tensor(...)`, or a Hugging Face `DataCollator`)."
+        )
+    return value
 
 
 def causal_lm_tokens(batch: Any, ignore_index: int = -100) -> Tensor:
@@ -36,10 +42,10 @@ def causal_lm_tokens(batch: Any, ignore_index: int = -100) -> Tensor:
         >>> int(causal_lm_tokens(batch))  # 2 + 1 targets, not 3 + 2
         3
     """
-    labels = _get(batch, "labels")
+    labels = _get(batch, "labels", "causal_lm_tokens")
     if labels is not None:
         return (labels[..., 1:] != ignore_index).sum()
-    mask = _get(batch, "attention_mask")
+    mask = _get(batch, "attention_mask", "causal_lm_tokens")
     if mask is None:
         raise ValueError("`causal_lm_tokens` needs `labels` or `attention_mask` in the batch.")
     return (mask[..., 1:] != 0).sum()
@@ -55,7 +61,7 @@ def masked_lm_tokens(batch: Any, ignore_index: int = -100) -> Tensor:
         >>> int(masked_lm_tokens({"labels": torch.tensor([[-100, 4, -100], [7, -100, -100]])}))
         2
     """
-    labels = _get(batch, "labels")
+    labels = _get(batch, "labels", "masked_lm_tokens")
     if labels is None:
         raise ValueError("`masked_lm_tokens` needs `labels` in the batch.")
     return (labels != ignore_index).sum()
@@ -71,7 +77,7 @@ def seq2seq_tokens(batch: Any, ignore_index: int = -100) -> Tensor:
         >>> int(seq2seq_tokens({"labels": torch.tensor([[3, 4, 1], [5, 1, -100]])}))
         5
     """
-    labels = _get(batch, "labels")
+    labels = _get(batch, "labels", "seq2seq_tokens")
     if labels is None:
         raise ValueError("`seq2seq_tokens` needs the decoder `labels` in the batch.")
     return (labels != ignore_index).sum()

@@ -10,6 +10,7 @@ state: the window groups and their engines (``MixinWindows``), the window-end st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -26,7 +27,7 @@ from lightning_accum.options import AccumulationConfig
 from lightning_accum.probe import check_noise_under
 from lightning_accum.samples import sample_count
 from lightning_accum.window_step import WindowStep
-from lightning_accum.windows import MixinWindows
+from lightning_accum.windows import GroupKey, MixinWindows
 
 
 class MixinDriver(Callback):
@@ -41,9 +42,11 @@ class MixinDriver(Callback):
         self.guards = MixinGuards()
         self.configured = False  # whether `configure_accumulation` was called
         self.plan = sync.SyncPlan()
-        self.monitors: schedulers.Monitors = {}  # the LR schedulers' monitors, which Lightning drops here
+        self.schedulers = schedulers.MixinSchedulers()  # the fit's LR schedulers, under `step_schedulers`
+        self._undo_plateau: Callable[[], None] = _nothing  # takes back a plateau step due after the epoch end
         self._early: tuple[Any, int, int | Tensor | None] | None = None  # the training batch, counted early
         self._block: Block | None = None  # the `accumulate` block under way
+        self._closing_left_open: GroupKey | None = None  # the group stepped at an epoch's end outside a block
         self._trained = False  # whether a batch of this fit ended yet
 
     @property
@@ -65,9 +68,8 @@ class MixinDriver(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.monitors = {}
-            _seam.keep_scheduler_monitors(self.module, self.monitors)
+        if stage == "fit":  # (the keys Lightning drops in manual optimization, for `step_schedulers=True`)
+            _seam.keep_scheduler_keys(self.module, self.schedulers.fresh(), lambda: bool(self.config.step_schedulers))
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -77,20 +79,34 @@ class MixinDriver(Callback):
         self.windows.start_fit(self.plan, self.config.log)
         check_noise_under(self.plan, self.config.schedule, self.config.lr_scaling)
         sync.refuse_fsdp_root_skip(self.plan, trainer.strategy.model)
+        custom_step = type(self.module).lr_scheduler_step is not pl.LightningModule.lr_scheduler_step
+        self.schedulers.check_fit(trainer.lr_scheduler_configs, self.module, self.config.step_schedulers, custom_step)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _seam.resume_after_finished_epoch(trainer)
         self._trained = False
-        numbers = self.partial.numbers(trainer.strategy, trainer.global_rank)  # resumed inside a window
+        numbers = self.partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
             self.windows.load_local_numbers(numbers)
         self.partial.put_back(self.windows.params())
         if self.config.decay is not None:
             self.config.decay.attach(trainer.optimizers)
         self.guards.attach(trainer.optimizers)
-        steps.warn_scheduler_horizons(trainer)
+        if self.config.step_schedulers:
+            steps.warn_scheduler_horizons(trainer)
+            self.schedulers.watch(trainer.lr_scheduler_configs)
         self.step.start_training(trainer)
+
+    def _check_schedulers(self, trainer: Any) -> None:
+        """Under ``step_schedulers=True``: refuse a scheduler the model stepped itself."""
+        if self.config.step_schedulers:
+            self.schedulers.check_untouched(trainer.lr_scheduler_configs)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._undo_plateau()
+        self._check_schedulers(trainer)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -101,11 +117,16 @@ class MixinDriver(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # before the checkpoint callbacks' `on_exception`: the state a checkpoint written now must hold
+        self._undo_plateau()
         processed, in_backward = recovery.where(trainer, exception)
         block, self._block = self._block, None
         open_key = block.key if block is not None and block.passes else None
         batch, rescaled = (trainer.current_epoch, _seam.batch_index(trainer)), self.step.rescaled
+        closing, self._closing_left_open = self._closing_left_open, None
         for key, engine in self.windows.engines.items():
+            if key == closing:  # (its batch is processed: Lightning will not train it again, nor end its window)
+                recovery.abandon(engine, "the accumulation window was being stepped at the epoch's end")
+                continue
             open_pass = key == open_key
             recovery.settle(
                 engine, batch, processed=processed, in_backward=in_backward, open_pass=open_pass, rescaled=rescaled
@@ -130,6 +151,7 @@ class MixinDriver(Callback):
     def begin(self, trainer: Any, optimizer: Any, batch: Any) -> Block:
         """Open an ``accumulate`` block: the group's window (opened now if none is), whether this
         micro-batch is its last, and its counts, taken before the block's code runs."""
+        self._check_schedulers(trainer)
         windows = self.windows
         key = windows.key(optimizer)
         windows.check_disjoint(key)
@@ -156,21 +178,34 @@ class MixinDriver(Callback):
         self._block = None
         block.finish(lambda: loss_scale(trainer))
         if block.last:
-            key = block.key
-            self.step.close(
-                trainer,
-                self.module,
-                key,
-                block.engine,
-                [self.windows.optimizers()[i] for i in key],
-                block.params(),
-                config=self.config,
-                plan=self.plan,
-                guards=self.guards,
-                auto=self.auto,
-                monitors=self.monitors,
-                log_prefix="accum/" if len(self.windows.engines) == 1 else f"accum/opt{'_'.join(map(str, key))}/",
-            )
+            self._close(trainer, block.key)
+
+    def _close(self, trainer: Any, key: GroupKey) -> None:
+        """Step the group's window (``WindowStep.close``)."""
+        self._check_schedulers(trainer)  # (before the step that would use a scheduler the model stepped)
+        self.step.close(
+            trainer,
+            self.module,
+            key,
+            self.windows.engines[key],
+            [self.windows.optimizers()[i] for i in key],
+            self.windows.params(key),
+            config=self.config,
+            plan=self.plan,
+            guards=self.guards,
+            auto=self.auto,
+            schedulers=self.schedulers if self.config.step_schedulers else None,
+            log_prefix=self.windows.log_prefix(key),
+        )
+
+    def _close_left_open(self, trainer: Any) -> None:
+        """At an epoch's last batch: step the windows it ran no block of (a skipped batch, a window of another
+        optimizer), cut short at the epoch's end as every window is."""
+        for key in sorted(self.windows.engines):  # (the same order on every rank)
+            if self.windows.engines[key].window is not None:
+                self._closing_left_open = key
+                self._close(trainer, key)
+        self._closing_left_open = None
 
     @override
     def on_before_optimizer_step(
@@ -192,18 +227,34 @@ class MixinDriver(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.windows.batch_done()
-        self.guards.batch_end(self.module, outputs, first=not self._trained)
+        self.guards.batch_end(self.module, outputs, blocks_ran=bool(self.windows.engines))
         self._trained = True
+        if _seam.epoch_ends_after_this_batch(trainer):
+            with _seam.steps_counted(trainer):
+                self._close_left_open(trainer)
+        if not self.config.step_schedulers:
+            return
+        self.schedulers.check_untouched(trainer.lr_scheduler_configs)
         if _seam.epoch_ends_after_this_batch(trainer):  # as Lightning: before the batch's checkpoints; plateau later
             epochs = trainer.current_epoch + 1
-            schedulers.step_schedulers(self.module, trainer, self.monitors, "epoch", epochs, plateau=False)
+            self.schedulers.step(self.module, trainer, "epoch", epochs, plateau=False)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._undo_plateau()
+        self._check_schedulers(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guards.epoch_end()
-        if _seam.batches_ran_out(trainer):  # (as Lightning: not after `max_steps` cut the epoch short)
-            epochs = trainer.current_epoch + 1
-            schedulers.step_schedulers(self.module, trainer, self.monitors, "epoch", epochs, plateau=True)
+        if self.config.step_schedulers and _seam.batches_ran_out(trainer):  # (as Lightning: not after `max_steps`
+            epochs = trainer.current_epoch + 1  # cut the epoch short) and after the module's `on_train_epoch_end`
+
+            def plateau() -> None:
+                self._undo_plateau = _nothing
+                self.schedulers.step(self.module, trainer, "epoch", epochs, plateau=True)
+
+            self._undo_plateau = _seam.after_module_hook(self.module, "on_train_epoch_end", plateau)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -225,3 +276,7 @@ class MixinDriver(Callback):
         if self.config.decay is not None and "decay" in state_dict:
             self.config.decay.load_state_dict(state_dict["decay"])
         self.step.reported.load_state_dict(state_dict.get("reported", {}))
+
+
+def _nothing() -> None:
+    return None

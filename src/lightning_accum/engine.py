@@ -70,6 +70,13 @@ def samples_needed_by(schedule: Schedule, normalize: str, lr_scaling: str | None
     return None
 
 
+def window_id(epoch: int, start: int) -> list[int]:
+    """A window's identity (of its epoch and first micro-batch) and its square: small integers, exact in the
+    float64 count all-reduce, whose sums over ranks tell whether every rank closes the same window."""
+    ident = (epoch * 1_000_003 + start) % 65_521 + 1
+    return [ident, ident * ident]
+
+
 class WindowEngine:
     """One window group's lifecycle and state.
 
@@ -115,6 +122,7 @@ class WindowEngine:
         #: after a resume from a checkpoint written on an exception: it must then add nothing
         self.redo: tuple[int, int] | None = None
         self._scaled_lrs: list[tuple[dict[str, Any], Any]] = []
+        self._lr_multiplier: float | None = None  # `lr_schedule`'s, asked when the open window opened
         self.metrics = WindowMetrics()  # the windows' losses, while logging
         #: the learning rates the closing window's step used: (optimizer, each group's LR)
         self.used_lrs: list[tuple[Any, list[Any]]] = []
@@ -130,7 +138,7 @@ class WindowEngine:
     ) -> None:
         """Set (or change, keeping progress and the open window) what the engine computes with."""
         self.schedule, self.normalize, self.lr_scaling = schedule, normalize, lr_scaling
-        self.lr_schedule = lr_schedule
+        self.lr_schedule, self._lr_multiplier = lr_schedule, None
         self.probe: NoiseProbe | None = None
         if isinstance(schedule, NoiseScale):
             self.probe = NoiseProbe(schedule, normalize)
@@ -148,6 +156,9 @@ class WindowEngine:
         k = self.schedule(self.progress)
         if not self.schedule.rank_consistent and strategy is not None:
             collectives.check_same_k(strategy, k, self.schedule)
+        # keyed on the progress the window opens with: asked now, so that a bad multiplier is refused before any
+        # micro-batch goes in
+        self._lr_multiplier = None if self.lr_schedule is None else self._multiplier()
         if self.first_k is None:
             self.first_k = k
         self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
@@ -205,10 +216,15 @@ class WindowEngine:
         measure = grads is not None and (self.metrics.tracking or self.probe is not None)
         local.append(norms(grads) if measure else [])  # type: ignore[arg-type]
         local.append(self.probe.pending() if self.probe is not None else [])
-        summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *sums]
+        # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran
+        # out first, an exception one rank caught) fail together rather than mix their windows
+        ident = [] if single else window_id(self.progress.epoch, window.start)
+        summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *sums]
         totals, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)
-        window.settle_items(items)  # type: ignore[arg-type]
         counts = [round(v) for v in totals[: 3 + len(extra)]]
+        if ident:
+            collectives.check_same_window(strategy, *totals[3 + len(extra) : 5 + len(extra)])
+        window.settle_items(items)  # type: ignore[arg-type]
         scale = window.gradient_scale(
             self.normalize,
             world_size=collectives.world_size(strategy),
@@ -228,13 +244,13 @@ class WindowEngine:
             factor = gain = adascale_gain(self.probe.estimator, units, self.first_units)
         else:
             factor = lr_factor(self.lr_scaling, window.k, self.first_k)
-        if self.lr_schedule is not None:  # keyed on the progress the window opened with
-            factor *= check_multiplier(self.lr_schedule(self.progress), self.lr_schedule, self.progress)
+        if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
+            factor *= self._multiplier() if self._lr_multiplier is None else self._lr_multiplier
         empty = not counts[0] or (self.normalize == "items" and not counts[2])
         denominator = counts[0] if self.normalize == "mean" else counts[2]
         window_losses = None
         if self.metrics.tracking and denominator:
-            totals = totals[3 + len(extra) :]
+            totals = totals[3 + len(extra) + len(ident) :]
             window_losses = {
                 name: (total * factor + offset if single else total) / denominator
                 for (name, _, factor, offset), total in zip(losses, totals, strict=True)
@@ -255,6 +271,11 @@ class WindowEngine:
         if empty:
             self._warn_empty(counts[0])
         return self.closing
+
+    def _multiplier(self) -> float:
+        """``lr_schedule``'s multiplier for the window opened at ``progress``, checked."""
+        assert self.lr_schedule is not None
+        return check_multiplier(self.lr_schedule(self.progress), self.lr_schedule, self.progress)
 
     def close_and_reduce(self, strategy: Any, params: Sequence[Tensor]) -> Closing:
         """``close`` where the package makes the window's gradient global itself (the mixin and Fabric
@@ -427,7 +448,7 @@ class WindowEngine:
         self.first_k, self.first_units = state.get("first_k"), state.get("first_units")
         if "adascale" in state:
             self.adascale.load_state_dict(state["adascale"])
-        self.closing, self.inflight = None, None
+        self.closing, self.inflight, self._lr_multiplier = None, None, None
         redo = state.get("redo")
         self.redo = None if redo is None else (int(redo[0]), int(redo[1]))
         if self.probe is not None:

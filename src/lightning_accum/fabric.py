@@ -5,29 +5,50 @@ k)`` and steps at every k-th iteration: a fixed k, the mean of per-micro-batch m
 resume a window from. This adapter gives such a loop what the Trainer's adapters give: windows
 whose k follows a schedule, normalised by what really went in (token-weighted over micro-batches
 and ranks), LR scaling and schedules keyed on progress, clipping of the normalised gradient, window
-reports, and a ``state_dict`` that resumes at a step or inside a window. Under DDP every
-micro-batch's backward skips the gradient sync and the window's gradient is all-reduced once, at
-its end (with the counts' all-reduce before it), also when ``flush`` closes a short window.
+reports, and a ``state_dict`` that resumes at a step or inside a window.
+
+Strategies, each proved against the float64 reference (any other is refused when the accumulator is
+made): one device; DDP, whose micro-batches all skip the gradient sync, the window's gradient then
+all-reduced once at its end (after the counts' all-reduce), also when ``flush`` closes a short
+window; FSDP2 (``ModelParallelStrategy`` with ``fully_shard``), whose micro-batches before the
+window's last skip the sync (``set_requires_gradient_sync``), the last one reduce-scattering the
+window's gradient in FSDP2's own backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import numbers
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import Tensor
 
 from lightning_accum import gradients
-from lightning_accum.checkpoint import PartialWindow
+from lightning_accum._lightning import rank_zero_warn
+from lightning_accum.checkpoint import PartialWindow, check_world
 from lightning_accum.engine import WindowEngine
+from lightning_accum.fabric_guards import WindowGuard, check_same_owner, check_set_up, sync_plan
 from lightning_accum.lr import LRMultiplier
 from lightning_accum.metrics import weigh
-from lightning_accum.options import Count, LRScaling, Reduction, check_callback_items, check_common
+from lightning_accum.multitask import check_loss
+from lightning_accum.options import (
+    Count,
+    LRScaling,
+    Reduction,
+    check_callback_items,
+    check_clip,
+    check_common,
+    check_flag,
+)
+from lightning_accum.probe import check_noise_under
 from lightning_accum.reporting import WindowReport, metric_values, report
 from lightning_accum.samples import sample_count
 from lightning_accum.schedules import Progress, Schedule
-from lightning_accum.window import Normalize
+from lightning_accum.sync import SyncMode
+from lightning_accum.window import Normalize, check_count, microbatch_items
 
 
 class _Ranks:
@@ -64,19 +85,34 @@ class FabricStep:
         window: after the block, the stepped window's ``WindowReport`` (``None`` otherwise).
     """
 
-    def __init__(self, accumulator: FabricAccumulator, batch: Any) -> None:
+    def __init__(self, accumulator: FabricAccumulator, counted: int | Tensor | None) -> None:
         self._acc = accumulator
-        self._batch = batch
+        self._counted = counted  # `count(batch)`, taken when the block opened
+        self._declared: int | Tensor | None = None  # the `items=` of the passes that gave one, summed
+        self._implicit = 0  # passes without `items=`
+        self._open = True
         self.passes = 0
-        self.items: int | Tensor | None = None
         self.stepped = False
         self.window: WindowReport | None = None
 
-    def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
-        """``fabric.backward`` of ``loss`` with the window's weight: divided by the window's ``k``, and
-        a mean over the micro-batch's items (``reduction="mean"``, or ``items=``) weighted by their count."""
-        self.passes += 1
-        self._acc._backward(self, loss, items)
+    def backward(self, loss: Tensor, *, items: int | Tensor | None = None, retain_graph: bool = False) -> None:
+        """``fabric.backward`` of ``loss`` into the window: divided by the window's ``k``, and, for a
+        mean loss, weighted by its item count: ``count(batch)`` with ``reduction="mean"`` (the
+        micro-batch's items, counted once however many passes it makes), or ``items=n`` for this
+        pass (``normalize="items"`` only), which adds ``n`` to the window's items. ``retain_graph``:
+        keep the graph for another pass through it (as ``Tensor.backward``'s).
+
+        Example:
+
+            with acc.accumulate(batch) as step:
+                out = model(**batch)
+                step.backward(out.loss, retain_graph=True)       # weighted by count(batch)
+                step.backward(aux_loss(out), items=n_aux)         # a second pass, of its own items
+        """
+        self._acc._backward(self, loss, items, check_flag("retain_graph", retain_graph))
+
+    def _items(self, samples: int) -> int | Tensor:
+        return microbatch_items(self._declared, self._implicit > 0, self._counted, samples)
 
 
 class FabricAccumulator:
@@ -89,24 +125,30 @@ class FabricAccumulator:
         schedule: a ``Schedule`` or an ``int`` (epoch-keyed schedules need ``epoch=`` in ``accumulate``).
         normalize: ``"mean"`` (the mean of the micro-batches' gradients over all ranks) or ``"items"``
             (the summed per-item gradient over the window's global item count).
-        count: ``count(batch) -> int | Tensor``: a micro-batch's items; required for ``"items"``.
+        count: ``count(batch) -> int | Tensor``: a micro-batch's items, taken when its block opens; required
+            for ``"items"``.
         reduction: what the loss is over a micro-batch's items with ``"items"``: ``"sum"``, or
-            ``"mean"`` (weighted by the count); required with ``"items"``.
+            ``"mean"`` (weighted by the count); required with ``"items"``, refused otherwise.
         lr_scaling: ``None``, ``"linear"``, ``"sqrt"`` or ``"adascale"``.
         lr_schedule: a learning-rate multiplier keyed on ``Progress`` (``lightning_accum.lr``).
-        gradient_clip_val: clip the normalised window gradient (``fabric.clip_gradients``).
+        gradient_clip_val: clip the normalised window gradient (``fabric.clip_gradients``); ``None`` (the
+            default) does not clip. By norm, a window whose gradient is NaN or infinite is refused rather
+            than stepped, as ``fabric.clip_gradients`` refuses it (under a ``GradScaler`` the scaler skips it).
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
+        sync: under FSDP2, ``"auto"`` or ``"skip"`` reduce-scatter once per window (the micro-batches before
+            its last keep FSDP2's unsharded gradient: give ``last=True`` to the data's last ``accumulate``),
+            ``"every"`` after every micro-batch. DDP always all-reduces once per window.
         log: report each window (``accum/*`` through ``fabric.log_dict``, and ``step.window``).
 
     Example:
 
         acc = FabricAccumulator(fabric, model, optimizer, Ramp(1, 16, over=2_000_000, unit="items"),
                                 normalize="items", count=causal_lm_tokens, reduction="mean")
-        for batch in loader:
-            with acc.accumulate(batch) as step:
+        for i, batch in enumerate(loader):
+            with acc.accumulate(batch, last=i == len(loader) - 1) as step:
                 step.backward(model(**batch).loss)
-        acc.flush()  # the data ran out: a short last window, divided by its own size
-        fabric.save(path, {"model": model, "optimizer": optimizer, "accumulation": acc})
+        acc.flush()  # (a no-op after `last=True`) a short last window, divided by its own size
+        fabric.save(path, {"accumulation": acc, "model": model, "optimizer": optimizer})
     """
 
     def __init__(
@@ -123,28 +165,36 @@ class FabricAccumulator:
         lr_schedule: LRMultiplier | None = None,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
+        sync: SyncMode = "auto",
         log: bool = True,
     ) -> None:
-        from lightning.fabric.wrappers import is_wrapped
-
-        self.schedule = check_common("FabricAccumulator", schedule, normalize, count, lr_scaling, "auto", lr_schedule)
+        check_set_up(fabric, model, optimizer)
+        self.schedule = check_common("FabricAccumulator", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         self.reduction = check_callback_items(normalize, count, reduction)
-        for name, wrapped in (("model", model), ("optimizer", optimizer)):
-            if not is_wrapped(wrapped):
-                raise TypeError(
-                    f"`{name}` must be the one `fabric.setup(...)` returned (got a plain {type(wrapped).__name__}): "
-                    "the accumulator skips its gradient sync and steps it through Fabric."
-                )
-        if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"`gradient_clip_algorithm` must be 'norm' or 'value'; got {gradient_clip_algorithm!r}.")
+        check_clip(gradient_clip_val, gradient_clip_algorithm)
+        self.log = check_flag("log", log)
+        self._plan = sync_plan(fabric, model, sync)
+        check_same_owner(fabric, model, optimizer)
+        check_noise_under(self._plan, self.schedule, lr_scaling)
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.normalize, self.count = normalize, count
-        self.clip_val, self.clip_algorithm, self.log = gradient_clip_val, gradient_clip_algorithm, log
+        self.clip_val, self.clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule)
-        self._engine.metrics.tracking = log
+        self._engine.start_fit(self._plan, log)
+        # Fabric's own backward (refused to the user inside a block, where the instance's attribute is set)
+        self._fabric_backward = functools.partial(type(fabric).backward, fabric)
+        self._guard = WindowGuard(fabric, model, optimizer, optimizer.optimizer)
         self._ranks = _Ranks(fabric)
         self._partial = PartialWindow()
         self._resumed = False  # a checkpoint's numbers wait to be put back (at the next block)
+        self._block: FabricStep | None = None  # the open `accumulate` block
+        self._stuck: str | None = None  # why no window can go on (FSDP2 holds a cut-short pass's gradient)
+        self._told_to_load = False  # (FSDP2: how to load the state a sharded checkpoint hands back, said once)
+        #: whose progress counter only `epoch=` moves (refused without it)
+        self._epoch_keyed = [
+            f"{name} {value!r}" for name, value in (("schedule", self.schedule), ("lr_schedule", lr_schedule))
+            if getattr(value, "unit", None) == "epoch"
+        ]  # fmt: skip
         self._epoch = 0
         self._batch = 0  # micro-batches of the epoch so far
 
@@ -160,36 +210,112 @@ class FabricAccumulator:
 
     # ------------------------------------------------------------------ one micro-batch
     @contextlib.contextmanager
-    def accumulate(self, batch: Any, *, epoch: int | None = None) -> Iterator[FabricStep]:
+    def accumulate(self, batch: Any, *, epoch: int | None = None, last: bool = False) -> Iterator[FabricStep]:
         """One micro-batch: ``step.backward(loss)`` inside; the window steps when the block of its
-        last micro-batch exits. ``epoch``: the epoch the batch belongs to (needed by epoch-keyed
-        schedules; call ``flush()`` at each epoch's end)."""
+        last micro-batch exits (its ``k``-th, or one given ``last=True``).
+
+        Args:
+            batch: the micro-batch (counted when the block opens: its samples, and ``count(batch)``).
+            epoch: the epoch the batch belongs to (needed by epoch-keyed schedules; a window does not
+                cross epochs: call ``flush()``, or give ``last=True``, at each epoch's end).
+            last: the data ends after this micro-batch (the epoch's last): its window closes with it. Under
+                FSDP2 the window's last micro-batch must be known before its backward: give it there.
+
+        Inside the block, ``step.backward`` is the only backward pass into the window: ``fabric.backward``,
+        ``optimizer.step()`` and ``optimizer.zero_grad()`` are refused until it exits.
+        """
+        self._refuse_in_block("`acc.accumulate(...)`")
+        self._refuse_stuck()
+        final = check_flag("last", last)
         self._check_epoch(epoch)
         engine = self._engine
         self._put_back()
-        if engine.window is None:
-            engine.open(self._epoch, self._batch, self._ranks)
-        step = FabricStep(self, batch)
-        with self.fabric.no_backward_sync(self.model, enabled=self._ranks.world_size > 1):
-            yield step
-        if not step.passes:
-            raise RuntimeError(
-                "The `accumulate` block made no `step.backward(loss)`: call it (not `fabric.backward`) for the "
-                "micro-batch's loss, so that it is weighted into the window."
-            )
+        # counted before the block's code can change the batch (e.g. `labels = batch.pop("labels")`); a tensor
+        # count is copied, so that a count the batch holds (or a buffer the loader fills again) stays as it was
         samples = sample_count(batch, engine.samples_needed_by)
-        items = step.items if step.items is not None else (samples if self.count is None else self.count(batch))
-        engine.count(samples, items)
+        counted = None if self.count is None else check_count(self.count(batch))
+        if isinstance(counted, Tensor):
+            counted = counted.detach().clone()
+        window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
+        final = final or window.microbatches + 1 >= window.k
+        skip = self._skips_sync(final)
+        step = self._block = FabricStep(self, counted)
+        self._guard.arm()
+        finished = False
+        try:
+            with self._guard.block(), self.fabric.no_backward_sync(self.model, enabled=skip):
+                yield step
+            finished = True
+        finally:
+            step._open, self._block = False, None
+            if not finished:
+                self._abandon(step, skip, "An exception inside an `accumulate` block after its `step.backward`")
+        if not step.passes:
+            self._abandon(step, skip, "An `accumulate` block that made no `step.backward`", always=True)
+            raise RuntimeError(
+                "The `accumulate` block made no `step.backward(loss)`: call it (not `loss.backward()` or "
+                "`fabric.backward`) for the micro-batch's loss, so that it is weighted into the window."
+            )
+        engine.count(samples, step._items(samples))
         engine.backward_done()
         engine.batch_done()
+        window.mark_synced(not skip)
         self._batch += 1
-        window = engine.window
-        assert window is not None
-        if window.microbatches >= window.k:
+        if final:
             self._step(step)
         elif engine.wants_prefix():  # the noise probe's prefix (`NoiseScale`, AdaScale): this rank's gradient
-            scaler = getattr(self.fabric.strategy.precision, "scaler", None)
-            engine.measure_prefix(gradients.grads_of(self.params), _scale(scaler))
+            engine.measure_prefix(gradients.grads_of(self.params), self._loss_scale())
+
+    def _skips_sync(self, final: bool) -> bool:
+        """Whether this micro-batch's backward skips the gradient collective: always under DDP (the window is
+        all-reduced at its end), before the window's last under FSDP2 (unless ``sync="every"``)."""
+        if self._plan.family == "ddp":
+            return self._ranks.world_size > 1
+        return self._plan.skip and not final
+
+    def _abandon(self, step: FabricStep, skipped: bool, what: str, always: bool = False) -> None:
+        """A block ended without its micro-batch counted (it raised, or made no ``step.backward``). If a backward
+        pass may have run (``always``: one that went around the window cannot be seen), the micro-batch may be
+        partly in the window, which then cannot be stepped exactly: the window is left out (warned), its
+        gradient cleared, so that a loop that goes on starts a clean one."""
+        window = self._engine.window
+        if not (step.passes or always):
+            if window is None or not window.microbatches:
+                self._guard.disarm()
+            return  # nothing of this micro-batch reached the gradient: the window goes on as it was
+        held = 0 if window is None else window.microbatches
+        self._drop_window()
+        warnings.warn(
+            f"{what}: the micro-batch may be partly in the window's gradient, so the window ({held} earlier "
+            f"micro-batch(es) and this one) was left out and its gradient cleared; the next block starts a clean "
+            "window.",
+            stacklevel=4,
+        )
+        if skipped and self._plan.family == "fsdp2":
+            self._stuck = (
+                "A block ended without its micro-batch under FSDP2 with the gradient sync skipped: FSDP2 holds what "
+                "its backward passes made in its own unsharded buffers, which the accumulator cannot clear, and the "
+                "next reduce-scatter would add it to the next window. Resume from the last checkpoint saved at a step."
+            )
+
+    def _drop_window(self) -> None:
+        """Leave the open window out: its counts and gradient gone, the calls around it given back."""
+        self._engine.restore_lr()
+        self._engine.discard()
+        for p in self.params:
+            p.grad = None
+        self._guard.disarm()
+
+    def _refuse_stuck(self) -> None:
+        if self._stuck is not None:
+            raise RuntimeError(self._stuck)
+
+    def _refuse_in_block(self, what: str) -> None:
+        if self._block is not None:
+            raise RuntimeError(
+                f"{what} was called inside an `acc.accumulate(batch)` block; call it after the block exits (a block "
+                "is one micro-batch: its window steps, and can be saved, between blocks)."
+            )
 
     def _put_back(self) -> None:
         """After ``load_state_dict``, before the window goes on (a block, or ``flush``): this rank's
@@ -201,36 +327,62 @@ class FabricAccumulator:
             self._partial.put_back(self.params)
             self._resumed = False
 
-    def _check_epoch(self, epoch: int | None) -> None:
+    def _check_epoch(self, epoch: object) -> None:
         if epoch is None:
-            if self.schedule.unit == "epoch":
+            if self._epoch_keyed:
                 raise ValueError(
-                    f"The schedule {self.schedule!r} is keyed on epochs: give `acc.accumulate(batch, epoch=e)` and "
-                    "call `acc.flush()` at each epoch's end."
+                    f"The {' and the '.join(self._epoch_keyed)} is keyed on epochs, which only `epoch=` moves: give "
+                    "`acc.accumulate(batch, epoch=e)` and call `acc.flush()` (or give `last=True`) at each epoch's end."
                 )
             return
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise ValueError(f"`epoch` must be an int >= 0 (the epoch the batch belongs to); got {epoch!r}.")
+        epoch = int(epoch)
+        if epoch < self._epoch:
+            raise ValueError(
+                f"`epoch={epoch}` goes back from epoch {self._epoch}: epochs only move forward (after a resume, the "
+                "checkpoint's epoch goes on)."
+            )
         if epoch != self._epoch:
             if self._engine.window is not None and self._engine.window.microbatches:
                 raise RuntimeError(
                     f"Epoch {epoch} began inside a window of epoch {self._epoch}: call `acc.flush()` at each epoch's "
-                    "end (a window does not cross epochs)."
+                    "end, or give `last=True` to its last `accumulate` (a window does not cross epochs)."
                 )
             self._epoch, self._batch = epoch, 0
 
-    def _backward(self, step: FabricStep, loss: Tensor, items: int | Tensor | None) -> None:
+    def _backward(self, step: FabricStep, loss: Tensor, items: int | Tensor | None, retain_graph: bool) -> None:
+        if not step._open:
+            raise RuntimeError(
+                "`step.backward` was called after its `accumulate` block exited: the micro-batch was counted (and "
+                "its window maybe stepped) then. Call it inside the block."
+            )
+        loss = check_loss(loss, "the loss passed to `step.backward`")
         window = self._engine.window
         assert window is not None
-        if items is None and self.reduction == "mean":
-            items = self.count(step._batch) if self.count is not None else None
+        if items is not None:
+            if self.normalize != "items":
+                raise ValueError(
+                    "`step.backward(loss, items=n)` weights a mean loss by its item count, which needs "
+                    "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
+                )
+            items = check_count(items, "`items=`")
+            if isinstance(items, Tensor):  # (kept until the window's end: a copy, as the batch may change)
+                items = items.detach().clone()
+            step._declared = items if step._declared is None else step._declared + items
+        else:
+            step._implicit += 1
+            if self.reduction == "mean":  # a mean over the micro-batch's items (counted once, however many passes)
+                items = step._counted
+        step.passes += 1
         nothing: bool | Tensor = False  # (a mean over no items, NaN, adds nothing)
         if items is not None:
-            step.items = items if step.items is None else step.items + items  # type: ignore[operator]
             nothing = gradients.no_items(items)
             loss = weigh(loss, items)
         self._engine.metrics.add_loss(loss)
-        handles = [] if nothing is False else gradients.add_nothing_if(self.params, nothing)
+        handles = gradients.add_nothing_if(self.params, nothing)
         try:
-            self.fabric.backward(loss / window.divisor, model=self.model)
+            self._fabric_backward(loss / window.divisor, model=self.model, retain_graph=retain_graph)
         finally:
             for handle in handles:
                 handle.remove()
@@ -238,25 +390,56 @@ class FabricAccumulator:
     # ------------------------------------------------------------------ the window's end
     def flush(self) -> WindowReport | None:
         """Close the open window now (the data ran out, or an epoch ended): a short window is divided
-        by its own size. Returns its report if it stepped."""
+        by its own size. Returns its report if it stepped (``None`` if nothing was open, or nothing went
+        in: a window of no items is neither stepped nor counted as a step)."""
+        self._refuse_in_block("`acc.flush()`")
+        self._refuse_stuck()
         self._put_back()
-        if self._engine.window is None or not self._engine.window.microbatches:
+        window = self._engine.window
+        if window is None or not window.microbatches:
             self._engine.discard()
+            self._guard.disarm()
             return None
+        if self._plan.sharded and self._plan.skip and not window.synced:
+            raise RuntimeError(
+                f"`flush()` cannot close this window under FSDP2: its last micro-batch skipped the gradient sync, so "
+                f"FSDP2 still holds the window's {window.microbatches} micro-batch(es) unreduced in its own buffers. "
+                "Give `last=True` to the data's last `acc.accumulate(batch, ...)` (its backward then reduce-scatters "
+                "and the window steps), or make the accumulator with `sync='every'`."
+            )
         step = FabricStep(self, None)
         self._step(step)
         return step.window
 
     def _step(self, step: FabricStep) -> None:
+        self._guard.disarm()
+        try:
+            self._close_and_step(step)
+        except BaseException as error:
+            # a window whose step did not finish cannot be stepped again exactly: left out, a clean one next
+            window = self._engine.window
+            self._drop_window()
+            if not isinstance(error, FloatingPointError):  # (whose message says so already)
+                warnings.warn(
+                    f"The window's step failed ({type(error).__name__}), so the window ("
+                    f"{0 if window is None else window.microbatches} micro-batch(es) on this rank) was left out and "
+                    "its gradient cleared; the next block starts a clean window.",
+                    stacklevel=3,
+                )
+            raise
+
+    def _close_and_step(self, step: FabricStep) -> None:
         engine, params, world = self._engine, self.params, self._ranks.world_size
-        scaler = getattr(self.fabric.strategy.precision, "scaler", None)
-        if world > 1:
+        if self._plan.family == "ddp" and world > 1:
             closing = engine.close_and_reduce(self._ranks, params)
             grads = gradients.grads_of(params)
             if engine.probe is not None:
-                engine.measure_window(self._ranks, grads, closing.scale / _scale(scaler))
+                engine.measure_window(self._ranks, grads, closing.scale / self._loss_scale())
+        elif self._plan.sharded:  # (FSDP2 reduce-scattered the window's gradient: a shard's norm is not its norm)
+            closing = engine.close(self._ranks)
+            grads = gradients.grads_of(params)
         else:
-            closing = engine.close(self._ranks, grads=gradients.grads_of(params), loss_scale=lambda: _scale(scaler))
+            closing = engine.close(self._ranks, grads=gradients.grads_of(params), loss_scale=self._loss_scale)
             grads = gradients.grads_of(params)
             engine.measure_window(self._ranks, grads)
         if closing.empty:
@@ -264,14 +447,10 @@ class FabricAccumulator:
             engine.advance(self._epoch)
             return
         gradients.scale_(grads, closing.scale)
-        if world > 1 and engine.metrics.tracking:  # (made global after the counts: its norm measured now)
-            loss_scale = _scale(scaler)
+        if self._plan.family == "ddp" and world > 1 and engine.metrics.tracking:  # (global after the counts)
+            loss_scale = self._loss_scale()
             engine.metrics.add_grad_norm(grads if loss_scale == 1.0 else [g / loss_scale for g in grads])
-        if self.clip_val is not None:  # (Fabric unscales an AMP gradient first)
-            if self.clip_algorithm == "norm":
-                self.fabric.clip_gradients(self.model, self.optimizer, max_norm=self.clip_val, error_if_nonfinite=False)
-            else:
-                self.fabric.clip_gradients(self.model, self.optimizer, clip_val=self.clip_val)
+        self._clip(closing.k, closing.microbatches)
         engine.scale_lr(self.optimizer)
         try:
             self.optimizer.step()
@@ -285,10 +464,51 @@ class FabricAccumulator:
             values = metric_values(step.window)
             self.fabric.log_dict({f"accum/{name}": value for name, value in values.items()}, step=engine.progress.step)
 
+    def _clip(self, k: int, microbatches: int) -> None:
+        """Clip the normalised window gradient through Fabric (which unscales an AMP gradient first). By norm, a
+        non-finite gradient is refused as ``fabric.clip_gradients`` refuses it, unless a ``GradScaler`` owns it
+        (the scaler then skips the step and lowers its scale)."""
+        if self.clip_val is None:
+            return
+        if self.clip_algorithm == "value":
+            self.fabric.clip_gradients(self.model, self.optimizer, clip_val=self.clip_val)
+            return
+        scaler = self._scaler()
+        try:
+            self.fabric.clip_gradients(
+                self.model, self.optimizer, max_norm=self.clip_val, error_if_nonfinite=scaler is None
+            )
+        except RuntimeError as error:
+            if "non-finite" not in str(error):
+                raise
+            raise FloatingPointError(
+                f"The window's gradient is not finite (NaN or infinite; k = {k}, {microbatches} micro-batch(es) over "
+                "all ranks), so it was not stepped: `gradient_clip_val` clips by norm, and a non-finite norm is "
+                "refused, as `fabric.clip_gradients` refuses it. The window was left out and the next one starts "
+                "clean; find the micro-batch whose loss is not finite."
+            ) from error
+
+    def _scaler(self) -> Any:
+        return getattr(self.fabric.strategy.precision, "scaler", None)
+
+    def _loss_scale(self) -> float:
+        scaler = self._scaler()
+        return 1.0 if scaler is None else float(scaler.get_scale())
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Progress and the open window with its partial gradient (every rank's under DDP): what
-        ``fabric.save`` keeps to resume exactly, at a step or inside a window."""
+        ``fabric.save`` keeps to resume exactly, at a step or inside a window (call it on every rank).
+        A window under FSDP2 with the sync skipped is left out, warned: its gradient is in FSDP2's buffers."""
+        self._refuse_in_block("`acc.state_dict()`")
+        if self._plan.family == "fsdp2" and not self._told_to_load:
+            self._told_to_load = True
+            rank_zero_warn(
+                "Under `ModelParallelStrategy`, `fabric.load` of a sharded checkpoint puts the accumulator's state "
+                "into the `state` dict instead of loading it (as it does any object's but the model's and the "
+                "optimizers'): after `fabric.load(path, state)`, call `acc.load_state_dict(state['accumulation'])` "
+                "if `state['accumulation'] is not acc`, or the resumed run starts its windows from nothing."
+            )
         state = self._engine.state_dict()
         state.update(epoch=self._epoch, batch=self._batch)
         window = state["window"]
@@ -296,16 +516,33 @@ class FabricAccumulator:
             state.update(self._partial.save(self._ranks, self._engine.local_numbers(), self.params))
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned (the partial gradient is put back at the next block)."""
-        self._engine.load_state_dict(state_dict)
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (the partial gradient is put back at the next block). A
+        checkpoint saved inside a window resumes on as many ranks as it was saved on, and is refused on
+        any other number before anything changes."""
+        self._refuse_in_block("`acc.load_state_dict(...)`")
+        if not isinstance(state_dict, Mapping) or not {"progress", "window"} <= set(state_dict):
+            raise ValueError(
+                "`load_state_dict` needs what `FabricAccumulator.state_dict()` returned (through `fabric.load(path, "
+                f"{{..., 'accumulation': acc}})`); got {type(state_dict).__name__} without 'progress' and 'window'."
+            )
+        if "grads" in state_dict:
+            check_world(state_dict, self._ranks)
+        live = self._engine.window
+        held_by_fsdp2 = live is not None and live.microbatches and self._plan.sharded and self._plan.skip
+        # the window under way is given up for the checkpoint's (put back at the next block, if it holds one)
+        self._drop_window()
+        self._engine.load_state_dict(dict(state_dict))
         self._epoch, self._batch = int(state_dict.get("epoch", 0)), int(state_dict.get("batch", 0))
         self._partial.load(state_dict)
-        self._resumed = True
-
-
-def _scale(scaler: Any) -> float:
-    return 1.0 if scaler is None else float(scaler.get_scale())
+        self._resumed, self._stuck = True, None
+        if held_by_fsdp2:
+            self._stuck = (
+                "A checkpoint was loaded while a window was open under FSDP2 with the gradient sync skipped: FSDP2 "
+                "holds that window's gradient in its own unsharded buffers, which the accumulator cannot clear, and "
+                "the next reduce-scatter would add it to the loaded run. Load the checkpoint in a fresh process (or "
+                "between windows)."
+            )
 
 
 __all__ = ["FabricAccumulator", "FabricStep"]

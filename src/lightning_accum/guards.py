@@ -5,7 +5,7 @@ not set up for it, an ``optimizer.step()`` or a ``self.manual_backward`` of the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.optim import Optimizer
@@ -88,17 +88,24 @@ class MixinGuards:
     def passes_made(self, passes: int) -> None:
         self.passes += passes
 
-    def batch_end(self, module: Any, outputs: Any, first: bool) -> None:
-        """Refuse a ``training_step`` that ran no ``accumulate`` block and returned a loss (the
-        automatic-optimization habit: nothing would ever be trained), or ran none on the fit's first batch."""
-        if self.blocks == self._blocks_before and (outputs is not None or first):
-            returned = "returned a loss but " if outputs is not None else ""
-            raise RuntimeError(
-                f"`{type(module).__name__}.training_step` {returned}ran no `with self.accumulate(batch) as acc:` "
-                "block, so nothing was back-propagated or stepped (with `AccumulationMixin` the optimization is "
-                "manual). Wrap the backward pass: `with self.accumulate(batch) as acc: acc.backward(loss)`."
-            )
+    def batch_end(self, module: Any, outputs: Any, blocks_ran: bool) -> None:
+        """Refuse a ``training_step`` that returned a loss (or anything) and ran no ``accumulate`` block, where
+        no block ever ran before (``blocks_ran``: the model's windows exist): the automatic-optimization
+        habit, with which nothing would ever be trained. A step that returns ``None`` (Lightning hands this
+        hook ``{}`` then) skips its batch, as in Lightning's manual optimization; so does a step without a
+        block in a model whose blocks already ran, whatever it returns."""
+        ran = self.blocks != self._blocks_before
         self._blocks_before = self.blocks
+        if ran or blocks_ran or outputs is None or (isinstance(outputs, Mapping) and not outputs):
+            return
+        keys = list(outputs) if isinstance(outputs, Mapping) else None
+        what = "a loss" if keys == ["loss"] else f"a {type(outputs).__name__}" if keys is None else f"keys {keys}"
+        raise RuntimeError(
+            f"`{type(module).__name__}.training_step` returned {what} but ran no `with self.accumulate(batch) as "
+            "acc:` block, so nothing was back-propagated or stepped (with `AccumulationMixin` the optimization is "
+            "manual). Wrap the backward pass: `with self.accumulate(batch) as acc: acc.backward(loss)`; to skip "
+            "a batch on purpose, return None from `training_step`."
+        )
 
     def epoch_end(self) -> None:
         blocks, passes = self.blocks, self.passes

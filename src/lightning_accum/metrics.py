@@ -27,9 +27,12 @@ def weigh(loss: Tensor, items: float | Tensor) -> Tensor:
         (0.0, 6.0)
     """
     weighted = loss * items
-    if isinstance(items, Tensor):
-        return torch.where(items != 0, weighted, torch.zeros_like(weighted))
-    return weighted if items else torch.zeros_like(weighted)
+    if not isinstance(items, Tensor):
+        if items:
+            return weighted
+        items = torch.zeros((), dtype=torch.int64, device=weighted.device)
+    # (the graph is kept, so that the pass still runs: its gradient is kept out by `gradients.add_nothing_if`)
+    return torch.where(items != 0, weighted, torch.zeros_like(weighted))
 
 
 class WindowMetrics:

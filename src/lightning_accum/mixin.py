@@ -38,9 +38,16 @@ class AccumulationMixin(_ModuleBase):
 
     Sets ``automatic_optimization = False``. Configure once with ``configure_accumulation``
     (the same schedules as ``AccumulationScheduler``), then in
-    ``training_step`` wrap the backward passes in ``accumulate``. The optimizers are stepped,
-    their step-interval LR schedulers stepped and the gradients reset by the mixin at each
-    window's end; do not call ``optimizer.step()`` or ``zero_grad()`` yourself.
+    ``training_step`` wrap the backward passes in ``accumulate``. The optimizers are stepped and
+    the gradients reset by the mixin at each window's end; do not call ``optimizer.step()`` or
+    ``zero_grad()`` yourself.
+
+    LR schedulers are the model's to step, as in Lightning's manual optimization (e.g.
+    ``if acc.last: self.lr_schedulers().step()`` after the block, for one step per window), unless
+    ``configure_accumulation(step_schedulers=True)``: then the mixin steps them as Lightning's
+    automatic loop would (and refuses a step of the model's own). A ``training_step`` that returns
+    ``None`` without an ``accumulate`` block skips its batch. A model's ``on_window_end(self, window)``
+    is called after each step, after the callbacks' (``WindowReport``).
 
     If the model overrides ``configure_callbacks`` or ``on_validation_model_zero_grad``, it must
     call ``super()``.
@@ -77,6 +84,7 @@ class AccumulationMixin(_ModuleBase):
         lr_schedule: LRMultiplier | None = None,
         log: bool = True,
         sync: SyncMode = "auto",
+        step_schedulers: bool | None = None,
     ) -> None:
         """Set the schedule and the window-end policy.
 
@@ -95,11 +103,21 @@ class AccumulationMixin(_ModuleBase):
             lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each
                 step, keyed on the progress its window opened with (``lightning_accum.lr``).
             log: log ``accum/k``, ``accum/loss`` (the window's; ``accum/loss/<task>`` for tasks),
-                ``accum/grad_norm``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``.
+                ``accum/grad_norm``, ``accum/effective_batch``, ``accum/samples``, ``accum/items``; a
+                window of some of several optimizers (``accumulate(batch, optimizer=i)``) under
+                ``accum/opt<i>/`` instead (``accum/opt0/loss``).
             sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
                 window; FSDP: every micro-batch, as Lightning), ``"skip"`` (once per window; FSDP
                 and FSDP2 then hold unsharded gradients until its end) or ``"every"``. DDP
                 always syncs once per window.
+            step_schedulers: who steps the LR schedulers of ``configure_optimizers``. ``None`` (default)
+                or ``False``: the model, as Lightning's manual optimization says (``None`` warns at the
+                fit's start that it does, where the fit has schedulers). ``True``: the mixin, as
+                Lightning's automatic loop: ``interval="step"`` at each window's step (``frequency``
+                in optimizer steps), ``"epoch"`` after each epoch, ``ReduceLROnPlateau`` with its
+                config's ``monitor`` (for ``"epoch"``, after the model's ``on_train_epoch_end``); the
+                configurations that loop refuses are refused at the fit's start, and a step the model
+                takes itself is refused before any optimizer step uses it.
         """
         self._accumulation.configure(
             AccumulationConfig(
@@ -113,6 +131,7 @@ class AccumulationMixin(_ModuleBase):
                 log,
                 sync,
                 lr_schedule,
+                step_schedulers,
             )
         )
 
@@ -150,7 +169,8 @@ class AccumulationMixin(_ModuleBase):
         ``optimizer`` picks the window: ``None`` for one window shared by all optimizers, or an
         optimizer (or its index, or a list of them) for a window of its own. On exit at the
         window's last micro-batch the window is closed: gradients all-reduced (DDP), normalised,
-        clipped, the optimizers stepped with their step-interval schedulers, gradients reset.
+        clipped, the optimizers stepped (with their step-interval schedulers under
+        ``step_schedulers=True``), gradients reset.
         """
         trainer, driver = self.trainer, self._accumulation  # type: ignore[attr-defined]
         driver.check(trainer)

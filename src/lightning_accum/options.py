@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from lightning_accum.decay import ResidualDecay
 from lightning_accum.lr import LRMultiplier, LRSchedule, check_multiplier
+from lightning_accum.schedulers import check_mode
 from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
 from lightning_accum.sync import SyncMode, check_sync_mode
 from lightning_accum.window import NORMALIZE
@@ -115,12 +117,33 @@ def check_callback_items(normalize: object, count: object, reduction: object) ->
             "Give `reduction='mean'` for a mean (a Hugging Face `outputs.loss`, `F.cross_entropy(...)`), which is "
             "weighted by `count(batch)`, or `reduction='sum'` for a sum (`reduction='sum'` in the loss)."
         )
-    if reduction == "mean" and normalize != "items":
+    if reduction is not None and normalize != "items":
         raise ValueError(
-            "`reduction='mean'` weights each micro-batch's mean loss by its item count, which needs "
-            "`normalize='items'` (and `count`); with `normalize='mean'` leave `reduction` out."
+            f"`reduction={reduction!r}` says what the loss is over a micro-batch's items, which only "
+            "`normalize='items'` (with `count`) uses; with `normalize='mean'` each micro-batch counts once, whatever "
+            "its loss: leave `reduction` out, or give `normalize='items'`."
         )
     return "mean" if reduction == "mean" else "sum"
+
+
+def check_clip(value: object, algorithm: object) -> None:
+    """``gradient_clip_val`` (``None``, or a finite number > 0) and ``gradient_clip_algorithm`` (``"norm"`` or
+    ``"value"``), or an error naming the argument: 0 would zero every gradient (the Trainer's and Hugging Face's
+    "no clipping" is ``None`` here), a negative one would step uphill, NaN would make every parameter NaN."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0
+    ):
+        raise ValueError(
+            f"`gradient_clip_val` must be a finite number > 0, or None for no clipping; got {value!r}"
+            + (" (0 would zero every gradient: give None to turn clipping off)." if value == 0 else ".")
+        )
+    if algorithm not in ("norm", "value"):
+        raise ValueError(f"`gradient_clip_algorithm` must be 'norm' or 'value'; got {algorithm!r}.")
+    if algorithm == "value" and value is None:
+        raise ValueError(
+            "`gradient_clip_algorithm='value'` was given without `gradient_clip_val`, so nothing would be clipped: "
+            "give `gradient_clip_val` too, or leave both out."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,22 +160,17 @@ class AccumulationConfig:
     log: bool = True
     sync: SyncMode = "auto"
     lr_schedule: LRMultiplier | None = None
+    step_schedulers: bool | None = None
 
     def __post_init__(self) -> None:
         args = (self.schedule, self.normalize, self.count, self.lr_scaling, self.sync, self.lr_schedule)
         check_common("configure_accumulation", *args)
         check_flag("log", self.log)
-        reset, clip = self.reset, self.gradient_clip_val
+        check_mode(self.step_schedulers)
+        reset = self.reset
         if not (isinstance(reset, ResidualDecay) or reset in ("zero", "none")):
             raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")
-        if clip is not None and (
-            isinstance(clip, bool) or not isinstance(clip, int | float) or not math.isfinite(clip) or clip <= 0
-        ):
-            raise ValueError(f"`gradient_clip_val` must be a finite number > 0, or None for no clipping; got {clip!r}.")
-        if self.gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(
-                f"`gradient_clip_algorithm` must be 'norm' or 'value'; got {self.gradient_clip_algorithm!r}."
-            )
+        check_clip(self.gradient_clip_val, self.gradient_clip_algorithm)
 
     @property
     def decay(self) -> ResidualDecay | None:

@@ -44,6 +44,19 @@ def settle(
         )
 
 
+def abandon(engine: WindowEngine, what: str) -> None:
+    """Leave out ``engine``'s window, which an exception cut short while ``what``, and warn (as ``settle``)."""
+    lost = 0 if engine.window is None else engine.window.microbatches
+    engine.discard()
+    if lost:
+        warnings.warn(
+            f"An exception came while {what}: a checkpoint written now leaves its {lost} micro-batch(es) out, so a "
+            "run resumed from it does not continue exactly. Resume from the last checkpoint saved at an optimizer "
+            "step to continue exactly.",
+            stacklevel=3,
+        )
+
+
 def raised_in_backward(error: BaseException) -> bool:
     """Whether ``error`` came from inside an autograd backward pass (it may have left a partial gradient)."""
     tb = error.__traceback__

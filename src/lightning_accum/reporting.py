@@ -3,15 +3,18 @@
 After every optimizer step the window's numbers (``accum/k``, ``accum/loss``, ...) are put in
 ``trainer.callback_metrics``, where ``EarlyStopping``, ``ModelCheckpoint(monitor=)`` and
 ``ReduceLROnPlateau`` read them, and in the progress bar; the loggers get them every
-``Trainer(log_every_n_steps)`` optimizer steps. None of this goes through ``self.log``: Lightning
+``Trainer(log_every_n_steps)`` optimizer steps (and ``trainer.logged_metrics`` holds them then, as
+tensors, as Lightning keeps what it logs). None of this goes through ``self.log``: Lightning
 reprocesses every key logged that way on every batch. Then every callback that defines
-``on_window_end(trainer, pl_module, window)`` is called with a ``WindowReport``: Lightning has
-no hook after an accumulated optimizer step (Lightning issue #11688).
+``on_window_end(trainer, pl_module, window)`` is called with a ``WindowReport``, and after them the
+LightningModule's ``on_window_end(window)`` if it has one: Lightning has no hook after an
+accumulated optimizer step (Lightning issue #11688).
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +44,7 @@ class WindowReport:
         task_losses: each task's window loss, by ``"loss/<task>"`` (the mixin's ``backward_each``/``backward_heads``).
         grad_norm: the norm of the window's normalised gradient before clipping (``None`` where it is not
             measured: ``log=False``, sharded strategies, DeepSpeed); a float, or a device scalar where the
-            gradient is made global after the counts (the mixin under DDP).
+            gradient is made global after the counts (the mixin and Fabric loops under DDP).
         lr: the learning rate each optimizer's group stepped with (``lr_scaling`` and ``lr_schedule``
             included), keyed as logged: ``"lr"`` for one optimizer of one group, else
             ``LearningRateMonitor``'s names (``"lr-Adam"``, ``"lr-Adam-1/pg2"``).
@@ -159,7 +162,7 @@ def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> dict[
         devices = [v.detach().reshape(()).to(torch.float64) for v in values.values() if isinstance(v, Tensor)]
         read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
         scalars = [next(read) if isinstance(v, Tensor) else float(v) for v in values.values()]
-        _seam.write_to_loggers(trainer, dict(zip(names, scalars, strict=True)))
+        _seam.write_to_loggers(trainer, dict(zip(names, scalars, strict=True)), metrics)
     return metrics
 
 
@@ -198,9 +201,33 @@ class Reported:
 
 
 def listeners(trainer: Any) -> list[Callable[[Any, Any, WindowReport], None]]:
-    """The ``on_window_end`` hooks of the Trainer's callbacks, in ``trainer.callbacks`` order (read once a fit)."""
-    hooks = (getattr(callback, "on_window_end", None) for callback in trainer.callbacks)
-    return [hook for hook in hooks if callable(hook)]
+    """The ``on_window_end`` hooks to call after each step (read once a fit): the Trainer's callbacks', in
+    ``trainer.callbacks`` order, then the LightningModule's, as Lightning orders its hooks. A module's hook
+    takes the report alone (``on_window_end(self, window)``), as Lightning's module hooks take no trainer."""
+    hooks: list[Callable[[Any, Any, WindowReport], None]] = []
+    for callback in trainer.callbacks:
+        hook = getattr(callback, "on_window_end", None)
+        if callable(hook):
+            hooks.append(hook)
+    own = getattr(trainer.lightning_module, "on_window_end", None)
+    if callable(own):
+        _check_module_hook(own, trainer.lightning_module)
+        hooks.append(lambda trainer, module, window: own(window))
+    return hooks
+
+
+def _check_module_hook(hook: Callable[..., Any], module: Any) -> None:
+    """Refuse, at the fit's start, a LightningModule's ``on_window_end`` that cannot take the report alone."""
+    try:
+        inspect.signature(hook).bind(None)
+    except TypeError:
+        raise TypeError(
+            f"`{type(module).__name__}.on_window_end` must take the window's report alone, "
+            "`def on_window_end(self, window):` (a LightningModule's hooks are not handed the trainer or the "
+            "module; a callback's `on_window_end(self, trainer, pl_module, window)` is)."
+        ) from None
+    except ValueError:  # (no signature to read: a builtin)
+        return
 
 
 def announce(

@@ -1,58 +1,208 @@
-"""The LR schedulers of the mixin's optimizers, stepped as Lightning's automatic loop steps them.
+"""The LR schedulers of a mixin model: who steps them, and when.
 
-In manual optimization Lightning steps no scheduler: the mixin does, at each window's step for
-``interval="step"``, after an epoch's last batch for ``interval="epoch"`` (Lightning's default;
-``ReduceLROnPlateau`` at the epoch's end, after ``on_train_epoch_end``),
-honouring ``frequency`` (in optimizer steps or epochs) and giving ``ReduceLROnPlateau`` its
-``monitor`` from ``trainer.callback_metrics``, as ``_TrainingEpochLoop._update_learning_rates`` does.
+``configure_accumulation(step_schedulers=...)`` decides:
+
+- ``None`` (the default) or ``False``: Lightning's manual-optimization contract. The model steps its
+  schedulers itself (``self.lr_schedulers().step()``, e.g. after the ``accumulate`` block when
+  ``acc.last``, or in ``on_train_epoch_end``); the mixin steps none, and a model written for
+  Lightning trains as it does there. ``None`` warns at the fit's start when the fit has schedulers
+  (the mixin of 0.1 stepped step-interval schedulers itself); ``False`` says the model steps them.
+- ``True``: the mixin steps them as Lightning's automatic loop does (``_TrainingEpochLoop.
+  _update_learning_rates``): ``interval="step"`` at each window's step (``frequency`` in optimizer
+  steps), ``interval="epoch"`` after an epoch's last batch, ``ReduceLROnPlateau`` (or a config's
+  ``reduce_on_plateau=True``) with the ``monitor`` and ``strict`` its config names, read from
+  ``trainer.callback_metrics`` (for ``interval="epoch"``: after the LightningModule's
+  ``on_train_epoch_end``, as Lightning). The configurations that loop refuses are refused at the
+  fit's start, and a step the model takes itself is refused at the next hook, before any
+  optimizer step uses it (a silent double step otherwise).
+
+Handed the trainer's scheduler configs, it imports nothing of Lightning but ``rank_zero_warn``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import ReduceLROnPlateau
+from torch.optim.lr_scheduler import LRScheduler, OneCycleLR, ReduceLROnPlateau
 
-#: ``id(scheduler)`` -> the ``(monitor, strict)`` its config gave (Lightning keeps neither in manual optimization)
-Monitors = dict[int, tuple[str | None, bool]]
+from lightning_accum._lightning import rank_zero_warn
+
+INTERVALS = ("step", "epoch")
 
 
-def step_schedulers(
-    module: Any,
-    trainer: Any,
-    monitors: Monitors,
-    interval: str,
-    count: int,
-    optimizers: Sequence[Optimizer] = (),
-    plateau: bool | None = None,
-) -> None:
-    """Step the schedulers of ``interval`` due at ``count`` (optimizer steps or epochs done, counting this
-    one); for ``"step"``, those of ``optimizers`` only; ``plateau``: only (or no) ``ReduceLROnPlateau``."""
-    for config in trainer.lr_scheduler_configs:
-        scheduler = config.scheduler
-        if config.interval != interval or count % config.frequency:
-            continue
-        if plateau is not None and plateau != isinstance(scheduler, ReduceLROnPlateau):
-            continue
-        if interval == "step" and getattr(scheduler, "optimizer", None) not in optimizers:
-            continue
-        metric = None
-        if isinstance(scheduler, ReduceLROnPlateau):
-            monitor, strict = monitors.get(id(scheduler), (None, True))
-            if monitor is None:
-                raise ValueError(
-                    "A `ReduceLROnPlateau` scheduler needs the metric it watches: return it from "
-                    '`configure_optimizers` as `{"scheduler": scheduler, "monitor": "val_loss"}`.'
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """What a scheduler config of ``configure_optimizers`` said that Lightning drops in manual optimization."""
+
+    monitor: str | None = None
+    strict: bool = True
+    plateau: bool | None = None  # the config's `reduce_on_plateau`, where given
+
+
+#: ``id(scheduler)`` -> ``(monitor, strict, reduce_on_plateau or None)``, as ``_seam.keep_scheduler_keys`` finds them
+Kept = dict[int, tuple[str | None, bool, bool | None]]
+
+
+def check_mode(step_schedulers: object) -> bool | None:
+    """``step_schedulers`` as given (``None``, ``True`` or ``False``), or a ``TypeError`` naming it."""
+    if step_schedulers is not None and not isinstance(step_schedulers, bool):
+        raise TypeError(
+            "`step_schedulers` must be True (the mixin steps the LR schedulers at each window's end), False (the "
+            f"model steps them itself, as in Lightning's manual optimization) or None; got {step_schedulers!r}."
+        )
+    return step_schedulers
+
+
+class MixinSchedulers:
+    """The fit's LR schedulers as the mixin sees them: the keys Lightning drops, their steps under
+    ``step_schedulers=True``, and the watch for a step the model takes itself then.
+
+    Example:
+
+        >>> schedulers = MixinSchedulers()
+        >>> schedulers.kept
+        {}
+    """
+
+    def __init__(self) -> None:
+        self.kept: Kept = {}
+        self._seen: dict[int, tuple[Any, int]] = {}  # id(scheduler) -> (it, `last_epoch` after the mixin's step)
+
+    # ------------------------------------------------------------------ the fit's start
+    def check_fit(self, configs: Sequence[Any], module: Any, mode: bool | None, custom_step: bool) -> None:
+        """At the fit's start: under ``True``, refuse what Lightning's automatic loop refuses (``custom_step``:
+        the module overrides ``lr_scheduler_step``); under ``None``, say who steps the schedulers."""
+        if not configs:
+            return
+        name = type(module).__name__
+        if mode is None:
+            listed = ", ".join(type(c.scheduler).__name__ for c in configs)
+            rank_zero_warn(
+                f"`{name}` has LR schedulers ({listed}) and uses `AccumulationMixin`, which leaves them to the model "
+                "as Lightning's manual optimization does: step them yourself (after the `accumulate` block when "
+                "`acc.last` for one step per window), or have the mixin step them at each window's end as "
+                "Lightning's automatic loop would with `configure_accumulation(..., step_schedulers=True)`. "
+                "`step_schedulers=False` says you step them (and silences this)."
+            )
+            return
+        if not mode:
+            return
+        for config in configs:
+            self._check_config(config, name, custom_step)
+
+    def _check_config(self, config: Any, name: str, custom_step: bool) -> None:
+        scheduler, kind = config.scheduler, type(config.scheduler).__name__
+        fix = f"(`{name}.configure_optimizers`, with `configure_accumulation(step_schedulers=True)`)"
+        if config.interval not in INTERVALS:
+            raise ValueError(
+                f'The "interval" key in lr scheduler dict must be "step" or "epoch" but is "{config.interval}" {fix}: '
+                'give `"interval": "step"` (one step per window) or `"epoch"`.'
+            )
+        frequency = config.frequency
+        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+            raise ValueError(
+                f'The "frequency" of the {kind} scheduler must be an integer >= 1 (the {config.interval}s between '
+                f'its steps) but is {frequency!r} {fix}: give `"frequency": 1` (or leave it out) for every '
+                f"{config.interval}."
+            )
+        if self.is_plateau(config) and self.keys(scheduler).monitor is None:
+            raise ValueError(
+                "The lr scheduler dict must include a monitor when a `ReduceLROnPlateau` scheduler is used "
+                f'{fix}. For example: {{"optimizer": optimizer, "lr_scheduler": {{"scheduler": scheduler, '
+                '"monitor": "your_loss"}}.'
+            )
+        if not isinstance(scheduler, LRScheduler | ReduceLROnPlateau) and not custom_step:
+            raise TypeError(
+                f"The provided lr scheduler `{kind}` doesn't follow PyTorch's LRScheduler API {fix}. You should "
+                "override the `LightningModule.lr_scheduler_step` hook with your own logic if you are using a custom "
+                "LR scheduler, or step it yourself with `step_schedulers=False`."
+            )
+        if isinstance(scheduler, OneCycleLR) and config.interval == "epoch":
+            rank_zero_warn(
+                "A `OneCycleLR` scheduler is using 'interval': 'epoch'. Are you sure you didn't mean "
+                "'interval': 'step'?"
+            )
+
+    # ------------------------------------------------------------------ the model's own steps
+    def watch(self, configs: Sequence[Any]) -> None:
+        """At the training's start (the checkpoint restored): where each scheduler stands now."""
+        self._seen = {}
+        self.check_untouched(configs)
+
+    def check_untouched(self, configs: Sequence[Any]) -> None:
+        """Refuse a scheduler stepped since the mixin last stepped it (or since ``watch``): the model's own
+        ``scheduler.step()`` under ``step_schedulers=True``. A scheduler not seen before is taken as it stands
+        (``StochasticWeightAveraging`` swaps in its own)."""
+        for config in configs:
+            scheduler = config.scheduler
+            now = getattr(scheduler, "last_epoch", None)
+            if not isinstance(now, int):
+                continue  # (a scheduler without a step count cannot be watched)
+            seen = self._seen.get(id(scheduler))
+            if seen is None or seen[0] is not scheduler:
+                self._seen[id(scheduler)] = scheduler, now
+            elif seen[1] != now:
+                raise RuntimeError(
+                    f"The LR scheduler `{type(scheduler).__name__}` was stepped by the model (its `last_epoch` went "
+                    f"from {seen[1]} to {now}), but with `configure_accumulation(step_schedulers=True)` the mixin "
+                    "steps the fit's LR schedulers itself at each window's end, so it would be stepped twice. Remove "
+                    "the model's `scheduler.step()` (`self.lr_schedulers().step()`), or drop `step_schedulers=True` "
+                    "to step them yourself as in Lightning's manual optimization."
                 )
-            metric = trainer.callback_metrics.get(monitor)
-            if metric is None:
-                if strict:
-                    raise RuntimeError(
-                        f"`ReduceLROnPlateau` monitors {monitor!r}, which was not logged before its {interval} ended; "
-                        f"logged: {sorted(trainer.callback_metrics)}. Log it with `self.log(...)`, or give one of "
-                        "these as the scheduler config's `monitor`."
-                    )
+
+    # ------------------------------------------------------------------ the mixin's steps
+    def fresh(self) -> Kept:
+        """At a fit's setup: forget the last fit's configs; the dict to catch this fit's keys in."""
+        self.kept = {}
+        return self.kept
+
+    def keys(self, scheduler: Any) -> Keys:
+        found = self.kept.get(id(scheduler))
+        return Keys() if found is None else Keys(*found)
+
+    def is_plateau(self, config: Any) -> bool:
+        plateau = self.keys(config.scheduler).plateau
+        return isinstance(config.scheduler, ReduceLROnPlateau) if plateau is None else plateau
+
+    def step(
+        self,
+        module: Any,
+        trainer: Any,
+        interval: str,
+        count: int,
+        optimizers: Sequence[Optimizer] = (),
+        plateau: bool | None = None,
+    ) -> None:
+        """Step the schedulers of ``interval`` due at ``count`` (optimizer steps or epochs done, counting this
+        one); for ``"step"``, those of ``optimizers`` only; ``plateau``: only (or no) plateau schedulers."""
+        configs = trainer.lr_scheduler_configs
+        self.check_untouched(configs)
+        for config in configs:
+            scheduler = config.scheduler
+            if config.interval != interval or count % config.frequency:
                 continue
-        module.lr_scheduler_step(scheduler, metric)
+            if plateau is not None and plateau != self.is_plateau(config):
+                continue
+            if interval == "step" and getattr(scheduler, "optimizer", None) not in optimizers:
+                continue
+            metric = None
+            if self.is_plateau(config):
+                keys = self.keys(scheduler)
+                assert keys.monitor is not None  # (refused at the fit's start)
+                metric = trainer.callback_metrics.get(keys.monitor)
+                if metric is None:
+                    if keys.strict:
+                        raise RuntimeError(
+                            f"`{type(scheduler).__name__}` monitors {keys.monitor!r}, which was not logged before "
+                            f"its {interval} ended; logged: {sorted(trainer.callback_metrics)}. Log it with "
+                            "`self.log(...)`, or give one of these as the scheduler config's `monitor`."
+                        )
+                    continue
+            module.lr_scheduler_step(scheduler, metric)
+        for config in configs:
+            now = getattr(config.scheduler, "last_epoch", None)
+            if isinstance(now, int):
+                self._seen[id(config.scheduler)] = config.scheduler, now

@@ -19,15 +19,21 @@ from typing import Any, Literal
 
 from typing_extensions import override
 
-Unit = Literal["epoch", "step", "samples", "items", "epochs", "steps", "sample", "item"]
-"""What a schedule is keyed on: ``"epoch"``, ``"step"`` (optimizer steps), ``"samples"`` or ``"items"``
-(tokens, ...), over all ranks; the other number of each is accepted too (``"steps"``, ``"sample"``)."""
+Unit = Literal[
+    "epoch", "step", "samples", "items", "scaled_steps",
+    "epochs", "steps", "sample", "item", "scaled_step", "tokens", "token",
+]  # fmt: skip
+"""What a schedule is keyed on: ``"epoch"``, ``"step"`` (optimizer steps), ``"samples"``, ``"items"``
+(tokens or other counted items; ``"tokens"`` is accepted as another name for them) or ``"scaled_steps"``
+(AdaScale's progress), over all ranks; the other number of each is accepted too (``"steps"``, ``"sample"``)."""
 UNITS: tuple[str, ...] = ("epoch", "step", "samples", "items", "scaled_steps")
-_OTHER_NUMBER = {
+_OTHER_NAME = {
     "epochs": "epoch",
     "steps": "step",
     "sample": "samples",
     "item": "items",
+    "tokens": "items",  # (what most users count)
+    "token": "items",
     "scaled_step": "scaled_steps",
 }
 
@@ -65,9 +71,11 @@ class Progress:
 def _check_unit(unit: object, allowed: tuple[str, ...]) -> str:
     """``unit`` as ``allowed`` spells it (singular or plural accepted), or an error with the near miss."""
     if isinstance(unit, str):
-        unit = _OTHER_NUMBER.get(unit, unit)
+        unit = _OTHER_NAME.get(unit, unit)
     if unit not in allowed:
-        near = difflib.get_close_matches(str(unit), allowed, n=1) if isinstance(unit, str) else []
+        spellings = [*allowed, *(name for name, meant in _OTHER_NAME.items() if meant in allowed)]
+        near = difflib.get_close_matches(str(unit).lower(), spellings, n=1) if isinstance(unit, str) else []
+        near = [_OTHER_NAME.get(near[0], near[0])] if near else []
         hint = f" Did you mean {near[0]!r}?" if near else ""
         raise ValueError(f"`unit` must be one of {', '.join(map(repr, allowed))}; got {unit!r}.{hint}")
     return str(unit)

@@ -28,7 +28,11 @@ def estimated_stepping_batches(trainer: Any) -> int | float:
     smaller; every rank is taken to get as many samples). Schedules keyed on items, and
     ``NoiseScale``, depend on data or measurements not known in advance: refused, pointing to
     ``lr_schedule`` keyed on items. An endless fit (``max_epochs=-1`` without ``max_steps``)
-    gives ``math.inf``, as Lightning's property does.
+    gives ``math.inf``, as Lightning's property does; a fit that trains nothing (``max_steps=0``,
+    ``limit_train_batches=0``) gives 0. Called before the fit (no model attached to the Trainer), it
+    is refused. Safe in a fit resumed inside an epoch: the training loader is set up again after the
+    checkpoint is restored, so the resumed epoch continues where it stopped (with or without an
+    accumulation schedule; Lightning's own property starts the epoch over).
 
     Example:
 
@@ -38,9 +42,21 @@ def estimated_stepping_batches(trainer: Any) -> int | float:
             scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps)
             return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
     """
+    if getattr(trainer, "lightning_module", None) is None:
+        raise RuntimeError(
+            "`estimated_stepping_batches(trainer)` was called before a fit: it counts the steps of the fit's "
+            "training loader under its schedule, which exist once `trainer.fit(model, ...)` runs. Call it inside "
+            "the fit, in `configure_optimizers` (`lightning_accum.estimated_stepping_batches(self.trainer)`)."
+        )
+    if trainer.max_steps == 0 or trainer.limit_train_batches == 0:
+        return 0  # (a fit that trains nothing: Lightning skips training; its own property gives -1 here)
     found = _active_schedule(trainer)
-    if found is None:
-        steps = trainer.estimated_stepping_batches
+    if found is None:  # Lightning's estimate, with the loader set up as below (Lightning's alone loses a
+        release = _seam.set_up_training_loader(trainer)  # resumed epoch's loader state)
+        try:
+            steps = trainer.estimated_stepping_batches
+        finally:
+            release()
         return steps if math.isinf(steps) else int(steps)
     schedule, counted = found
     if isinstance(schedule, NoiseScale) or schedule.unit in ("items", "scaled_steps"):
@@ -49,8 +65,6 @@ def estimated_stepping_batches(trainer: Any) -> int | float:
             "noise will be, so it cannot be known in advance. Key the learning rate on what is seen instead: "
             "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`."
         )
-    if trainer.max_steps == 0:
-        return 0
     if trainer.max_epochs == -1 and trainer.max_steps == -1:
         return math.inf  # an endless fit (as Lightning's property)
     release = _seam.set_up_training_loader(trainer)
@@ -59,7 +73,11 @@ def estimated_stepping_batches(trainer: Any) -> int | float:
         if math.isinf(batches):
             if trainer.max_steps != -1:
                 return int(trainer.max_steps)
-            raise ValueError("The training loader has no length: give `max_steps` or `limit_train_batches`.")
+            raise ValueError(
+                "The training loader has no length (an iterable dataset), so the steps of an epoch cannot be "
+                "counted in advance: give the Trainer `max_steps`, or an integer `limit_train_batches` to bound "
+                "each epoch."
+            )
         constant = isinstance(schedule, Constant)  # (reads nothing)
         if counted and schedule.unit is None and not constant:
             rank_zero_warn(f"Counting the steps under {schedule!r} as if `Progress.items` equalled `Progress.samples`.")

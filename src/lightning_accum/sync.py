@@ -102,6 +102,20 @@ def fsdp2_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if callable(getattr(type(m), "set_requires_gradient_sync", None))]
 
 
+def refuse_unsharded(module: nn.Module, who: str) -> None:
+    """Under FSDP2 every trained parameter must be sharded by ``fully_shard``: FSDP2 reduces only those, so the
+    gradient of any other would never be made global and the ranks' copies would drift apart."""
+    trained = [(name, hasattr(p, "placements")) for name, p in module.named_parameters() if p.requires_grad]
+    plain = [name for name, sharded in trained if not sharded]
+    if plain and len(plain) < len(trained):  # (none sharded: not FSDP2's parameters at all)
+        listed = ", ".join(plain[:5]) + (", ..." if len(plain) > 5 else "")
+        raise ValueError(
+            f"{who}: the parameters {listed} are not sharded by `fully_shard`, so FSDP2 never reduces their "
+            "gradient and each rank's copy would drift. Apply `fully_shard` to the modules holding them (or to the "
+            "root module last, which takes the rest)."
+        )
+
+
 def family(strategy: Any) -> Family:
     """The strategy family, read off the wrapped model (``strategy.model``) after setup."""
     if is_deepspeed(strategy):
@@ -144,8 +158,15 @@ def plan(strategy: Any, mode: SyncMode = "auto") -> SyncPlan:
     ``"skip"`` skips wherever the strategy can; ``"every"`` reduce-scatters sharded gradients after
     every micro-batch. DDP's gradients are whole on every rank, so DDP syncs once per window in all modes.
     """
-    check_sync_mode(mode)
     kind = family(strategy)
+    if kind == "fsdp2":
+        refuse_unsharded(strategy.model, "Accumulation under FSDP2")
+    return plan_for(kind, mode)
+
+
+def plan_for(kind: Family, mode: SyncMode = "auto") -> SyncPlan:
+    """The ``SyncPlan`` of a strategy family under ``sync=mode`` (see ``plan``)."""
+    check_sync_mode(mode)
     skip = {"ddp": True, "fsdp": mode == "skip", "fsdp2": mode != "every", "deepspeed": True}.get(kind, False)
     return SyncPlan(kind, skip)
 

@@ -51,13 +51,8 @@ class Window:
 
     def add(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch (all or nothing: a bad count changes no counter)."""
-        if isinstance(items, Tensor):
-            if items.numel() != 1:
-                raise ValueError(
-                    f"`count(batch)` returned a tensor of shape {tuple(items.shape)}; it must give the micro-batch's "
-                    "total number of items as one number, e.g. `batch['mask'].sum()` rather than `.sum(1)`."
-                )
-            self.pending_items.append(items.detach().reshape(()))
+        if isinstance(items, Tensor):  # (a copy: a count the batch holds, or a loader's reused buffer, may change)
+            self.pending_items.append(check_count(items).detach().reshape(()).to(torch.float64, copy=True))  # type: ignore[union-attr]
         else:
             self.items += items if type(items) is int and items >= 0 else check_item_count(items)
         self.microbatches += 1
@@ -83,19 +78,21 @@ class Window:
     def local_items(self) -> int:
         """This rank's item count; resolves device counts with one host transfer."""
         if self.pending_items:
-            self.settle_items(torch.stack([t.to(torch.float64) for t in self.pending_items]).tolist())
+            self.settle_items(torch.stack(self.pending_items).tolist())
         return self.items
 
     def items_on_device(self) -> int | Tensor:
         """This rank's item count without a host transfer (a device scalar where counts are tensors)."""
         if not self.pending_items:
             return self.items
-        return self.items + torch.stack([t.to(torch.float64) for t in self.pending_items]).sum()
+        return self.items + torch.stack(self.pending_items).sum()
 
     def settle_items(self, values: Sequence[float]) -> None:
         """The device counts (``pending_items``), read: checked and added to ``items``."""
         self.pending_items.clear()
-        self.items += sum(check_item_count(v) for v in values)
+        counts = [check_item_count(v, f"the window's tensor count {i}, from `count(batch)` or `items=`")
+                  for i, v in enumerate(values)]  # fmt: skip
+        self.items += sum(counts)
 
     @property
     def full(self) -> bool:
@@ -136,16 +133,48 @@ class Window:
         return window
 
 
-def check_item_count(value: object) -> int:
+def check_count(value: object, what: str = "`count(batch)`") -> int | Tensor:
+    """A micro-batch's item count as given (``what``: where it came from), checked before anything uses it:
+    an ``int >= 0`` (an integral float too), or a one-element tensor, whose value is read with the window's
+    counts at its end (and checked then: a tensor's value is not read on the host per micro-batch)."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            shape = f"a {value.dtype} tensor" if value.numel() == 1 else f"a tensor of shape {tuple(value.shape)}"
+            raise ValueError(
+                f"{what} returned {shape}; it must be the micro-batch's total number of items as one number (an int, "
+                "or a one-element integer tensor), e.g. `batch['mask'].sum()` rather than `.sum(1)`."
+            )
+        return value
+    return check_item_count(value, f"from {what}")
+
+
+def check_item_count(value: object, what: str = "from `count(batch)`, or `items=`") -> int:
     """An item count as an ``int >= 0``, or a clear error naming ``count``."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(
-            f"A micro-batch's item count (from `count(batch)`, or `items=` of `acc.backward`) was {value!r}; it must "
-            "be the micro-batch's number of items (tokens, ...) as an int >= 0 or an integer tensor."
+            f"A micro-batch's item count ({what}) was {value!r}; it must be the micro-batch's number of items "
+            "(tokens, ...) as an int >= 0 or a one-element integer tensor."
         )
     return int(value)
+
+
+def microbatch_items(
+    declared: int | Tensor | None, implicit: bool, counted: int | Tensor | None, samples: int
+) -> int | Tensor:
+    """A micro-batch's item count, whatever the number of its backward passes: the ``items=`` its passes
+    declared (each pass its own), plus ``count(batch)`` once if a pass declared none (``implicit``); without
+    either, its samples.
+
+    Example:
+
+        >>> microbatch_items(None, True, 12, 4), microbatch_items(3, True, 12, 4), microbatch_items(3, False, 12, 4)
+        (12, 15, 3)
+    """
+    if declared is None:
+        return counted if counted is not None else samples
+    return declared + counted if implicit and counted is not None else declared
 
 
 def lr_factor(lr_scaling: str | None, k: int, first_k: int | None) -> float:

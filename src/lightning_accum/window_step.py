@@ -1,6 +1,7 @@
 """The mixin's window-end step: the gradient made global, the group's optimizers stepped (the
 rescale, decay and clipping inside each ``optimizer.step()``, after AMP unscaling), their
-step-interval LR schedulers stepped, the gradients reset for the next window, the window logged.
+step-interval LR schedulers stepped (``step_schedulers=True``), the gradients reset for the next
+window, the window logged.
 
 ``WindowStep.close`` runs when the ``accumulate`` block of a window's last micro-batch exits;
 ``WindowStep.before_optimizer_step`` from the driver's ``on_before_optimizer_step`` inside each
@@ -15,12 +16,13 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum import collectives, gradients, reporting, schedulers
+from lightning_accum import collectives, gradients, reporting
 from lightning_accum._lightning import loss_scale
 from lightning_accum.engine import WindowEngine
 from lightning_accum.guards import MixinGuards
 from lightning_accum.microbatch import AutoSize
 from lightning_accum.options import AccumulationConfig
+from lightning_accum.schedulers import MixinSchedulers
 from lightning_accum.sync import SyncPlan
 
 
@@ -59,11 +61,11 @@ class WindowStep:
         plan: SyncPlan,
         guards: MixinGuards,
         auto: AutoSize,
-        monitors: schedulers.Monitors,
+        schedulers: MixinSchedulers | None,
         log_prefix: str,
     ) -> None:
-        """Make the window's gradient global, step ``optimizers`` (the group's, Lightning-wrapped) and their
-        schedulers, reset, log."""
+        """Make the window's gradient global, step ``optimizers`` (the group's, Lightning-wrapped) and, under
+        ``step_schedulers=True`` (``schedulers``), their step-interval schedulers, reset, log."""
         strategy = trainer.strategy
         assert engine.window is not None
         world = collectives.world_size(strategy)
@@ -105,8 +107,8 @@ class WindowStep:
         window = reporting.report(trainer.optimizers, engine, closing, key) if config.log or self.listeners else None
         if window is not None and config.log:  # (before the schedulers: a `ReduceLROnPlateau` may watch the loss)
             self.reported.publish(trainer, window, log_prefix)
-        raw = [o.optimizer for o in optimizers]
-        schedulers.step_schedulers(module, trainer, monitors, "step", engine.progress.step, raw)
+        if schedulers is not None:  # (`step_schedulers=True`)
+            schedulers.step(module, trainer, "step", engine.progress.step, [o.optimizer for o in optimizers])
         if window is not None:
             reporting.announce(self.listeners, trainer, module, window)
 

@@ -85,6 +85,14 @@ class MixinWindows:
             chosen.append(matches[0])
         return tuple(sorted(set(chosen)))
 
+    def log_prefix(self, key: GroupKey) -> str:
+        """Where the group's windows are reported: ``accum/`` for a window of all the fit's optimizers (the
+        default, and any window of a fit with one optimizer), ``accum/opt<i>/`` (``accum/opt0_2/`` for
+        several) for a window of some of them. Fixed by the group, whatever other groups exist."""
+        if len(key) == len(self.optimizers()):
+            return "accum/"
+        return f"accum/opt{'_'.join(map(str, key))}/"
+
     def params(self, key: GroupKey | None = None) -> list[Tensor]:
         """The parameters of the group's optimizers (all optimizers for ``None``), in order."""
         known = self.optimizers()

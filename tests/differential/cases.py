@@ -86,6 +86,63 @@ CASES: dict[str, dict[str, Any]] = {
         "adapter": "fabric", "batch_size": 2, "clip": [0.5, "norm"], "epochs": 2, "interruptions": [["save", 0, 2]],
         "limit_train_batches": 3, "lr": 0.01, "max_steps": 5, "n": 18, "optimizer": "adam", "seed": 699,
         "schedule": {"family": "constant", "k": 5}},
+    # issue 30: two backward passes of one micro-batch counted its items twice (`reduction="mean"`: the gradient
+    # halved, `Progress.items` doubled, an items-keyed schedule twice as fast)
+    "fabric_two_passes_mean_loss": {
+        "adapter": "fabric", **_ITEMS, "reduction": "mean", "passes": 2, "epochs": 2, "n": 26, "seed": 7,
+        "schedule": {"family": "ramp", "start": 1, "end": 4, "over": 80, "unit": "items"}},
+    # issue 30: `state_dict` right after `load_state_dict` (before the next block) saved no partial gradient
+    "fabric_saved_again_right_after_a_load": {
+        "adapter": "fabric", **_ITEMS, "reduction": "sum", "epochs": 2, "n": 26, "seed": 8, "resave": True,
+        "interruptions": [["save", 0, 3], ["save", 1, 1]], "schedule": {"family": "constant", "k": 3}},
+    # issue 30: an `lr_schedule` keyed on epochs without `epoch=` stayed at epoch 0 (refused now, then given)
+    "fabric_epoch_lr_schedule_without_epoch": {
+        "adapter": "fabric", "epochs": 3, "n": 20, "epoch_arg": False, "schedule": {"family": "constant", "k": 2},
+        "lr_schedule": {"warmup": 1, "total": 3, "unit": "epoch", "final": 0.0}},
+    # issue 30: FSDP2 in a Fabric loop trained wrong parameters (or none); DDP resumed inside a window, the
+    # checkpoint refused on one process
+    "fabric_fsdp2_two_ranks": {
+        "adapter": "fabric", **_ITEMS, "reduction": "mean", "world": 2, "strategy": "fsdp2", "last_arg": True,
+        "epochs": 2, "n": 31, "seed": 11, "clip": [0.05, "norm"], "optimizer": "adam", "lr": 0.01,
+        "interruptions": [["save", 0, 1]], "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 40,
+                                                        "unit": "items"}},
+    "fabric_ddp_two_ranks_resumed_inside_a_window": {
+        "adapter": "fabric", "world": 2, "epochs": 2, "n": 32, "seed": 12, "passes": 2, "resave": True,
+        "interruptions": [["save", 0, 1], ["save", 1, 2]], "schedule": {"family": "constant", "k": 3}},
+    # issue 31, 1: a scheduler the model steps itself (Lightning's manual optimization) was stepped by the mixin too
+    "mixin_scheduler_stepped_by_the_model_per_window": {
+        "adapter": "mixin", "n": 30, "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 4, "unit": "step"},
+        "scheduler": {"kind": "step", "interval": "step", "step_size": 1}, "schedulers_by": "user",
+        "empty_batches": [3], **_ITEMS, "interruptions": [["on_after_backward", 0, 4]]},
+    "mixin_scheduler_stepped_by_the_model_per_epoch": {
+        "adapter": "mixin", "epochs": 3, "scheduler": {"kind": "step", "interval": "epoch", "step_size": 1},
+        "schedulers_by": "user", "max_steps": 7},
+    "mixin_plateau_stepped_by_the_model": {"adapter": "mixin", "epochs": 3, "optimizer": "momentum", "lr": 0.5,
+                                           "scheduler": {"kind": "plateau"}, "schedulers_by": "user",
+                                           "probe_in": "module"},
+    # ... and stepped by both: refused
+    "mixin_scheduler_stepped_by_both_is_refused": {
+        "adapter": "mixin", "scheduler": {"kind": "step", "interval": "step", "step_size": 2}, "schedulers_by": "both"},
+    # issue 31, 2: the mixin stepped an epoch's plateau before the module's `on_train_epoch_end`, where the metric is
+    # logged (refused at epoch 0 with `strict=True`, one epoch stale otherwise)
+    "mixin_plateau_on_a_metric_the_module_logs": {"adapter": "mixin", "epochs": 3, "optimizer": "momentum", "lr": 0.5,
+                                                  "scheduler": {"kind": "plateau"}, "probe_in": "module"},
+    # issue 31, 4: windows of their own for two optimizers, k = 1 at first: the first optimizer's first window went
+    # to `accum/loss`, the others to `accum/opt0/loss`; monitors on it missed the first epoch's (a batch an epoch)
+    "windows_of_their_own_from_k1_watched": {
+        "adapter": "mixin", "optimizers": 2, "windows": "each", "epochs": 4, "n": 20, "limit_train_batches": 1,
+        "optimizer": "momentum", "lr": 3.0,
+        "schedule": {"family": "piecewise", "unit": "step", "milestones": [[0, 1], [2, 2]]},
+        "callbacks": ["early_stopping", "ema"], "monitor": "accum/loss", "scheduler": {"kind": "plateau"}},
+    # issue 31, 5: batches skipped by returning None (the first and the epoch's last included: its window is cut there)
+    "skipped_batches_mixin": {"adapter": "mixin", "n": 26, "batch_size": 3, "schedule": {"family": "constant", "k": 3},
+                              "skip": [0, 4, 7, 8], "epochs": 2, "callbacks": ["ema"],
+                              "interruptions": [["save", 0, 5]]},
+    # issue 31, 8: `estimated_stepping_batches` in `configure_optimizers` with `GradientDecay` alone, resumed inside an
+    # epoch, trained the epoch's first batches again
+    "decay_alone_estimated_and_resumed": {"plain": True, "schedule": {"family": "constant", "k": 1}, "estimate": True,
+                                          "decay": [0.5, "sum", False], "n": 20, "epochs": 2,
+                                          "interruptions": [["save", 1, 2]]},
     # every option at once, through two resumes
     "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
                    "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},

@@ -67,6 +67,23 @@ class Config:
     callbacks: list[str] = dataclasses.field(default_factory=list)
     monitor: str = "probe"  # what EarlyStopping and ReduceLROnPlateau watch: "probe" (logged) or "accum/loss"
     swa: list[float] | None = None  # StochasticWeightAveraging: [swa_lrs, swa_epoch_start (from 1: epoch 0)]
+    # the Fabric loop: backward passes per micro-batch (its loss split over its tokens), whether each checkpoint
+    # is saved again right after it is loaded (before the next block), whether `accumulate` gets `epoch=`
+    passes: int = 1
+    resave: bool = False
+    epoch_arg: bool = True
+    last_arg: bool = False  # whether the epoch's last `accumulate` gets `last=True` (else `flush` closes it)
+    # the multi-process part (`ranks.py`): processes, each taking every `world`-th batch, and their strategy
+    world: int = 1
+    strategy: str = "ddp"  # "ddp" | "fsdp2"
+    # the mixin: who steps the LR scheduler: "package" (`step_schedulers=True`), "user" (the model, as in Lightning's
+    # manual optimization: after the block when `acc.last`, or in `on_train_epoch_end`), "both" (refused)
+    schedulers_by: str = "package"
+    probe_in: str = "callback"  # where the probe is logged at each epoch's end: a "callback" or the "module" (after it)
+    windows: str = "shared"  # the mixin's 2 optimizers: one "shared" window, or "each" its own, one after the other
+    skip: list[int] = dataclasses.field(default_factory=list)  # the mixin: batches (each epoch) trained by no block
+    plain: bool = False  # the callback adapter without `AccumulationScheduler`: Lightning's own loop (k = 1)
+    estimate: bool = False  # `configure_optimizers` calls `lightning_accum.estimated_stepping_batches(trainer)`
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -82,13 +99,26 @@ class Config:
         return units
 
     def monitors(self) -> bool:
-        """Whether something acts at each epoch's end on a logged metric (Lightning skips an epoch's end when
-        it resumes from a checkpoint written at the epoch's last batch, so no such checkpoint is used then)."""
-        return "early_stopping" in self.callbacks or (self.scheduler or {}).get("kind") == "plateau"
+        """Whether something acts at each epoch's end on a logged metric, or the model steps a scheduler there
+        (Lightning skips an epoch's end when it resumes from a checkpoint written at the epoch's last batch, so
+        no such checkpoint is used then)."""
+        scheduler = self.scheduler or {}
+        by_model = self.schedulers_by != "package" and scheduler.get("interval", "epoch") == "epoch"
+        plateau = scheduler.get("kind") == "plateau"
+        return "early_stopping" in self.callbacks or plateau or (by_model and bool(scheduler))
+
+    def refused(self) -> bool:
+        """Whether the package must refuse the configuration (a scheduler stepped by the model and the mixin)."""
+        return self.adapter == "mixin" and self.scheduler is not None and self.schedulers_by == "both"
 
     def batches_per_epoch(self) -> int:
-        n = -(-self.n // self.batch_size)
+        """Per process: rank r's j-th batch is the data's batch ``j * world + r``."""
+        n = -(-self.n // self.batch_size) // self.world
         return n if self.limit_train_batches is None else min(n, self.limit_train_batches)
+
+    def epoch_keyed(self) -> bool:
+        """Whether the schedule or the LR schedule is keyed on epochs (`epoch=` is then required)."""
+        return "epoch" in self.units()
 
 
 def generate(rng: random.Random) -> Config:
@@ -122,8 +152,8 @@ def generate(rng: random.Random) -> Config:
     if c.adapter == "mixin" and c.mode != "heads" and rng.random() < 0.3:
         c.optimizers, c.shared = 2, rng.random() < 0.5
     c.lr = 0.01 if c.optimizer == "adam" else 0.1
-    if rng.random() < 0.3:
-        c.clip = [rng.choice([0.05, 0.5]), rng.choice(["norm", "value"])]
+    if rng.random() < 0.3:  # (at the edges too: all but nothing clipped, or never)
+        c.clip = [rng.choice([1e-9, 0.05, 0.5, 1e9]), rng.choice(["norm", "value"])]
     if rng.random() < 0.25:
         c.lr_scaling = rng.choice(["linear", "sqrt"])
     r = rng.random()
@@ -157,18 +187,70 @@ def generate(rng: random.Random) -> Config:
     if c.mode == "cached":
         c.chunks = [rng.randint(1, 3), rng.randint(1, 5)]
         _cached_options(c, random.Random(c.seed * 1009 + 32))  # (its own generator: the others' draws stay)
+    _contracts(rng, c, batches)
     if rng.random() < 0.15:  # the same options in a Fabric loop, where it has them
-        c = fabric_config(c)
+        c = fabric_config(c, rng)
     return c
 
 
-def fabric_config(c: Config) -> Config:
+def _contracts(rng: random.Random, c: Config, batches: int) -> None:
+    """Lightning's contracts around the package (issue 31): who steps the schedulers, where the probe is
+    logged, a window per optimizer, skipped batches, Lightning's loop without accumulation, the step count."""
+    c.probe_in = rng.choice(["callback", "module"])
+    c.estimate = rng.random() < 0.3 and c.schedule.get("unit") != "items"
+    if c.adapter == "callback" and rng.random() < 0.1:  # `GradientDecay` (or nothing) in Lightning's own loop
+        c.plain, c.schedule, c.normalize, c.reduction = True, {"family": "constant", "k": 1}, "mean", "sum"
+        c.count = False
+        c.empty_batches, c.lr_scaling, c.lr_schedule, c.monitor = [], None, None, "probe"  # (no `accum/*` to watch)
+        c.callbacks = [name for name in c.callbacks if name != "ema"]  # (no window ends)
+        c.interruptions = c.interruptions[:1]  # (Lightning alone counts a batch retried after two failures twice)
+        c.estimate = rng.random() < 0.7
+        if c.decay is None and rng.random() < 0.7:
+            c.decay = [rng.choice([0.0, 0.5, 0.9]), "sum", False]
+    if c.adapter != "mixin":
+        return
+    if c.scheduler is not None and c.swa is None:
+        c.schedulers_by = rng.choice(["package", "package", "user", "user", "both"])
+    if rng.random() < 0.15:  # two optimizers, each with a window of its own (a GAN's habit)
+        c.windows, c.optimizers, c.shared, c.decay, c.swa, c.skip = "each", 2, False, None, None, []
+        c.mode = c.mode if c.mode in ("backward", "items_int") else "backward"
+    elif c.optimizers == 1 and c.swa is None and batches > 1 and rng.random() < 0.25:
+        c.skip = sorted(rng.sample(range(batches), rng.randint(1, max(1, batches // 2))))
+    if c.monitors():  # (see `Config.monitors`: a scheduler the model steps at the epoch's end is one)
+        c.interruptions = [i for i in c.interruptions if i[2] != batches - 1]
+
+
+def fabric_config(c: Config, rng: random.Random) -> Config:
     """``c`` without what a Fabric loop does not have (Lightning's callbacks, schedulers, validation,
-    SWA, decay, failures at Lightning hooks, the mixin's modes): the ``"fabric"`` adapter's config."""
+    SWA, decay, failures at Lightning hooks, the mixin's modes): the ``"fabric"`` adapter's config, with
+    what only it has: two backward passes per micro-batch, checkpoints saved again right after their
+    load, and loops that give no `epoch=` (refused first where a schedule is keyed on epochs)."""
     c.adapter, c.mode, c.optimizers, c.shared, c.chunks = "fabric", "backward", 1, False, [2, 2]
     c.scheduler = c.decay = c.val_every = c.swa = None
     c.callbacks, c.monitor = [], "probe"
     c.interruptions = [i for i in c.interruptions if i[0] == "save"]
+    c.schedulers_by, c.probe_in, c.windows, c.skip = "package", "callback", "shared", []
+    c.plain = c.estimate = False
+    c.passes = rng.choice([1, 1, 2])
+    c.resave = bool(c.interruptions) and rng.random() < 0.5
+    # (a `Lambda` reading the epoch cannot be seen to: without `epoch=` its epoch would stay 0)
+    c.epoch_arg = c.schedule.get("fn") == "epoch_up" or rng.random() < 0.7
+    c.last_arg = rng.random() < 0.5
+    return c
+
+
+def ranks_config(rng: random.Random) -> Config:
+    """A Fabric loop on 2 processes (``ranks.py``), DDP or FSDP2: rank r takes every other batch."""
+    c = fabric_config(generate(rng), rng)
+    c.world, c.strategy = 2, rng.choice(["ddp", "fsdp2"])
+    c.last_arg = c.last_arg or c.strategy == "fsdp2"  # (FSDP2 needs to know a window's last micro-batch)
+    c.limit_train_batches = None
+    c.n = rng.randint(3, 8) * 2 * c.batch_size - rng.randrange(c.batch_size)  # an even number of batches
+    c.empty_batches = [b for b in c.empty_batches if b < -(-c.n // c.batch_size)]
+    c.max_steps = -1 if c.max_steps == -1 else rng.randint(1, 2 * c.batches_per_epoch())
+    total = c.batches_per_epoch() * c.epochs
+    c.interruptions = [["save", at // c.batches_per_epoch(), at % c.batches_per_epoch()] for at in
+                       sorted(rng.sample(range(total), min(total, len(c.interruptions))))]  # fmt: skip
     return c
 
 

@@ -1,14 +1,18 @@
 """One configuration through ``FabricAccumulator`` in a Fabric loop (the ``"fabric"`` adapter): the
 options a Fabric loop has (schedules and units, normalisation and reduction, micro-batches of no
-items, epochs, batch limits, ``max_steps``, optimizers, clipping, LR scaling and schedules) and
-checkpoints written with ``fabric.save`` at any batch, resumed with ``fabric.load`` in a fresh
-model, optimizer and accumulator."""
+items, epochs, batch limits, ``max_steps``, optimizers, clipping, LR scaling and schedules), one or
+two backward passes per micro-batch, loops with or without ``epoch=`` (refused first where a schedule
+is keyed on epochs), and checkpoints written with ``fabric.save`` at any batch, resumed with
+``fabric.load`` in a fresh model, optimizer and accumulator (and saved again right after the load,
+then resumed from that). On one process here; ``ranks.py`` runs the same loop on 2."""
 
 from __future__ import annotations
 
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.fabric import Fabric
@@ -16,7 +20,7 @@ from lightning.fabric import Fabric
 from lightning_accum.fabric import FabricAccumulator
 
 from .configs import Config
-from .model import Data, count_tokens, make_net, micro_loss
+from .model import Data, count_tokens, errors, make_net
 from .package import lr_schedule, schedule
 from .reference import Result, make_optimizers, optimizer_state
 
@@ -24,27 +28,40 @@ from .reference import Result, make_optimizers, optimizer_state
 class _Run:
     """A fresh model, optimizer and accumulator (a process starting, or resuming from ``path``)."""
 
-    def __init__(self, c: Config, lrs: dict[int, list[float]], path: Path | None = None) -> None:
-        self.fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+    def __init__(self, c: Config, fabric: Any, lrs: dict[int, list[float]], path: Path | None = None) -> None:
+        self.fabric = fabric
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)  # (the reference's initial weights are drawn in float32)
         try:
             self.net = make_net(c.seed)
         finally:
             torch.set_default_dtype(previous)
-        (raw,) = make_optimizers(c, self.net)
-        self.model, self.optimizer = self.fabric.setup(self.net, raw)
+        if c.strategy == "fsdp2":  # (the optimizer over the sharded parameters)
+            self.model = fabric.setup_module(self.net)
+            (raw,) = make_optimizers(c, self.model)
+            self.optimizer = fabric.setup_optimizers(raw)
+        else:
+            (raw,) = make_optimizers(c, self.net)
+            self.model, self.optimizer = fabric.setup(self.net, raw)
         clip = {} if c.clip is None else {"gradient_clip_val": c.clip[0], "gradient_clip_algorithm": c.clip[1]}
         self.acc = FabricAccumulator(
-            self.fabric, self.model, self.optimizer, schedule(c.schedule), normalize=c.normalize,  # type: ignore[arg-type]
+            fabric, self.model, self.optimizer, schedule(c.schedule), normalize=c.normalize,  # type: ignore[arg-type]
             count=count_tokens if c.count else None, reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
             lr_scaling=c.lr_scaling, lr_schedule=lr_schedule(c), log=False, **clip,  # type: ignore[arg-type]
         )  # fmt: skip
         self.state = {"model": self.model, "optimizer": self.optimizer, "accumulation": self.acc}
+        if path is not None:
+            fabric.load(path, self.state)
+            if self.state["accumulation"] is not self.acc:  # (FSDP2's sharded checkpoint hands the state back)
+                self.acc.load_state_dict(self.state["accumulation"])
+                self.state["accumulation"] = self.acc
+        # (after the load: under FSDP2 it steps the optimizer once with a learning rate of 0, to make its state)
         record = lambda o, *_: lrs.__setitem__(self.acc.progress.step, [g["lr"] for g in o.param_groups])  # noqa: E731
         raw.register_step_post_hook(record)
-        if path is not None:
-            self.fabric.load(path, self.state)
+
+    def params(self) -> list[torch.Tensor]:
+        whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.model.parameters()]
+        return [p.detach().clone() for p in whole]
 
 
 def run(c: Config) -> Result:
@@ -53,39 +70,71 @@ def run(c: Config) -> Result:
     try:
         with warnings.catch_warnings():  # (the package's, on a window of no items: the runner's own business)
             warnings.simplefilter("ignore")
-            return _run(c)
+            with tempfile.TemporaryDirectory() as tmp:
+                return loop(c, lambda: Fabric(accelerator="cpu", devices=1, precision="64-true"), Path(tmp))
     finally:
         torch.set_default_dtype(previous)
 
 
-def _run(c: Config) -> Result:
+def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path] | None = None) -> Result:
+    """The user's loop on this process (rank r of ``c.world`` takes the data's batches ``j * world + r``);
+    ``saved``: where the checkpoints written inside a window go (for the world-size check)."""
     data, lrs = Data(c), {}  # type: ignore[var-annotated]
     saves = {(int(e), int(b)) for kind, e, b in c.interruptions if kind == "save"}
-    with tempfile.TemporaryDirectory() as tmp:
-        run = _Run(c, lrs)
-        done = False
-        for epoch in range(c.epochs):
-            for j in range(c.batches_per_epoch()):
-                batch = data.batch(j)
-                with run.acc.accumulate(batch, epoch=epoch) as step:
-                    total, _, positions = micro_loss(run.model, batch)
-                    if c.normalize == "mean":
-                        step.backward(total / positions)
-                    else:
-                        step.backward(total / batch["mask"].sum() if c.reduction == "mean" else total)
-                if c.max_steps != -1 and run.acc.progress.step >= c.max_steps:
-                    done = True
-                    break
-                if (epoch, j) in saves:  # a checkpoint, then a fresh process resuming from it
-                    path = Path(tmp) / f"{epoch}-{j}.ckpt"
-                    run.fabric.save(path, run.state)
-                    run = _Run(c, lrs, path)
-            if done:
+    fabric = make_fabric()
+    rank = fabric.global_rank
+    run = _Run(c, fabric, lrs)
+    if not c.epoch_arg and c.epoch_keyed():  # refused, before anything changes: then given
+        try:
+            with run.acc.accumulate(data.batch(rank)):
+                raise AssertionError("a schedule keyed on epochs was taken without `epoch=`")
+        except ValueError as error:
+            assert "keyed on epochs" in str(error), error
+    epoch_arg = c.epoch_arg or c.epoch_keyed()
+    done = False
+    batches = c.batches_per_epoch()
+    for epoch in range(c.epochs):
+        for j in range(batches):
+            batch = data.batch(j * c.world + rank)
+            options = {"epoch": epoch} if epoch_arg else {}
+            with run.acc.accumulate(batch, last=c.last_arg and j == batches - 1, **options) as step:
+                backward(c, run.model, batch, step)
+            if c.max_steps != -1 and run.acc.progress.step >= c.max_steps:
+                done = True
                 break
-            run.acc.flush()
-        params = [p.detach().clone() for p in run.net.parameters()]
-        out_lrs = [lrs[s] for s in sorted(lrs)]
-        return Result(params, run.acc.progress.step, out_lrs, optimizer_state(c, [run.optimizer.optimizer]), None)
+            # a checkpoint, then a fresh process resuming from it (under FSDP2 only where a window just stepped:
+            # there the sync skipped inside a window keeps its gradient where no checkpoint reaches it)
+            if (epoch, j) in saves and (c.strategy != "fsdp2" or step.stepped):
+                path = tmp / f"{epoch}-{j}.ckpt"
+                fabric.save(path, run.state)
+                if saved is not None and not step.stepped:
+                    saved.append(path)
+                run = _Run(c, fabric, lrs, path)
+                if c.resave:  # saved again before the next block, then resumed from that
+                    again = tmp / f"{epoch}-{j}-again.ckpt"
+                    fabric.save(again, run.state)
+                    run = _Run(c, fabric, lrs, again)
+        if done:
+            break
+        run.acc.flush()
+    out_lrs = [lrs[s] for s in sorted(lrs)]
+    adam = optimizer_state(c, [run.optimizer.optimizer])
+    if adam is not None:  # (FSDP2: each rank holds its shard of Adam's state)
+        adam = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()} for s in adam]
+    return Result(run.params(), run.acc.progress.step, out_lrs, adam, None)
 
 
-__all__ = ["run"]
+def backward(c: Config, model: Any, batch: dict[str, torch.Tensor], step: Any) -> None:
+    """The micro-batch's loss: one pass, or two (its tokens' errors in two halves, the graph kept between)."""
+    err = errors(model(batch["x"]), batch)
+    parts = [err] if c.passes == 1 else [err[:, :2], err[:, 2:]]
+    for i, part in enumerate(parts):
+        total = part.sum()
+        if c.normalize == "mean":
+            loss = total / err.numel()
+        else:
+            loss = total / batch["mask"].sum() if c.reduction == "mean" else total
+        step.backward(loss, retain_graph=i < len(parts) - 1)
+
+
+__all__ = ["loop", "run"]

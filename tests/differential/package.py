@@ -67,25 +67,36 @@ def decay(c: Config) -> la.GradientDecay | None:
     return None if c.decay is None else la.GradientDecay(c.decay[0], mode=c.decay[1], bias_correction=c.decay[2])
 
 
+def monitored(c: Config) -> str:
+    """What EarlyStopping and ReduceLROnPlateau watch: the probe, or the (first optimizer's) window loss."""
+    return "accum/opt0/loss" if c.monitor == "accum/loss" and c.windows == "each" else c.monitor
+
+
 class _Base(pl.LightningModule):
-    def __init__(self, c: Config) -> None:
+    def __init__(self, c: Config, data: Data) -> None:
         super().__init__()
-        self.c = c
+        self.c, self.data = c, data
         self.net = make_net(c.seed)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.log("val", micro_loss(self.net, batch)[0], batch_size=len(batch["x"]))
 
     def configure_optimizers(self) -> Any:
+        if self.c.estimate:  # (sets the training loader up: a resumed epoch must still continue where it stopped)
+            self.estimated = la.estimated_stepping_batches(self.trainer)
         opts = make_optimizers(self.c, self.net)
         sched = make_scheduler(self.c, opts[0])
         if sched is None:
             return opts
         config = {"scheduler": sched, "interval": self.c.scheduler.get("interval", "epoch")}  # type: ignore[union-attr]
         if self.c.scheduler["kind"] == "plateau":  # type: ignore[index]
-            config["monitor"] = self.c.monitor
+            config["monitor"] = monitored(self.c)
             config["strict"] = self.c.monitor == "probe"  # (no window may have stepped by the first epoch's end)
         return opts, [config]
+
+    def on_train_epoch_end(self) -> None:
+        if self.c.probe_in == "module":  # (the usual place for an epoch's metric: after the callbacks')
+            self.log("probe", probe_loss(self.net, self.data))
 
     def maybe_fail(self) -> None:
         fault = getattr(self, "fault", None)
@@ -103,8 +114,8 @@ class Automatic(_Base):
 
 
 class Manual(la.AccumulationMixin, _Base):
-    def __init__(self, c: Config) -> None:
-        super().__init__(c)
+    def __init__(self, c: Config, data: Data) -> None:
+        super().__init__(c, data)
         self.guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
         if c.guide == "frozen":
             self.guide.requires_grad_(False)  # type: ignore[union-attr]
@@ -117,7 +128,22 @@ class Manual(la.AccumulationMixin, _Base):
             gradient_clip_algorithm="norm" if c.clip is None else c.clip[1],
             lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
             lr_schedule=lr_schedule(c),
+            step_schedulers=c.schedulers_by != "user",  # ("both": the model steps it too, which is refused)
         )
+
+    @property
+    def steps_scheduler(self) -> bool:
+        """Whether the model steps its scheduler itself (Lightning's manual-optimization contract)."""
+        return self.c.scheduler is not None and self.c.schedulers_by != "package"
+
+    def on_train_epoch_end(self) -> None:
+        super().on_train_epoch_end()
+        if self.steps_scheduler and self.c.scheduler.get("interval", "epoch") == "epoch":  # type: ignore[union-attr]
+            scheduler = self.lr_schedulers()
+            if self.c.scheduler["kind"] != "plateau":  # type: ignore[index]
+                scheduler.step()  # type: ignore[union-attr]
+            elif (metric := self.trainer.callback_metrics.get(monitored(self.c))) is not None:
+                scheduler.step(metric)  # type: ignore[union-attr]
 
     def _parts(self, out: Tensor, batch: dict[str, Tensor]) -> list[Tensor]:
         err = errors(out, batch)
@@ -141,51 +167,66 @@ class Manual(la.AccumulationMixin, _Base):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.maybe_fail()
+        if batch_idx in self.c.skip:
+            return None  # (Lightning's manual optimization: the batch trains nothing)
+        if self.c.windows == "each":  # a window per optimizer, one after the other (a GAN's habit)
+            for i, optimizer in enumerate(self.optimizers()):  # type: ignore[arg-type]
+                self.toggle_optimizer(optimizer)  # (the pass reaches this optimizer's parameters only)
+                with self.accumulate(batch, optimizer=i) as acc:
+                    self._backward(acc, batch)
+                self.untoggle_optimizer(optimizer)
+        else:
+            with self.accumulate(batch) as acc:
+                self._backward(acc, batch)
+        if self.steps_scheduler and self.c.scheduler.get("interval") == "step" and acc.last:  # type: ignore[union-attr]
+            self.lr_schedulers().step()  # type: ignore[union-attr]
+        return None
+
+    def _backward(self, acc: Any, batch: dict[str, Tensor]) -> None:
         c, n = self.c, batch["mask"].sum()
         mean_items = c.normalize == "items" and c.reduction == "mean"
-        with self.accumulate(batch) as acc:
-            if c.mode in ("backward", "items_int"):
-                total, _, positions = micro_loss(self.net, batch)
-                if c.normalize == "mean":
-                    acc.backward(total / positions)
-                elif mean_items:
-                    acc.backward(total / n, items=int(n) if c.mode == "items_int" else n)
-                else:
-                    acc.backward(total)
-            elif c.mode == "microbatches":  # split in parts of 2 samples
-                acc.backward_microbatches(lambda part: self._whole(part), size=2)
-            elif c.mode == "cached":  # two towers of different sizes: the first two tokens of each sample, the
-                # others one by one (per-token outputs, picked from an output object), then the loss on all of them
-                # (in blocks of samples with `loss_chunk`); with `guide`, its weight on each token's error
-                x, mask = batch["x"], batch["mask"]
-                first, rest = {"tokens": x[:, :2]}, {"tokens": x[:, 2:].reshape(-1, 1, x.shape[-1])}
-                if c.chunk_tokens is not None:
-                    first["attention_mask"], rest["attention_mask"] = mask[:, :2], mask[:, 2:].reshape(-1, 1)
-
-                def loss(a: Tensor, b: Tensor, g: Tensor | None = None, rows: slice | None = None) -> Tensor:
-                    out = torch.cat([a, b.reshape(len(x), -1, b.shape[-1])], dim=1)
-                    some = slice(None) if rows is None else rows
-                    err = errors(out[some], {"y": batch["y"][some], "mask": mask[some]})
-                    if g is not None:
-                        err = err * guide_weights(g)[some]
-                    return err.sum() / (len(x) * out.shape[1]) if c.normalize == "mean" else err.sum()
-
-                encoders: list[Any] = [partial(self.encode, width=2), partial(self.encode, width=1)]
-                inputs: list[Any] = [first, rest]
-                if self.guide is not None:
-                    encoders.append(self.guide)
-                    inputs.append(x)
-                acc.backward_cached(
-                    encoders, inputs, loss, chunk_size=c.chunks + [3] * (len(inputs) - 2),
-                    get_rep=[lambda out: out["hidden"]] * 2 + [None] * (len(inputs) - 2), loss_chunk_size=c.loss_chunk,
-                    chunk_tokens=None if c.chunk_tokens is None else c.chunk_tokens + [None] * (len(inputs) - 2),
-                    no_grad=[False, False] + [c.guide == "no_grad"] * (len(inputs) - 2),
-                )  # fmt: skip
-            elif c.mode == "each":
-                acc.backward_each([lambda i=i: self._parts(self.net(batch["x"]), batch)[i] for i in (0, 1)])
+        if c.mode in ("backward", "items_int"):
+            total, _, positions = micro_loss(self.net, batch)
+            if c.normalize == "mean":
+                acc.backward(total / positions)
+            elif mean_items:
+                acc.backward(total / n, items=int(n) if c.mode == "items_int" else n)
             else:
-                trunk, last = self.net[:2], self.net[2]
-                acc.backward_heads(trunk(batch["x"]), [lambda f, i=i: self._parts(last(f), batch)[i] for i in (0, 1)])
+                acc.backward(total)
+        elif c.mode == "microbatches":  # split in parts of 2 samples
+            acc.backward_microbatches(lambda part: self._whole(part), size=2)
+        elif c.mode == "cached":  # two towers of different sizes: the first two tokens of each sample, the
+            # others one by one (per-token outputs, picked from an output object), then the loss on all of them
+            # (in blocks of samples with `loss_chunk`); with `guide`, its weight on each token's error
+            x, mask = batch["x"], batch["mask"]
+            first, rest = {"tokens": x[:, :2]}, {"tokens": x[:, 2:].reshape(-1, 1, x.shape[-1])}
+            if c.chunk_tokens is not None:
+                first["attention_mask"], rest["attention_mask"] = mask[:, :2], mask[:, 2:].reshape(-1, 1)
+
+            def loss(a: Tensor, b: Tensor, g: Tensor | None = None, rows: slice | None = None) -> Tensor:
+                out = torch.cat([a, b.reshape(len(x), -1, b.shape[-1])], dim=1)
+                some = slice(None) if rows is None else rows
+                err = errors(out[some], {"y": batch["y"][some], "mask": mask[some]})
+                if g is not None:
+                    err = err * guide_weights(g)[some]
+                return err.sum() / (len(x) * out.shape[1]) if c.normalize == "mean" else err.sum()
+
+            encoders: list[Any] = [partial(self.encode, width=2), partial(self.encode, width=1)]
+            inputs: list[Any] = [first, rest]
+            if self.guide is not None:
+                encoders.append(self.guide)
+                inputs.append(x)
+            acc.backward_cached(
+                encoders, inputs, loss, chunk_size=c.chunks + [3] * (len(inputs) - 2),
+                get_rep=[lambda out: out["hidden"]] * 2 + [None] * (len(inputs) - 2), loss_chunk_size=c.loss_chunk,
+                chunk_tokens=None if c.chunk_tokens is None else c.chunk_tokens + [None] * (len(inputs) - 2),
+                no_grad=[False, False] + [c.guide == "no_grad"] * (len(inputs) - 2),
+            )  # fmt: skip
+        elif c.mode == "each":
+            acc.backward_each([lambda i=i: self._parts(self.net(batch["x"]), batch)[i] for i in (0, 1)])
+        else:
+            trunk, last = self.net[:2], self.net[2]
+            acc.backward_heads(trunk(batch["x"]), [lambda f, i=i: self._parts(last(f), batch)[i] for i in (0, 1)])
 
 
 class ResumingLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
@@ -233,7 +274,8 @@ class Recorder(pl.Callback):
             self.lrs[trainer.global_step] = [g["lr"] for g in opt.param_groups]
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log("probe", probe_loss(pl_module.net, self.data))  # type: ignore[arg-type]
+        if pl_module.c.probe_in == "callback":  # type: ignore[union-attr]
+            pl_module.log("probe", probe_loss(pl_module.net, self.data))  # type: ignore[arg-type]
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for h in self._hooks:
@@ -329,29 +371,31 @@ class StepSaver(Checkpoint):
 def _fit(
     c: Config, tmp: Path, recorder: Recorder, saver: StepSaver, fault: Interrupter | None, ckpt: Path | None
 ) -> pl.LightningModule:
-    model: _Base = Manual(c) if c.adapter == "mixin" else Automatic(c)
+    model: _Base = Manual(c, recorder.data) if c.adapter == "mixin" else Automatic(c, recorder.data)
     callbacks: list[pl.Callback] = [recorder]
     ema = model.window_ema = WindowEMA()
-    if c.adapter == "callback":
+    if c.adapter == "callback" and not c.plain:
         callbacks.append(
             la.AccumulationScheduler(
                 schedule(c.schedule),
                 normalize=c.normalize,  # type: ignore[arg-type]
                 count=count_tokens if c.count else None,
-                reduction=c.reduction,  # type: ignore[arg-type]
+                reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
                 lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
                 lr_schedule=lr_schedule(c),
             )
         )
-        if c.decay is not None:
-            callbacks.append(decay(c))  # type: ignore[arg-type]
+    if c.adapter == "callback" and c.decay is not None:
+        callbacks.append(decay(c))  # type: ignore[arg-type]
     if "model_checkpoint" in c.callbacks:
         callbacks.append(ModelCheckpoint(tmp / "user", every_n_train_steps=2, save_top_k=-1))
     if "lr_monitor" in c.callbacks:
         callbacks.append(LearningRateMonitor("step"))
     if "early_stopping" in c.callbacks:
         strict = c.monitor == "probe"
-        callbacks.append(EarlyStopping(c.monitor, patience=1, mode="min", check_on_train_epoch_end=True, strict=strict))
+        callbacks.append(
+            EarlyStopping(monitored(c), patience=1, mode="min", check_on_train_epoch_end=True, strict=strict)
+        )
     if "ema" in c.callbacks:
         callbacks.append(ema)
     if c.swa is not None:

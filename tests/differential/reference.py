@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -106,6 +107,78 @@ def make_scheduler(c: Config, opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=c.scheduler["step_size"], gamma=0.5)
 
 
+def _terms(
+    c: Config,
+    net: nn.Module,
+    batches: list[dict[str, Tensor]],
+    tokens: float,
+    size: int,
+    guide: nn.Module | None = None,
+) -> list[Tensor]:
+    """Each micro-batch's part of the loss of a window of ``size`` and ``tokens`` items: its mean over the window
+    (``"mean"``), or its sum over the window's items (``"items"``; nothing from a micro-batch without items); each
+    token's error times the cached mode's ``guide`` weight where there is one."""
+    terms = []
+    for b in batches:
+        total, n_items, positions = micro_loss(net, b, guide)
+        if c.normalize == "items":
+            if n_items > 0:
+                terms.append(total / tokens)
+        else:
+            terms.append(total / positions / size)
+    return terms
+
+
+def _step(c: Config, opt: torch.optim.Optimizer, factor: float, lrs: list[list[float]]) -> None:
+    """Clip the optimizer's own gradient, step it with its LRs times ``factor`` (for this step only)."""
+    params = [prm for g in opt.param_groups for prm in g["params"]]
+    if c.clip is not None:
+        if c.clip[1] == "norm":
+            nn.utils.clip_grad_norm_(params, c.clip[0])
+        else:
+            nn.utils.clip_grad_value_(params, c.clip[0])
+    saved = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = g["lr"] * factor
+    lrs.append([g["lr"] for g in opt.param_groups])
+    opt.step()
+    for g, lr in zip(opt.param_groups, saved, strict=True):
+        g["lr"] = lr
+
+
+def _ema(c: Config, net: nn.Module, ema: list[Tensor] | None) -> list[Tensor] | None:
+    """The "ema" callback's average after a window's step."""
+    if "ema" not in c.callbacks:
+        return ema
+    now = [prm.detach().clone() for prm in net.parameters()]
+    return now if ema is None else [EMA * a + (1 - EMA) * b for a, b in zip(ema, now, strict=True)]
+
+
+def _each(
+    c: Config, net: nn.Module, opts: list[torch.optim.Optimizer], window: list[dict[str, Tensor]], tokens: float,
+    factor: float, lrs: list[list[float]],
+) -> Iterator[Tensor]:
+    """Windows of their own for each optimizer, over the same micro-batches, each pass back-propagated into its
+    optimizer's parameters only: in each batch optimizer 0's pass, then optimizer 1's; at the window's last batch
+    optimizer 0 steps before optimizer 1's last pass (which sees the new parameters). Yields each window's loss
+    after its step."""
+    groups = [[prm for g in opt.param_groups for prm in g["params"]] for opt in opts]
+    before = _terms(c, net, window[:-1], tokens, len(window))  # (the parameters stay put until the last batch)
+    early = sum(before, torch.zeros((), dtype=torch.float64))
+    early_grads = [
+        torch.autograd.grad(early, group, retain_graph=True, allow_unused=True) if before else [None] * len(group)
+        for group in groups
+    ]
+    for opt, group, grads in zip(opts, groups, early_grads, strict=True):
+        last = sum(_terms(c, net, window[-1:], tokens, len(window)), torch.zeros((), dtype=torch.float64))
+        own = torch.autograd.grad(last, group, allow_unused=True) if last.requires_grad else [None] * len(group)
+        for prm, a, b in zip(group, grads, own, strict=True):
+            parts = [x for x in (a, b) if x is not None]
+            prm.grad = sum(parts[1:], parts[0].clone()) if parts else torch.zeros_like(prm)
+        _step(c, opt, factor, lrs)
+        yield (early + last).detach()
+
+
 def run(c: Config) -> Result:
     data = Data(c)
     net = make_net(c.seed)
@@ -113,6 +186,7 @@ def run(c: Config) -> Result:
     opts = make_optimizers(c, net)
     sched = make_scheduler(c, opts[0])
     interval = None if c.scheduler is None else c.scheduler.get("interval", "epoch")
+    by_model = c.adapter == "mixin" and c.schedulers_by == "user"  # (Lightning's manual contract)
     plateau = c.scheduler is not None and c.scheduler["kind"] == "plateau"
     average: list[Tensor] = []  # StochasticWeightAveraging's, of the parameters at each SWA epoch's start
     p = {"epoch": 0, "step": 0, "samples": 0, "items": 0}
@@ -138,26 +212,45 @@ def run(c: Config) -> Result:
             else:
                 n = epoch - (c.swa[1] - 1)  # (averaged so far)
                 average = [a + (prm.detach() - a) / (n + 1) for a, prm in zip(average, net.parameters(), strict=True)]
-        i = 0
-        while i < batches and not done:
+        trained = [j for j in range(batches) if j not in c.skip]  # (a skipped batch is in no window)
+        i, end = 0, -1  # the position in `trained`; the batch index the last window was stepped at
+        while i < len(trained) and not done:
             k = schedule_k(c.schedule, p)
             first_k = first_k or k
-            window = [data.batch(j) for j in range(i, min(i + k, batches))]
-            i += len(window)
+            indices = trained[i : i + k]
+            # each process's batches j: the data's j * world + r
+            window = [data.batch(j * c.world + r) for j in indices for r in range(c.world)]
+            i += len(indices)
+            # a window cut short at the epoch's end is stepped at its last batch, trained or not; the model's own
+            # step (after the block when `acc.last`) comes where a window is full or the epoch's last batch ran
+            end = indices[-1] if len(indices) == k else batches - 1
+            due = not by_model or len(indices) == k or indices[-1] == batches - 1
             samples = sum(len(b["x"]) for b in window)
             counts = [float(b["mask"].sum()) if c.count else float(len(b["x"])) for b in window]
             tokens = sum(counts)
             if c.normalize == "items" and tokens == 0:  # nothing went in: no step, nothing changes
                 p["samples"] += samples
+                if interval == "step" and by_model and due:  # (the model steps its scheduler at `acc.last` anyway)
+                    sched.step()
                 continue
-            loss = torch.zeros((), dtype=torch.float64)
-            for b in window:
-                total, n_items, positions = micro_loss(net, b, guide)
-                if c.normalize == "items":
-                    if n_items > 0:
-                        loss = loss + total / tokens
-                else:
-                    loss = loss + total / positions / len(window)
+            factor = 1.0
+            if c.lr_scaling is not None:
+                factor = k / first_k if c.lr_scaling == "linear" else math.sqrt(k / first_k)
+            if c.lr_schedule is not None:
+                factor *= warmup_cosine(c.lr_schedule, p)
+            if c.windows == "each":  # a window per optimizer, stepped one after the other
+                for g, loss in enumerate(_each(c, net, opts, window, tokens, factor, lrs)):  # (each step, in turn)
+                    last_loss = last_loss if g else float(loss)  # (`accum/opt0/loss`)
+                    ema = _ema(c, net, ema)
+                p["step"] += 1
+                p["samples"] += samples
+                p["items"] += int(tokens)
+                if interval == "step" and due:
+                    sched.step()
+                if c.max_steps != -1 and p["step"] * len(opts) >= c.max_steps:
+                    done = True
+                continue
+            loss = sum(_terms(c, net, window, tokens, len(window), guide), torch.zeros((), dtype=torch.float64))
             net.zero_grad(set_to_none=False)
             loss.backward()
             if c.decay is not None:
@@ -168,41 +261,24 @@ def run(c: Config) -> Result:
                 if bias:
                     for prm in net.parameters():
                         prm.grad = prm.grad / (1 - f ** (p["step"] + 1))
-            factor = 1.0
-            if c.lr_scaling is not None:
-                factor = k / first_k if c.lr_scaling == "linear" else math.sqrt(k / first_k)
-            if c.lr_schedule is not None:
-                factor *= warmup_cosine(c.lr_schedule, p)
             for opt in opts:  # in order; each clips its own parameters, in place
-                params = [prm for g in opt.param_groups for prm in g["params"]]
-                if c.clip is not None:
-                    if c.clip[1] == "norm":
-                        nn.utils.clip_grad_norm_(params, c.clip[0])
-                    else:
-                        nn.utils.clip_grad_value_(params, c.clip[0])
-                saved = [g["lr"] for g in opt.param_groups]
-                for g in opt.param_groups:
-                    g["lr"] = g["lr"] * factor
-                lrs.append([g["lr"] for g in opt.param_groups])
-                opt.step()
-                for g, lr in zip(opt.param_groups, saved, strict=True):
-                    g["lr"] = lr
+                _step(c, opt, factor, lrs)
             if c.decay is not None:
                 f, _, bias = c.decay
                 correction = 1 - f ** (p["step"] + 1) if bias else 1.0
                 residual = [prm.grad.clone() * correction for prm in net.parameters()]
             last_loss = float(loss)
-            if "ema" in c.callbacks:
-                now = [prm.detach().clone() for prm in net.parameters()]
-                ema = now if ema is None else [EMA * a + (1 - EMA) * b for a, b in zip(ema, now, strict=True)]
+            ema = _ema(c, net, ema)
             p["step"] += 1
             p["samples"] += samples
             p["items"] += int(tokens)
-            if interval == "step":
+            if interval == "step" and due:
                 sched.step()
             if c.max_steps != -1 and p["step"] * len(opts) >= c.max_steps:  # (manual: each optimizer's step counts)
                 done = True
-        # the epoch's end (also one cut short by max_steps)
+        # the epoch's end (also one cut short by max_steps; Lightning steps an epoch's scheduler only when the
+        # epoch ran all its batches, the model in `on_train_epoch_end` at every epoch's end)
+        ran_out = i >= len(trained) and (not done or end == batches - 1)
         watched = probe_loss(net, data) if c.monitor == "probe" else last_loss  # (None: no window stepped yet)
         if "early_stopping" in c.callbacks and watched is not None:
             if watched < best:
@@ -210,7 +286,7 @@ def run(c: Config) -> Result:
             else:
                 wait += 1
                 done = done or wait >= 1
-        if interval == "epoch" and i >= batches:  # (Lightning: not when `max_steps` cut the epoch short)
+        if interval == "epoch" and (ran_out or by_model):
             if not plateau:
                 sched.step()
             elif watched is not None:

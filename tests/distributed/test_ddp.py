@@ -99,7 +99,9 @@ def run_ddp(
     reduction: str = "sum",
 ) -> list[dict[str, Any]]:
     """``reduction="mean"``: ``training_step`` returns token means, which the callback weights."""
-    accumulation = AccumulationScheduler(schedule, normalize=normalize, count=count_tokens, reduction=reduction)
+    accumulation = AccumulationScheduler(
+        schedule, normalize=normalize, count=count_tokens, reduction=reduction if normalize == "items" else None
+    )
     callbacks = [accumulation, *([decay] if decay else [])]
     model = TokenModel(reduction="sum" if (normalize, reduction) == ("items", "sum") else "mean")
     return fit_ddp(tmp_path, model, callbacks, epochs=epochs)

@@ -85,3 +85,43 @@ def test_ddp_fault_resumes_bit_identically(tmp_path: Path, kind: str) -> None:
         for rank in range(2):
             for got, want in zip(resumed[rank]["params"], full[rank]["params"], strict=True):
                 assert torch.equal(got, want), (source, rank)
+
+
+def _saved_inside(kind: str, out: Path, devices: int) -> Path:
+    """A checkpoint written inside the window [3-5] of epoch 0 on ``devices`` processes."""
+    if kind == "callback":
+        model: pl.LightningModule = TokenModel()
+        callbacks: list[pl.Callback] = [AccumulationScheduler(WINDOWS)]
+    else:
+        model, callbacks = ManualTokenModel(schedule=WINDOWS), []
+    data = ShardedLoader()
+    strategy: Any = DDPStrategy(start_method="fork", process_group_backend="gloo") if devices > 1 else "auto"
+    t = trainer(
+        callbacks=[*callbacks, Bind(data), SaveInside(out)], max_epochs=1, limit_train_batches=6, devices=devices,
+        strategy=strategy, use_distributed_sampler=False,
+    )  # fmt: skip
+    t.fit(model, data)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["callback", "mixin"])
+def test_a_window_saved_on_one_world_size_is_refused_on_another(tmp_path: Path, kind: str) -> None:
+    """Each rank's partial gradient and counts are its own until the window's end: a checkpoint written inside
+    a window resumes on as many ranks as it was written on, and is refused on another number, both ways,
+    naming the checkpoint and both numbers."""
+    one = _saved_inside(kind, tmp_path / "one.ckpt", devices=1)
+    two = _saved_inside(kind, tmp_path / "two.ckpt", devices=2)
+    with pytest.raises(Exception, match=r"one.ckpt' was saved inside an accumulation window on 1 rank\(s\).*on 2"):
+        fit(kind, tmp_path / "up", resume=one)
+    with pytest.raises(ValueError, match=r"two.ckpt' was saved inside an accumulation window on 2 rank\(s\).*on 1"):
+        _resume_on_one(kind, two)
+
+
+def _resume_on_one(kind: str, path: Path) -> None:
+    if kind == "callback":
+        model: pl.LightningModule = TokenModel()
+        callbacks: list[pl.Callback] = [AccumulationScheduler(WINDOWS)]
+    else:
+        model, callbacks = ManualTokenModel(schedule=WINDOWS), []
+    data = ShardedLoader()
+    trainer(callbacks=[*callbacks, Bind(data)], max_epochs=1, devices=1).fit(model, data, ckpt_path=path)

@@ -131,7 +131,8 @@ def check(reports: list[dict[str, Any]], normalize: str, sync: str, decay: Any =
 def test_fsdp2_callback_matches_reference(
     tmp_path: Path, sync: str, normalize: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    callback = AccumulationScheduler(SCHEDULE, normalize=normalize, reduction="sum", count=count_tokens, sync=sync)  # type: ignore[arg-type]
+    reduction = "sum" if normalize == "items" else None
+    callback = AccumulationScheduler(SCHEDULE, normalize=normalize, reduction=reduction, count=count_tokens, sync=sync)  # type: ignore[arg-type]
     model = ShardedTokenModel(reduction="sum" if normalize == "items" else "mean")
     check(fit_fsdp2(tmp_path, model, [callback], monkeypatch), normalize, sync)
 

@@ -7,7 +7,6 @@ that do not guarantee agreement, and fails there, on every rank, naming the sche
 from __future__ import annotations
 
 import datetime
-import time
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +62,11 @@ def test_ranks_that_disagree_on_k_fail_at_the_first_window(
         callbacks.append(AccumulationScheduler(schedule))  # (after Batches, which counts the batch first)
     else:
         model = ManualTokenModel(schedule=schedule)
-    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", timeout=datetime.timedelta(seconds=120))
     t = trainer(callbacks=callbacks, max_epochs=1, devices=2, strategy=strategy, use_distributed_sampler=False)
-    start = time.monotonic()
+    # (a hang would end in the process group's timeout error instead, whose message is not this one)
     with pytest.raises(Exception, match="disagree on the window's size"):
         t.fit(model, loader(TokenData(32), 4, sharded=True))
-    assert time.monotonic() - start < 50  # failed fast, not at the process group's timeout
     for rank in range(2):
         batch, message = (tmp_path / f"rank{rank}.txt").read_text().split("|", 1)
         assert batch == "1"  # in the first batch, on every rank

@@ -147,7 +147,7 @@ class AccumulationScheduler(Callback):
         set_divisor(trainer, self._divisor)
         _seam.resume_after_finished_epoch(trainer)
         self._optimizer, self._strategy = trainer.optimizers[0], trainer.strategy
-        numbers = self._partial.numbers(trainer.strategy, trainer.global_rank)  # resumed inside a window
+        numbers = self._partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
             self._engine.load_local_numbers(numbers)
         self._frequencies = _seam.SchedulerFrequencies(trainer)

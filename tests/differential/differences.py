@@ -1,0 +1,46 @@
+"""What differs between two results: the parameters (relative 1e-10), ``global_step``, each step's LRs,
+Adam's state and the ``on_window_end`` average."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .reference import Result
+
+RTOL = 1e-10
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+    return a.shape == b.shape and bool(((a - b).abs() <= RTOL * scale).all())
+
+
+def differences(want: Result, got: Result) -> list[str]:
+    out = []
+    bad = [i for i, (a, b) in enumerate(zip(got.params, want.params, strict=True)) if not _close(a, b)]
+    if bad:
+        diff = max(float((got.params[i] - want.params[i]).abs().max()) for i in bad)
+        out.append(f"parameters {bad} differ by up to {diff:.3g}")
+    if got.global_step != want.global_step:
+        out.append(f"global_step {got.global_step} != {want.global_step}")
+    if len(got.lrs) != len(want.lrs) or not all(
+        _close(torch.tensor(a), torch.tensor(b)) for a, b in zip(got.lrs, want.lrs, strict=True)
+    ):
+        out.append(f"LRs of the steps differ: {got.lrs} != {want.lrs}")
+    if (got.adam is None) != (want.adam is None) or (
+        got.adam is not None
+        and want.adam is not None
+        and (
+            len(got.adam) != len(want.adam)
+            or not all(
+                _close(a[key], b[key]) for a, b in zip(got.adam, want.adam, strict=True) for key in b
+            )
+        )
+    ):
+        out.append("Adam's state differs")
+    if (got.ema is None) != (want.ema is None) or (
+        got.ema is not None and want.ema is not None and not all(map(_close, got.ema, want.ema))
+    ):
+        out.append("the average of the parameters at window ends (`on_window_end`) differs")
+    return out

@@ -1,0 +1,134 @@
+"""The fuzzer's multi-process part: Fabric loops on 2 CPU processes (gloo), DDP or FSDP2
+(``ModelParallelStrategy`` with ``fully_shard``), rank r taking the data's batches ``j * 2 + r``,
+against the float64 reference on the union of the data (``Config.world``). The ranks are launched once
+(spawned) for a list of configurations; each writes what it got. A checkpoint written inside a window
+on the 2 ranks must then be refused on one process (``check_world``)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import fully_shard
+
+from lightning_accum.fabric import FabricAccumulator
+
+from . import fabric_runner
+from .configs import Config
+from .differences import differences
+from .model import make_net
+from .reference import Result
+from .reference import run as reference_run
+
+
+def shard(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    for layer in module:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["data_parallel"])
+    fully_shard(module, mesh=mesh["data_parallel"])
+    return module
+
+
+class SpawnedFSDP2(ModelParallelStrategy):
+    """FSDP2 over a 1-D data-parallel mesh of 2, spawned (Fabric launches it by re-running the script)."""
+
+    def __init__(self) -> None:
+        super().__init__(parallelize_fn=shard, data_parallel_size=2, tensor_parallel_size=1)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
+
+
+def _encode(result: Result) -> dict[str, Any]:
+    adam = None if result.adam is None else [{k: v.tolist() for k, v in s.items()} for s in result.adam]
+    return {"params": [p.tolist() for p in result.params], "step": result.global_step, "lrs": result.lrs,
+            "adam": adam}  # fmt: skip
+
+
+def _decode(report: dict[str, Any]) -> Result:
+    params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
+    adam = report["adam"]
+    if adam is not None:
+        adam = [{k: torch.tensor(v, dtype=torch.float64) for k, v in s.items()} for s in adam]
+    return Result(params, report["step"], report["lrs"], adam, None)
+
+
+def _rank(fabric: Fabric, configs: list[str], out: str) -> None:
+    """On each rank: every configuration's loop (an error is the configuration's result)."""
+    torch.set_default_dtype(torch.float64)
+    warnings.simplefilter("ignore")
+    reports = []
+    for line in configs:
+        c = Config.from_json(line)
+        saved: list[Path] = []
+        try:
+            tmp = Path(fabric.broadcast(tempfile.mkdtemp(dir=out) if fabric.global_rank == 0 else None))
+            result = fabric_runner.loop(c, lambda: fabric, tmp, saved)
+            reports.append({**_encode(result), "saved": [str(p) for p in saved]})
+        except Exception:
+            reports.append({"raised": traceback.format_exc(limit=-3).strip().replace("\n", " | ")})
+        fabric.barrier()
+    (Path(out) / f"rank{fabric.global_rank}.json").write_text(json.dumps(reports))
+
+
+def check_all(configs: list[Config]) -> list[list[str]]:
+    """Each configuration's differences from the reference on both ranks (all of one strategy launched once)."""
+    out: list[list[str]] = [[] for _ in configs]
+    for strategy in ("ddp", "fsdp2"):
+        chosen = [i for i, c in enumerate(configs) if c.strategy == strategy]
+        if not chosen:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            ddp = DDPStrategy(start_method="spawn", process_group_backend="gloo")
+            launched: Any = SpawnedFSDP2() if strategy == "fsdp2" else ddp
+            precision = "32-true" if strategy == "fsdp2" else "64-true"  # (FSDP2 refuses "64-true": float64 anyway)
+            fabric = Fabric(accelerator="cpu", devices=2, strategy=launched, precision=precision)
+            fabric.launch(_rank, [configs[i].to_json() for i in chosen], tmp)
+            reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
+            for position, i in enumerate(chosen):
+                out[i] = _check(configs[i], [reports[r][position] for r in range(2)])
+    return out
+
+
+def _check(c: Config, reports: list[dict[str, Any]]) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = reference_run(c)
+    diffs = []
+    for r, report in enumerate(reports):
+        if "raised" in report:
+            return [f"rank {r} raised: {report['raised']}"]
+        diffs += [f"rank {r}: {d}" for d in differences(want, _decode(report))]
+    for path in reports[0]["saved"]:
+        diffs += _refused_on_one_process(c, Path(path))
+    return diffs
+
+
+def _refused_on_one_process(c: Config, path: Path) -> list[str]:
+    """A checkpoint the 2 ranks wrote inside a window, loaded on one process: must be refused."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+    net = make_net(c.seed)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    acc = FabricAccumulator(fabric, model, optimizer)
+    state = torch.load(path, weights_only=False)
+    try:
+        acc.load_state_dict(state["accumulation"])
+    except ValueError as error:
+        if "cannot resume on 1" in str(error):
+            return []
+    return [f"the checkpoint {path.name}, written inside a window on 2 ranks, was not refused on one process"]
+
+
+__all__ = ["check_all"]
