@@ -60,6 +60,15 @@ CASES: dict[str, dict[str, Any]] = {
     # two optimizers in one window sharing a parameter: its gradient was rescaled once per optimizer
     "two_optimizers_sharing_a_parameter": {"adapter": "mixin", "optimizers": 2, "shared": True, "n": 22,
                                            "schedule": {"family": "constant", "k": 4}},
+    # issue 32: the cached loss in blocks of samples, chunks packed by tokens (padding trimmed, no row cap on the
+    # first tower), a frozen guide tower run once; with batches of no items, and through a resume
+    "cached_blocks_tokens_frozen_guide": {
+        "adapter": "mixin", "mode": "cached", "n": 13, **_ITEMS, "reduction": "sum", "empty_batches": [1],
+        "schedule": {"family": "constant", "k": 2}, "chunks": [None, 2], "chunk_tokens": [3, 2], "loss_chunk": 3,
+        "guide": "frozen", "interruptions": [["on_after_backward", 0, 2]]},
+    "cached_blocks_no_grad_guide": {"adapter": "mixin", "mode": "cached", "n": 14, "batch_size": 3, "epochs": 1,
+                                    "schedule": {"family": "constant", "k": 3}, "chunks": [1, 5], "loss_chunk": 2,
+                                    "guide": "no_grad", "optimizer": "adam", "lr": 0.01},
     # issue 23: a plateau on `accum/loss` after a resume inside an epoch whose last window steps nothing saw no
     # value (Lightning keeps no logged metric across a resume; the uninterrupted run saw the last window's)
     "accum_loss_monitor_after_resume_mixin": {

@@ -34,7 +34,14 @@ class Config:
     mode: str = "backward"
     # "cached": two towers of different sizes (the first two tokens of each sample, then every other token on
     # its own), keyword inputs, `get_rep`; their chunk sizes
-    chunks: list[int] = dataclasses.field(default_factory=lambda: [2, 2])
+    chunks: list[int | None] = dataclasses.field(default_factory=lambda: [2, 2])
+    # and with these (issue 32): the loss in blocks of `loss_chunk` samples (the first tower's rows); chunks
+    # packed up to `chunk_tokens` tokens a tower by the mask (its padding trimmed; a chunk size of None: no
+    # row cap); a `guide` tower (the fuzzer's net at another seed) whose sigmoid weights each token's error,
+    # run once: "frozen" (its parameters without grad) or "no_grad" (the flag)
+    loss_chunk: int | None = None
+    chunk_tokens: list[int | None] | None = None
+    guide: str | None = None
     n: int = 24  # samples
     batch_size: int = 4
     epochs: int = 2
@@ -184,6 +191,7 @@ def generate(rng: random.Random) -> Config:
     c.interruptions.sort(key=lambda i: (i[1], i[2]))
     if c.mode == "cached":
         c.chunks = [rng.randint(1, 3), rng.randint(1, 5)]
+        _cached_options(c, random.Random(c.seed * 1009 + 32))  # (its own generator: the others' draws stay)
     _contracts(rng, c, batches)
     if rng.random() < 0.15:  # the same options in a Fabric loop, where it has them
         c = fabric_config(c, rng)
@@ -284,3 +292,15 @@ def _schedule(rng: random.Random, batches: int) -> dict[str, Any]:
         start, end = rng.randint(1, 4), rng.randint(1, 5)
         return {"family": "ramp", "start": start, "end": end, "over": over, "unit": unit}
     return {"family": "lambda", "fn": rng.choice(LAMBDAS)}
+
+
+def _cached_options(c: Config, rng: random.Random) -> None:
+    """The cached mode's loss blocks, token budgets and guide tower (issue 32)."""
+    if rng.random() < 0.5:
+        c.loss_chunk = rng.randint(1, 3)
+    if rng.random() < 0.35:
+        c.chunk_tokens = [rng.choice([None, 1, 2, 3]), rng.choice([None, 1, 2])]
+        pairs = zip(c.chunks, c.chunk_tokens, strict=True)
+        c.chunks = [None if t is not None and rng.random() < 0.5 else k for k, t in pairs]  # (no row cap)
+    if rng.random() < 0.3:
+        c.guide = rng.choice(["frozen", "no_grad"])

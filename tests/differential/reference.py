@@ -107,12 +107,20 @@ def make_scheduler(c: Config, opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=c.scheduler["step_size"], gamma=0.5)
 
 
-def _terms(c: Config, net: nn.Module, batches: list[dict[str, Tensor]], tokens: float, size: int) -> list[Tensor]:
+def _terms(
+    c: Config,
+    net: nn.Module,
+    batches: list[dict[str, Tensor]],
+    tokens: float,
+    size: int,
+    guide: nn.Module | None = None,
+) -> list[Tensor]:
     """Each micro-batch's part of the loss of a window of ``size`` and ``tokens`` items: its mean over the window
-    (``"mean"``), or its sum over the window's items (``"items"``; nothing from a micro-batch without items)."""
+    (``"mean"``), or its sum over the window's items (``"items"``; nothing from a micro-batch without items); each
+    token's error times the cached mode's ``guide`` weight where there is one."""
     terms = []
     for b in batches:
-        total, n_items, positions = micro_loss(net, b)
+        total, n_items, positions = micro_loss(net, b, guide)
         if c.normalize == "items":
             if n_items > 0:
                 terms.append(total / tokens)
@@ -174,6 +182,7 @@ def _each(
 def run(c: Config) -> Result:
     data = Data(c)
     net = make_net(c.seed)
+    guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
     opts = make_optimizers(c, net)
     sched = make_scheduler(c, opts[0])
     interval = None if c.scheduler is None else c.scheduler.get("interval", "epoch")
@@ -241,7 +250,7 @@ def run(c: Config) -> Result:
                 if c.max_steps != -1 and p["step"] * len(opts) >= c.max_steps:
                     done = True
                 continue
-            loss = sum(_terms(c, net, window, tokens, len(window)), torch.zeros((), dtype=torch.float64))
+            loss = sum(_terms(c, net, window, tokens, len(window), guide), torch.zeros((), dtype=torch.float64))
             net.zero_grad(set_to_none=False)
             loss.backward()
             if c.decay is not None:
