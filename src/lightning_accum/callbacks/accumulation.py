@@ -272,7 +272,7 @@ class AccumulationScheduler(Callback):
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
             self._open(trainer, batch_idx)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
-        self._redoing = engine.redo == (trainer.current_epoch, batch_idx)
+        self._redoing = engine.redo is not None and engine.redo == (trainer.current_epoch, batch_idx)
         # counted now, before `training_step` can change the batch (e.g. `labels = batch.pop("labels")`)
         samples = sample_count(batch, self._engine.samples_needed_by)
         self._counts = (samples, samples if self.count is None else self.count(batch))
@@ -328,7 +328,8 @@ class AccumulationScheduler(Callback):
             self._holding = True
             if self._redoing:
                 return
-        sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
+        if mean or self._loss_factor != 1.0:  # (the hot path of an aligned window: nothing to scale)
+            sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._pass.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
@@ -392,7 +393,8 @@ class AccumulationScheduler(Callback):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
         grads = None if deepspeed else gradients.optimizer_grads(optimizer)  # (DeepSpeed holds its own)
         step = engine.progress.step + 1  # (the step this window makes: the fit's last at `max_steps`)
-        last = trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer)
+        # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
+        last = not self._readers.any and (trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer))
         self._wants = wants = self._readers.wants(step, last)
         if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
             assert engine.closing is not None
