@@ -65,6 +65,17 @@ class Hook(pl.Callback):
     def on_window_end(self, *args: Any) -> None: ...
 
 
+class BatchReader(pl.Callback):
+    """A user's callback that may read ``trainer.callback_metrics`` after any batch: given every number."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.callback_metrics.get("accum/k") is not None and len(self.norms) < trainer.global_step:
+            self.norms.append(float(trainer.callback_metrics["accum/grad_norm"]))
+
+
 @pytest.mark.parametrize(
     ("normalize", "log", "reader", "per_window"),
     [
@@ -73,6 +84,7 @@ class Hook(pl.Callback):
         ("mean", True, "bar", 0),  # the progress bar shows k and the loss, not the norm
         ("mean", True, "logger", 1),  # the loggers write the norm at every step: one fused norm
         ("mean", True, "hook", 1),  # an `on_window_end` hook is handed the whole report
+        ("mean", True, "batch reader", 1),  # a user's `on_train_batch_end` may read any number
         ("items", False, None, 1),  # the rescale by the global item count
         ("items", True, "logger", 2),  # the rescale and the norm
     ],
@@ -90,7 +102,11 @@ def test_passes_over_the_gradient_per_window(
         options = {"enable_progress_bar": True}
     elif reader == "hook":
         callbacks.append(Hook())
+    elif reader == "batch reader":
+        callbacks.append(BatchReader())
     t = trainer(callbacks=callbacks, max_epochs=1, **options)
     t.fit(TokenModel(reduction="sum" if normalize == "items" else "mean"), loader(DATA, 4))
     assert t.global_step == 4
     assert Counted.ops == per_window * t.global_step
+    if reader == "batch reader":
+        assert len(set(callbacks[1].norms)) == t.global_step  # a fresh norm at every step

@@ -176,7 +176,10 @@ class Readers:
       optimizer steps), also into ``trainer.logged_metrics``;
     * the ``on_window_end`` hooks: the whole ``WindowReport``, every window;
     * a monitor, a callback with a ``monitor`` attribute (``EarlyStopping``, ``ModelCheckpoint``, ...) or an
-      LR scheduler config's ``monitor`` naming an ``accum/`` key, and the progress bar: ``callback_metrics``.
+      LR scheduler config's ``monitor`` naming an ``accum/`` key, and the progress bar: ``callback_metrics``;
+    * a callback or a LightningModule with its own ``on_train_batch_start`` or ``on_train_batch_end`` (one
+      from neither Lightning nor this package): it may read ``callback_metrics`` at any batch, so it is
+      given every number, the gradient's norm included, every window.
 
     Where any of them is there, every window's numbers go to ``callback_metrics`` and the progress bar; the
     gradient's norm (``accum/grad_norm``) is measured only where it is read: the loggers' steps, the hooks,
@@ -192,25 +195,39 @@ class Readers:
     """
 
     def __init__(
-        self, *, log: bool, loggers: bool, every: int, bar: bool, hooks: Sequence[Any], watched: Collection[str]
+        self,
+        *,
+        log: bool,
+        loggers: bool,
+        every: int,
+        bar: bool,
+        hooks: Sequence[Any],
+        watched: Collection[str],
+        unknown: bool = False,
     ) -> None:
         self.log, self.hooks = log, hooks
         self.loggers, self.every = log and loggers, every
         watched = frozenset(key for key in watched if key.startswith("accum/")) if log else frozenset()
-        self.any = bool(self.loggers or (log and bar) or watched or hooks)
-        self._norm_watched = any(key.endswith("grad_norm") for key in watched)
+        unknown = log and unknown
+        self.any = bool(self.loggers or (log and bar) or watched or hooks or unknown)
+        self._norm_watched = unknown or any(key.endswith("grad_norm") for key in watched)
 
     @classmethod
-    def of(cls, trainer: Any, log: bool, hooks: Sequence[Any], watched: Collection[str] = ()) -> Readers:
-        """The readers of ``trainer``'s fit (``watched``: keys the adapter knows are monitored besides)."""
+    def of(
+        cls, trainer: Any, log: bool, hooks: Sequence[Any], watched: Collection[str] = (), own: object = None
+    ) -> Readers:
+        """The readers of ``trainer``'s fit (``watched``: keys the adapter knows are monitored besides;
+        ``own``: the adapter's own callback, no reader)."""
         keys = set(watched)
         for config in (*trainer.callbacks, *trainer.lr_scheduler_configs):
             monitor = getattr(config, "monitor", None)
             if isinstance(monitor, str):
                 keys.add(monitor)
         bar = trainer.progress_bar_callback is not None
+        others = [callback for callback in trainer.callbacks if callback is not own]
+        unknown = any(map(_reads_batches, [*others, trainer.lightning_module]))
         return cls(log=log, loggers=bool(trainer.loggers), every=trainer.log_every_n_steps, bar=bar, hooks=hooks,
-                   watched=keys)  # fmt: skip
+                   watched=keys, unknown=unknown)  # fmt: skip
 
     @classmethod
     def of_nobody(cls) -> Readers:
@@ -226,6 +243,19 @@ class Readers:
         if not (publish or hooks):
             return NOTHING
         return Wants(publish, logs, True, logs or hooks or self._norm_watched, hooks)
+
+
+_KNOWN = ("lightning.", "pytorch_lightning.", "lightning_accum.")  # whose reads of `callback_metrics` are known
+
+
+def _reads_batches(obj: Any) -> bool:
+    """A callback or LightningModule with its own ``on_train_batch_start`` or ``on_train_batch_end``, where it
+    may read ``callback_metrics`` (one from neither Lightning nor this package)."""
+    for name in ("on_train_batch_start", "on_train_batch_end"):
+        owner = next((base for base in type(obj).__mro__ if name in vars(base)), None)
+        if owner is not None and not owner.__module__.startswith(_KNOWN):
+            return True
+    return False
 
 
 def publish(

@@ -171,7 +171,7 @@ class AccumulationScheduler(Callback):
         self._frequencies = _seam.SchedulerFrequencies(trainer)
         self._trained = False  # whether this fit trained a batch yet
         steps.warn_scheduler_horizons(trainer)
-        self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer))
+        self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
         self._engine.start_fit(self._plan, track=self._readers.any)  # (losses kept only where someone reads them)
         self._reported.restore(trainer)
         if self.lr_scaling is not None or self.lr_schedule is not None:
