@@ -21,6 +21,7 @@ from lightning_accum._seam import (
     ddp_comm_hook,
     keep_progress_consistent,
     keep_scheduler_keys,
+    loop_skips_sync,
     resume_after_finished_epoch,
     route_training_step,
     set_divisor,
@@ -371,6 +372,8 @@ def test_steps_counted_seam(counted: bool) -> None:
     t.fit(StepsAtBatchEnd(counted), loader(TokenData(12), 4))
     assert t.global_step == (3 if counted else 0)  # (Lightning counts none of them by itself)
     assert all(o._on_before_step.__name__ == "do_nothing_closure" for o in t.strategy._lightning_optimizers)
+
+
 class ZeroRule(Recorder):
     """Also records, at each batch's start, where the package expects Lightning to zero after `training_step`."""
 
@@ -431,3 +434,28 @@ def test_ddp_comm_hook_seam() -> None:
 
     assert ddp_comm_hook(DDPStrategy(ddp_comm_hook=print)) is print
     assert ddp_comm_hook(DDPStrategy()) is None
+
+
+def test_loop_skips_sync_seam() -> None:
+    """Lightning's ``block_backward_sync`` enters ``no_sync()`` of any wrapped model that has one (FSDP's root
+    too), which ``_seam.loop_skips_sync`` reports; a model without one, or one device, is left alone."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    class WithNoSync(torch.nn.Linear):
+        entered = 0
+
+        @contextlib.contextmanager
+        def no_sync(self) -> Any:
+            WithNoSync.entered += 1
+            yield
+
+    strategy = DDPStrategy()
+    strategy.model = WithNoSync(2, 2)
+    with strategy.block_backward_sync():
+        pass
+    assert WithNoSync.entered == 1 and loop_skips_sync(strategy)
+    strategy.model = torch.nn.Linear(2, 2)
+    assert not loop_skips_sync(strategy)
+    single = SingleDeviceStrategy(device=torch.device("cpu"))
+    single.model = WithNoSync(2, 2)
+    assert not loop_skips_sync(single)

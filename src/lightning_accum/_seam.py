@@ -7,7 +7,10 @@ gradients before the backward of the batch where ``batch_idx % trainer.accumulat
 at a window's first batch, to ``lightning_accum.window.lightning_divisor``, makes the loop
 close the window exactly where the schedule says. It also reads the loop's batch progress
 (which part of a batch had run when an exception came), calls the loop's zero-grad path and
-writes the metrics its logger connector keeps (progress bar, callbacks', logged).
+writes the metrics its logger connector keeps (progress bar, callbacks', logged). Around the
+batches it accumulates the loop enters ``strategy.block_backward_sync()``, which calls
+``strategy.model.no_sync()`` on any model that has one (a runtime protocol check,
+``lightning.pytorch.utilities.types.DistributedDataParallel``): FSDP (1) roots included.
 ``tests/test_lightning_seam.py`` fails if Lightning changes any of these.
 """
 
@@ -19,6 +22,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.optim import Optimizer
+
+
+def loop_skips_sync(strategy: Any) -> bool:
+    """Whether Lightning's automatic loop skips the gradient sync of the batches it accumulates under
+    ``strategy`` (``ParallelStrategy.block_backward_sync``: the wrapped model's ``no_sync()``, DDP's and FSDP's)."""
+    from lightning_accum._lightning import pl
+
+    protocol = pl.utilities.types.DistributedDataParallel
+    return isinstance(strategy, pl.strategies.ParallelStrategy) and isinstance(strategy.model, protocol)
 
 
 def set_divisor(trainer: Any, value: int) -> None:

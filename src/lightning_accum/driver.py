@@ -78,7 +78,7 @@ class MixinDriver(Callback):
         self.plan = sync.plan(trainer.strategy, self.config.sync)
         self.windows.start_fit(self.plan, self.config.log)
         check_noise_under(self.plan, self.config.schedule, self.config.lr_scaling)
-        sync.refuse_fsdp_root_skip(self.plan, trainer.strategy.model)
+        sync.refuse_fsdp_root(self.plan, trainer.strategy.model)
         custom_step = type(self.module).lr_scheduler_step is not pl.LightningModule.lr_scheduler_step
         self.schedulers.check_fit(trainer.lr_scheduler_configs, self.module, self.config.step_schedulers, custom_step)
 

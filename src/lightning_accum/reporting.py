@@ -258,9 +258,7 @@ def _reads_batches(obj: Any) -> bool:
     return False
 
 
-def publish(
-    trainer: Any, window: WindowReport, prefix: str = "accum/", wants: Wants | None = None
-) -> dict[str, Any]:
+def publish(trainer: Any, window: WindowReport, prefix: str = "accum/", wants: Wants | None = None) -> dict[str, Any]:
     """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar, and, every
     ``log_every_n_steps`` optimizer steps (or where ``wants.logs``, ``Readers.wants``), write them to the
     loggers. Host numbers only, but for a device gradient norm or learning rate (read with the rest, once,

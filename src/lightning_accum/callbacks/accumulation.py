@@ -152,7 +152,7 @@ class AccumulationScheduler(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._user_divisor = trainer.accumulate_grad_batches  # what teardown gives back
         fit_checks.refuse_scheduler_misuse(self, trainer, pl_module, decay_type=GradientDecay)
-        plan = sync.plan(trainer.strategy, self.sync)
+        plan = sync.loop_plan(trainer.strategy, self.sync, _seam.loop_skips_sync(trainer.strategy))
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
         fit_checks.refuse_split_misuse(self.microbatch_size, trainer, pl_module, plan)
         self._plan = plan
