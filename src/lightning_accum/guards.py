@@ -178,6 +178,7 @@ class MixinGuards:
         )
 
     def epoch_end(self) -> None:
+        self._in_batch = False  # (a batch whose `on_train_batch_start` returned -1 ran no batch end)
         blocks, passes = self.blocks, self.passes
         self.blocks = self.passes = self._blocks_before = 0
         if blocks and not passes:
