@@ -26,9 +26,10 @@ class Accumulator:
     Attributes:
         k: micro-batches of the window.
         index: this micro-batch's position in the window (0-based).
-        last: whether the window closes after this micro-batch (``k`` reached or epoch end): where a model that
-            steps its own LR scheduler once per window steps it, after the block. (A window whose epoch ends
-            on batches that run no block is closed at the epoch's end instead.)
+        last: whether the window closes after this micro-batch (``k`` reached or epoch end). Not whether it
+            steps: a window of no items (``normalize="items"``) closes unstepped, and a window whose epoch
+            ends on batches that run no block of it is closed at the epoch's end, with no block to see it.
+            For one LR-scheduler step per optimizer step, step it in the model's ``on_window_end``.
     """
 
     def __init__(self, block: Block, batch: Any, auto: AutoSize) -> None:

@@ -13,7 +13,6 @@ accumulated optimizer step (Lightning issue #11688).
 
 from __future__ import annotations
 
-import collections
 import inspect
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -36,7 +35,9 @@ class WindowReport:
     """A window whose optimizer step has just been taken, as callbacks' ``on_window_end`` get it.
 
     Attributes:
-        step: optimizer steps taken so far, this one included.
+        step: the window group's optimizer steps so far, this one included (``Progress.step``):
+            ``trainer.global_step`` with the callback; with the mixin, one per window of its group (a window
+            shared by several optimizers counts once, where ``trainer.global_step`` counts each one's step).
         epoch: the epoch the step was taken in.
         k: micro-batches the schedule gave the window (an epoch's last window may hold fewer).
         microbatches, samples, items: what went in, over all ranks.
@@ -85,9 +86,11 @@ def report(
     group: tuple[int, ...] = (0,),
     *,
     microbatch_size: int | None = None,
+    schedulers: Sequence[Any] = (),
 ) -> WindowReport:
-    """The report of the window ``engine`` has just advanced past (``closing``, stepped); ``optimizers``:
-    the fit's (``trainer.optimizers``), which name the learning rates."""
+    """The report of the window ``engine`` has just advanced past (``closing``, stepped); ``optimizers`` and
+    ``schedulers``: the fit's (``trainer.optimizers``, ``trainer.lr_scheduler_configs``), which name the
+    learning rates."""
     losses = dict(closing.losses or {})
     loss = losses.pop("loss", None)
     if closing.norm_sq is not None:
@@ -105,34 +108,45 @@ def report(
         progress=engine.progress,
         task_losses=MappingProxyType(losses),
         grad_norm=grad_norm,
-        lr=MappingProxyType(lr_names(optimizers, engine.used_lrs)),
+        lr=MappingProxyType(lr_names(optimizers, engine.used_lrs, schedulers)),
         noise_scale=engine.noise_scale,
         optimizers=group,
         microbatch_size=microbatch_size,
     )
 
 
-def lr_names(optimizers: Sequence[Any], used: Sequence[tuple[Any, list[Any]]]) -> dict[str, Any]:
-    """The learning rates ``used`` (optimizer, each group's rate), named as ``LearningRateMonitor``
-    names them among the fit's ``optimizers`` (``"lr"`` alone for one optimizer of one group)."""
+def lr_names(
+    optimizers: Sequence[Any], used: Sequence[tuple[Any, list[Any]]], schedulers: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """The learning rates ``used`` (optimizer, each group's rate), named as ``LearningRateMonitor`` names them
+    among the fit's ``optimizers`` and LR ``schedulers`` (``trainer.lr_scheduler_configs``: a config's ``name``,
+    else ``lr-<Optimizer>`` with ``-1``, ``-2`` for more of a type, the optimizers with schedulers first; a
+    group's ``name``, or ``pg<i>`` among several) ("lr" alone for one optimizer of one group)."""
     raw = [getattr(o, "optimizer", o) for o in optimizers]
     if len(raw) == 1 and len(used) == 1 and len(used[0][1]) == 1:
         return {"lr": used[0][1][0]}
-    seen: collections.Counter[str] = collections.Counter()
+    counted: dict[type, int] = {}  # optimizers of each type named `lr-<type>` so far
     names: dict[int, str] = {}
-    for optimizer in raw:
-        name = f"lr-{type(optimizer).__name__}"
-        seen[name] += 1
-        names[id(optimizer)] = name if seen[name] == 1 else f"{name}-{seen[name] - 1}"
+    for optimizer, name, scheduled in [
+        *((c.scheduler.optimizer, getattr(c, "name", None), True) for c in schedulers),
+        *((o, None, False) for o in raw),
+    ]:
+        if not scheduled and id(optimizer) in names:
+            continue  # (an optimizer with a scheduler: named already)
+        kind = type(optimizer)
+        if name is None:
+            counted[kind] = counted.get(kind, 0) + 1
+        base = name or f"lr-{kind.__name__}"
+        count = counted.get(kind, 0)
+        names.setdefault(id(optimizer), f"{base}-{count - 1}" if count > 1 else base)
     out = {}
     for optimizer, lrs in used:
         inner = getattr(optimizer, "optimizer", optimizer)
         base = names.get(id(inner), f"lr-{type(inner).__name__}")
-        if len(lrs) == 1:
-            out[base] = lrs[0]
-            continue
-        for i, (group, lr) in enumerate(zip(inner.param_groups, lrs, strict=True)):
-            out[f"{base}/{group.get('name', f'pg{i + 1}')}"] = lr
+        groups = inner.param_groups
+        for i, (group, lr) in enumerate(zip(groups, lrs, strict=True)):
+            label = group.get("name", f"pg{i + 1}" if len(groups) > 1 else None)
+            out[base if label is None else f"{base}/{label}"] = lr
     return out
 
 
@@ -326,24 +340,29 @@ def listeners(trainer: Any) -> list[Callable[[Any, Any, WindowReport], None]]:
     for callback in trainer.callbacks:
         hook = getattr(callback, "on_window_end", None)
         if callable(hook):
+            _check_hook(hook, callback, module=False)
             hooks.append(hook)
     own = getattr(trainer.lightning_module, "on_window_end", None)
     if callable(own):
-        _check_module_hook(own, trainer.lightning_module)
+        _check_hook(own, trainer.lightning_module, module=True)
         hooks.append(lambda trainer, module, window: own(window))
     return hooks
 
 
-def _check_module_hook(hook: Callable[..., Any], module: Any) -> None:
-    """Refuse, at the fit's start, a LightningModule's ``on_window_end`` that cannot take the report alone."""
+def _check_hook(hook: Callable[..., Any], owner: Any, module: bool) -> None:
+    """Refuse, at the fit's start, an ``on_window_end`` that cannot take what it is handed: the report alone on
+    a LightningModule, ``(trainer, pl_module, window)`` on a callback (as Lightning hands its hooks)."""
     try:
-        inspect.signature(hook).bind(None)
+        inspect.signature(hook).bind(*([None] if module else [None] * 3))
     except TypeError:
-        raise TypeError(
-            f"`{type(module).__name__}.on_window_end` must take the window's report alone, "
-            "`def on_window_end(self, window):` (a LightningModule's hooks are not handed the trainer or the "
-            "module; a callback's `on_window_end(self, trainer, pl_module, window)` is)."
-        ) from None
+        mine, other = (
+            ("the window's report alone, `def on_window_end(self, window):` (a LightningModule's hooks are not "
+             "handed the trainer or the module;", "a callback's `on_window_end(self, trainer, pl_module, window)` is)"),
+            ("`(trainer, pl_module, window)`, `def on_window_end(self, trainer, pl_module, window):` (as a "
+             "callback's Lightning hooks are;", "a LightningModule's `on_window_end(self, window)` takes the window "
+             "alone)"),
+        )[not module]  # fmt: skip
+        raise TypeError(f"`{type(owner).__name__}.on_window_end` must take {mine} {other}.") from None
     except ValueError:  # (no signature to read: a builtin)
         return
 

@@ -143,6 +143,30 @@ CASES: dict[str, dict[str, Any]] = {
     "decay_alone_estimated_and_resumed": {"plain": True, "schedule": {"family": "constant", "k": 1}, "estimate": True,
                                           "decay": [0.5, "sum", False], "n": 20, "epochs": 2,
                                           "interruptions": [["save", 1, 2]]},
+    # the adversarial pass after issue 31, 1: a step-interval plateau on a metric logged after the block was stepped
+    # as the block exited (refused at the first window with `strict=True`, one batch old otherwise); Lightning steps
+    # it after the batch's end hooks and validation (the callback, in Lightning's own loop, always did)
+    "mixin_step_plateau_on_a_metric_logged_after_the_batch": {
+        "adapter": "mixin", "n": 24, "epochs": 2, "schedule": {"family": "constant", "k": 2}, "optimizer": "momentum",
+        "lr": 0.5, "val_every": 3, "scheduler": {"kind": "plateau", "interval": "step"}},
+    "callback_step_plateau_on_a_metric_logged_after_the_batch": {
+        "n": 24, "epochs": 2, "schedule": {"family": "constant", "k": 2}, "optimizer": "momentum", "lr": 0.5,
+        "val_every": 3, "scheduler": {"kind": "plateau", "interval": "step"}},
+    "mixin_step_plateau_windows_of_their_own": {
+        "adapter": "mixin", "n": 24, "optimizers": 2, "windows": "each", "epochs": 2, "optimizer": "momentum",
+        "lr": 0.5, "schedule": {"family": "constant", "k": 2}, "scheduler": {"kind": "plateau", "interval": "step"}},
+    # ... 4: `zero_grad()` left in `training_step` threw each window's earlier micro-batches away: refused
+    "mixin_zero_grad_in_training_step_is_refused": {"adapter": "mixin", "n": 24, "zero_grad": True,
+                                                   "schedule": {"family": "constant", "k": 3}},
+    # ... 3: a fit stopped inside a window left it open, and the next `trainer.fit` counted its micro-batches into its
+    # first window (gradients at the old weights)
+    "mixin_refit_after_a_stop_inside_a_window": {
+        "adapter": "mixin", "n": 30, "epochs": 2, "refit": [0, 4], "optimizer": "adam", "lr": 0.01,
+        "decay": [0.5, "sum", False], "lr_scaling": "linear",
+        "schedule": {"family": "ramp", "start": 1, "end": 4, "over": 4, "unit": "step"}},
+    "mixin_refit_windows_of_their_own": {
+        "adapter": "mixin", "n": 30, "epochs": 2, "refit": [0, 4], "optimizers": 2, "windows": "each",
+        "schedule": {"family": "constant", "k": 3}, "scheduler": {"kind": "step", "interval": "step", "step_size": 1}},
     # every option at once, through two resumes
     "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
                    "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},

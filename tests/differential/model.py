@@ -69,3 +69,11 @@ def probe_loss(net: nn.Module, data: Data) -> float:
     with torch.no_grad():
         value = ((net(data.x[:4]) - data.y[:4]) ** 2).mean()
     return float(value.float())
+
+
+def batch_probe(net: nn.Module, batch: dict[str, Tensor]) -> float:
+    """What a step-interval plateau watches: the batch's unmasked error at the weights after its step, logged in
+    ``on_train_batch_end`` (rounded to float32, as ``probe_loss``)."""
+    with torch.no_grad():
+        value = ((net(batch["x"]) - batch["y"]) ** 2).mean()
+    return float(value.float())

@@ -29,7 +29,7 @@ import lightning_accum as la
 from lightning_accum.lr import WarmupCosine
 
 from .configs import Config
-from .model import Data, count_tokens, errors, guide_weights, make_net, micro_loss, probe_loss
+from .model import Data, batch_probe, count_tokens, errors, guide_weights, make_net, micro_loss, probe_loss
 from .reference import EMA, Result, make_optimizers, make_scheduler, optimizer_state
 
 LAMBDA_FNS = {
@@ -89,10 +89,16 @@ class _Base(pl.LightningModule):
         if sched is None:
             return opts
         config = {"scheduler": sched, "interval": self.c.scheduler.get("interval", "epoch")}  # type: ignore[union-attr]
-        if self.c.scheduler["kind"] == "plateau":  # type: ignore[index]
+        if self.c.step_plateau():  # (on a metric logged after the batch: Lightning steps it after that)
+            config["monitor"], config["strict"] = "batch", True
+        elif self.c.scheduler["kind"] == "plateau":  # type: ignore[index]
             config["monitor"] = monitored(self.c)
             config["strict"] = self.c.monitor == "probe"  # (no window may have stepped by the first epoch's end)
         return opts, [config]
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self.c.step_plateau():
+            self.log("batch", batch_probe(self.net, batch))
 
     def on_train_epoch_end(self) -> None:
         if self.c.probe_in == "module":  # (the usual place for an epoch's metric: after the callbacks')
@@ -185,6 +191,9 @@ class Manual(la.AccumulationMixin, _Base):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.maybe_fail()
+        if self.c.zero_grad:  # (left over from Lightning's manual optimization: refused)
+            optimizers = self.optimizers()
+            (optimizers[0] if isinstance(optimizers, list) else optimizers).zero_grad()  # type: ignore[union-attr]
         if batch_idx in self.c.skip:
             return None  # (Lightning's manual optimization: the batch trains nothing)
         if self.c.windows == "each":  # a window per optimizer, one after the other (a GAN's habit)
@@ -361,6 +370,17 @@ class Interrupter(Checkpoint):
         self._fire(trainer, "validation")
 
 
+class Stopper(pl.Callback):
+    """Stops the loop (``trainer.should_stop``) after the batch ``at`` (epoch, index)."""
+
+    def __init__(self, at: tuple[int, int]) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx) == self.at:
+            trainer.should_stop = True
+
+
 class StepSaver(Checkpoint):
     """A checkpoint at every optimizer step (as ``ModelCheckpoint(every_n_train_steps=1)``), noting which
     were written at an epoch's last batch: Lightning resumes from those without running that epoch's
@@ -387,10 +407,20 @@ class StepSaver(Checkpoint):
 
 
 def _fit(
-    c: Config, tmp: Path, recorder: Recorder, saver: StepSaver, fault: Interrupter | None, ckpt: Path | None
+    c: Config,
+    tmp: Path,
+    recorder: Recorder,
+    saver: StepSaver,
+    fault: Interrupter | None,
+    ckpt: Path | None,
+    model: _Base | None = None,
 ) -> pl.LightningModule:
-    model: _Base = Manual(c, recorder.data) if c.adapter == "mixin" else Automatic(c, recorder.data)
+    first = model is None  # (else `trainer.fit` again on the model of an earlier fit)
+    if model is None:
+        model = Manual(c, recorder.data) if c.adapter == "mixin" else Automatic(c, recorder.data)
     callbacks: list[pl.Callback] = [recorder]
+    if first and c.refit is not None:
+        callbacks.append(Stopper((c.refit[0], c.refit[1])))
     ema = model.window_ema = WindowEMA()
     if c.adapter == "callback" and not c.plain:
         callbacks.append(
@@ -483,6 +513,9 @@ def run(c: Config) -> Result:
             if ckpt is None:  # failed before any step was saved: start again (Lightning would resume from
                 recorder.lrs.clear()  # the on-exception checkpoint when given none)
                 (tmp / "on_exception.ckpt").unlink()
+        if c.refit is not None:  # `trainer.fit` again, a new Trainer and callbacks, no checkpoint
+            recorder = Recorder(data, ResumingLoader(data, c.batch_size))
+            model = _fit(c, tmp, recorder, StepSaver(tmp / "refit"), None, None, model=model)  # type: ignore[arg-type]
         trainer = model.trainer
         params = [p.detach().clone() for p in model.net.parameters()]
         lrs = [recorder.lrs[s] for s in sorted(recorder.lrs)]

@@ -141,6 +141,7 @@ class AccumulationScheduler(Callback):
         self._readers = reporting.Readers.of_nobody()  # who reads the windows' numbers (found at train start)
         self._wants = reporting.NOTHING  # what the closing window must compute for them
         self._reported = reporting.Reported()  # the last window's numbers, for monitors after a resume
+        self._restored = False  # whether this fit's checkpoint restored the window
 
     @property
     def progress(self) -> Progress:
@@ -156,6 +157,11 @@ class AccumulationScheduler(Callback):
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
         fit_checks.refuse_split_misuse(self.microbatch_size, trainer, pl_module, plan)
         self._plan = plan
+        if not self._restored:  # a fit not resumed from a checkpoint continues no window an earlier fit left open
+            self._engine.discard()  # (one that failed inside it; Lightning zeroes the gradients before training)
+            if self._split is not None:
+                self._split.fresh_fit()
+        self._restored = False
         check_noise_under(plan, self.schedule, self.lr_scaling)
 
     # ------------------------------------------------------------------ fit lifetime
@@ -452,7 +458,8 @@ class AccumulationScheduler(Callback):
         wants = self._wants
         if wants.publish or wants.hooks:
             size = None if self._split is None else self._split.used
-            window = reporting.report(trainer.optimizers, engine, closing, microbatch_size=size)
+            configs = trainer.lr_scheduler_configs
+            window = reporting.report(trainer.optimizers, engine, closing, microbatch_size=size, schedulers=configs)
             if wants.publish:
                 self._reported.publish(trainer, window, wants=wants)
             reporting.announce(self._readers.hooks, trainer, pl_module, window)
@@ -487,6 +494,7 @@ class AccumulationScheduler(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (the partial gradient is put back at train start)."""
+        self._restored = True
         self._engine.load_state_dict(state_dict)
         self._divisor = int(state_dict.get("divisor", 1))
         self._reported.load_state_dict(state_dict.get("reported", {}))
