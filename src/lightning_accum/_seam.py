@@ -23,12 +23,12 @@ from typing import Any
 
 from torch.optim import Optimizer
 
+from lightning_accum._lightning import pl
+
 
 def loop_skips_sync(strategy: Any) -> bool:
     """Whether Lightning's automatic loop skips the gradient sync of the batches it accumulates under
     ``strategy`` (``ParallelStrategy.block_backward_sync``: the wrapped model's ``no_sync()``, DDP's and FSDP's)."""
-    from lightning_accum._lightning import pl
-
     protocol = pl.utilities.types.DistributedDataParallel
     return isinstance(strategy, pl.strategies.ParallelStrategy) and isinstance(strategy.model, protocol)
 
