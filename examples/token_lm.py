@@ -99,6 +99,7 @@ def one_window(lines: list[str], k: int, size: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lines", type=int, default=None, help="train on the first N lines only (a quick run)")
     args = parser.parse_args()
     quiet()
 
@@ -108,7 +109,7 @@ def main() -> None:
     one_window([*by_length[:8], *by_length[-8:], *by_length[len(lines) // 2 : len(lines) // 2 + 16]], k=4, size=8)
 
     held_out = collate(lines[::10])
-    train = [line for i, line in enumerate(lines) if i % 10]
+    train = [line for i, line in enumerate(lines) if i % 10][: args.lines]
     for name, normalize, reduction in (("token-weighted", "items", "sum"), ("mean of means", "mean", "mean")):
         pl.seed_everything(0, verbose=False)
         model = CharLM(reduction)

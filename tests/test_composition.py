@@ -122,7 +122,8 @@ def test_plateau_without_its_metric_says_which() -> None:
         def training_step(self, batch: Any, batch_idx: int) -> None:
             ManualTokenModel.training_step(self, batch, batch_idx)
 
-    with pytest.raises(RuntimeError, match=r"`ReduceLROnPlateau` monitors 'seen', which is not in `trainer.callback_metrics`"):
+    missing = r"`ReduceLROnPlateau` monitors 'seen', which is not in `trainer.callback_metrics`"
+    with pytest.raises(RuntimeError, match=missing):
         trainer(max_epochs=1).fit(Unlogged(schedule=2, step_schedulers=True), loader(DATA, 4))
 
 

@@ -65,7 +65,7 @@ def test_adaptive(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_token_lm() -> None:
-    out = run("token_lm.py", "--epochs", "1")
+    out = run("token_lm.py", "--epochs", "1", "--lines", "256")
     items = float(out.split("normalize='items' vs one big batch: relative error ")[1].split()[0])
     means = float(out.split("mean of means     vs one big batch: relative error ")[1].split()[0])
     assert items < 1e-6 < 1e-2 < means
@@ -83,7 +83,7 @@ def test_contrastive(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_retrieval(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    out = run("retrieval.py", "--steps", "10", "--out", str(tmp_path))
+    out = run("retrieval.py", "--steps", "3", "--out", str(tmp_path))
     curves = {line.split(":")[0].strip(): line.split()[-1] for line in out.splitlines() if "top-1" in line}
     assert set(curves) == {"whole", "plain", "cached"} and (tmp_path / "retrieval.png").exists()
 
