@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -99,14 +100,23 @@ class _MallInfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _heap_bytes() -> int:
-    """Bytes the C heap holds now (allocated chunks and mapped blocks); 0 where glibc has no mallinfo2."""
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2``, loaded once (``None`` where glibc has none)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
     except (OSError, AttributeError):
+        return None
+    return libc.mallinfo2
+
+
+def _heap_bytes() -> int:
+    """Bytes the C heap holds now (allocated chunks and mapped blocks); 0 where glibc has no mallinfo2."""
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
         return 0
-    info = libc.mallinfo2()
+    info = mallinfo2()
     return int(info.uordblks + info.hblkhd)
 
 
@@ -216,9 +226,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dropouts", default="0,0.1", help="the towers' dropout rates, comma-separated")
     parser.add_argument("--json", type=Path, default=HERE / "cached_memory.json")
     args = parser.parse_args()
-    rows = measure(0.0, args.batch, args.rounds) + measure(0.1, args.batch, args.rounds)
+    dropouts = [float(rate) for rate in args.dropouts.split(",")]
+    rows = [row for rate in dropouts for row in measure(rate, args.batch, args.rounds)]
     head = f"{'run':<16}{'dropout':>8}{'graph MiB':>10}{'vs whole':>10}{'target':>9}{'time s':>9}{'vs whole':>10}"
     print(head + f"{'vs plain':>10}")
     for row in rows:
@@ -230,7 +242,7 @@ def main() -> None:
         )
     print("targets: graph ratio <= the target column; time ratio <= 1.5 ('vs plain': plain accumulation")
     print("at the same chunk size, which pays the same small-matmul cost on a CPU but trains another objective)")
-    versus = versus_gradcache(0.0, args.batch, args.rounds) + versus_gradcache(0.1, args.batch, args.rounds)
+    versus = [row for rate in dropouts for row in versus_gradcache(rate, args.batch, args.rounds)]
     print(f"{'vs GradCache':<16}{'dropout':>8}{'heap MiB':>10}{'GradCache':>11}{'ratio':>8}{'time ratio':>12}")
     for row in versus:
         print(

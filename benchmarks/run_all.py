@@ -24,7 +24,7 @@ QUICK = {
     "comm_calls.py": [],
     "rank_check.py": ["--calls", "200"],
     "noise_study.py": ["--seeds", "1", "--png", ""],
-    "cached_memory.py": ["--batch", "256", "--rounds", "1"],
+    "cached_memory.py": ["--batch", "64", "--rounds", "1", "--dropouts", "0.1"],
     "microbatches.py": ["--repeats", "1", "--batches", "8"],
     "cached_sentence_transformers.py": ["--batches", "64", "--ranks-batch", "64", "--rounds", "1"],
 }
