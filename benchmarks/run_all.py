@@ -1,6 +1,6 @@
 """Run every benchmark and write ``benchmarks/RESULTS.md``: what was measured, ratio, target, machine.
 
-python benchmarks/run_all.py            # all of them (about 15 minutes on 2 CPU cores)
+python benchmarks/run_all.py            # all of them (about 20 minutes on 2 CPU cores)
 python benchmarks/run_all.py --quick    # tiny budgets: checks that every benchmark runs
 """
 
@@ -26,6 +26,8 @@ QUICK = {
     "noise_study.py": ["--seeds", "1", "--png", ""],
     "cached_memory.py": ["--batch", "256", "--rounds", "1"],
     "microbatches.py": ["--repeats", "1", "--batches", "8"],
+    "realistic.py": ["--rounds", "1", "--warmup", "0", "--batches", "8", "--mlp-batches", "8", "--seq", "16"],
+    "window_host_work.py": ["--reps", "20", "--rounds", "2"],
 }
 
 
@@ -33,6 +35,33 @@ def run(script: str, extra: list[str], out: Path) -> dict:  # type: ignore[type-
     path = out / script.replace(".py", ".json")
     subprocess.run([sys.executable, str(HERE / script), "--json", str(path), *extra], check=True, capture_output=True)
     return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def realistic_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: ignore[type-arg]
+    """The rows of ``realistic.py`` (each adapter against its own baseline) and ``window_host_work.py``."""
+    table = []
+    for row in results["realistic.py"]["rows"]:
+        what = f"realistic: {row['run']}"
+        measured = f"CPU time vs {row['baseline']} (best; {row['baseline_ms_per_window']:.1f} ms/window)"
+        table.append((what, measured, f"{row['ratio_best']:.3f}", "<= 1.01"))
+    host = results["window_host_work.py"]
+    for row in host["rows"]:
+        what = f"window host work, log={row['log']}: {row['part']}"
+        if row["part"] == "window_end":
+            target = "<= 20" if row["log"] else "(reported)"
+        elif row["part"] == "microbatch_hooks":
+            what += " (per micro-batch, hot)"
+            target = "(reported)"
+        elif row["part"] == "grad_norm":
+            target = "(part of close)"
+        else:
+            target = "(part of window_end)"
+        counts = f"{row['host_reads']} host read(s), {row['tensor_ops']} tensor ops, {row['builds']} builds"
+        table.append((what, f"us, in place (best); {counts}", f"{row['us']:.1f}", target))
+    for log in (True, False):
+        table.append((f"window host work, log={log}: the rest of window_end", "us, in place (best)",
+                      f"{host[f'other_us_log_{log}']:.1f}", "(part of window_end)"))  # fmt: skip
+    return table
 
 
 def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: ignore[type-arg]
@@ -100,6 +129,7 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
         ("rank check on k (Lambda), 2 gloo ranks", "us / step vs the count all-reduce", f"{check['check']:.0f} us, "
          f"{check['check'] / check['counts']:.2f}", "(reported; 0 for built-in schedules)")
     )  # fmt: skip
+    table.extend(realistic_rows(results))
     return table
 
 
