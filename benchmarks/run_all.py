@@ -26,6 +26,7 @@ QUICK = {
     "noise_study.py": ["--seeds", "1", "--png", ""],
     "cached_memory.py": ["--batch", "256", "--rounds", "1"],
     "microbatches.py": ["--repeats", "1", "--batches", "8"],
+    "cached_sentence_transformers.py": ["--batches", "64", "--ranks-batch", "64", "--rounds", "1"],
     "realistic.py": ["--rounds", "1", "--warmup", "0", "--batches", "8", "--mlp-batches", "8", "--seq", "16"],
     "window_host_work.py": ["--reps", "20", "--rounds", "2"],
 }
@@ -107,6 +108,23 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
         what = f"cached backward vs GradCache, chunks of {row['chunk']}, dropout {row['dropout']}"
         table.append((what, "heap peak vs GradCache's", f"{row['peak_ratio']:.3f}", "<= 1"))
         table.append((what, "time vs GradCache's", f"{row['time_ratio']:.3f}", "<= 1 (noisy)"))
+    versus_st = results["cached_sentence_transformers.py"]
+    for row in versus_st["rows"]:
+        what = f"cached backward vs sentence-transformers' cached loss, batch {row['batch']}, chunks of {row['chunk']}"
+        table.append((what, "heap peak vs theirs", f"{row['peak_ratio']:.3f}", "<= 1"))
+        table.append((what, "CPU time vs theirs", f"{row['time_ratio']:.3f}", "<= 1.05 (noisy)"))
+        table.append((what, "gradient vs the uncached loss, float64", f"{row['grad_vs_uncached']:.1e}", "<= 1e-12"))
+    ranks = versus_st["two_ranks"]
+    theirs = ranks["sentence-transformers"]
+    for name in ("rank-local", "whole gathered loss"):
+        what = f"cached backward on 2 gloo ranks, {name}, global batch {versus_st['ranks_batch']}"
+        rows_target = f"{versus_st['ranks_batch'] // 2} (its own)" if name == "rank-local" else "(all)"
+        table.append((what, "anchor rows one rank's loss scored", str(ranks[name]["rows_scored"]), rows_target))
+        peak, time_s = ranks[name]["peak_bytes"] / theirs["peak_bytes"], ranks[name]["time_s"] / theirs["time_s"]
+        table.append((what, "heap peak vs sentence-transformers'", f"{peak:.3f}",
+                      "<= 1" if name == "rank-local" else "(reported)"))  # fmt: skip
+        table.append((what, "time vs sentence-transformers'", f"{time_s:.3f}", "(noisy)"))
+        table.append((what, "gradient vs one process", f"{ranks[name]['grad_vs_one_process']:.1e}", "<= 1e-12"))
     study = results["noise_study.py"]
     ks = ", ".join(str(row["k"]) for row in study["rows"])
     table.append(

@@ -4,10 +4,12 @@ windows of k cached batches, against a plain PyTorch loop."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -468,3 +470,513 @@ def test_the_first_pass_outputs_are_released_before_the_loss_backward() -> None:
 
     q, d = data(12)
     backward_cached([encoder, encoder], [q, d], loss_fn, 5, plain_backward, reps_backward)
+
+
+# ------------------------------------------------------------------- the loss stage in blocks of rows
+def info_nce_rows(q: Tensor, d: Tensor, rows: slice | None = None, temperature: Tensor | float = 0.5) -> Tensor:
+    """``info_nce_hard``'s part from the query rows ``rows`` (all of them without): the parts sum to it."""
+    rows = slice(0, len(q)) if rows is None else rows
+    qn, dn = nn.functional.normalize(q[rows], dim=1), nn.functional.normalize(d, dim=1)
+    labels = torch.arange(rows.start, rows.stop, device=q.device) * (len(d) // len(q))
+    return nn.functional.cross_entropy(qn @ dn.T / temperature, labels, reduction="sum") / len(q)
+
+
+@pytest.mark.parametrize("block", [1, 4, 6, 50])
+def test_the_loss_in_blocks_equals_the_whole_loss_with_dropout(block: int) -> None:
+    """Towers of different sizes, dropout on, a learned temperature: the blocks' parts, each
+    back-propagated before the next, give the whole batch's gradient and loss."""
+    q_net, d_net = tower(dropout=0.3), tower(dropout=0.3, seed=1)
+    temperature = nn.Parameter(torch.tensor(0.6, dtype=torch.float64))
+    q, _ = data(14)
+    d, _ = data(14 * (1 + NEGATIVES), seed=2)
+    torch.manual_seed(5)
+    loss = info_nce_rows(chunked(q_net, q, 4), chunked(d_net, d, 9), temperature=temperature)
+    loss.backward()
+    expected, rng_after = [*grads(q_net, d_net), temperature.grad.clone()], torch.get_rng_state()  # type: ignore[union-attr]
+    q_net.zero_grad(), d_net.zero_grad(), temperature.grad.zero_()  # type: ignore[func-returns-value,union-attr]
+    seen: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def loss_fn(q: Tensor, d: Tensor, rows: slice) -> Tensor:
+        seen.append((rows.start, rows.stop, tuple((q[rows] @ d.T).shape)))
+        return info_nce_rows(q, d, rows, temperature)
+
+    torch.manual_seed(5)
+    got_loss = backward_cached(
+        [q_net, d_net], [q, d], loss_fn, [4, 9], plain_backward, reps_backward, loss_chunk_size=block
+    )
+    got = [*grads(q_net, d_net), temperature.grad]
+    assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-12  # type: ignore[operator]
+    assert abs(got_loss.item() - loss.item()) <= 1e-14
+    assert torch.equal(torch.get_rng_state(), rng_after)
+    starts = list(range(0, 14, block))
+    assert seen == [(s, min(s + block, 14), (min(s + block, 14) - s, 42)) for s in starts]  # (m x B(1 + n) at a time)
+
+
+def test_the_loss_graph_is_one_block() -> None:
+    """The score matrix and its graph: one block of rows alive, not the whole B x B."""
+    net = nn.Identity()
+    q, d = torch.randn(512, 4, dtype=torch.float64), torch.randn(512, 4, dtype=torch.float64)
+    peaks = {}
+    for block in (None, 32):
+        with measure_graph_memory() as memory:
+            backward_cached([net, net], [q, d], info_nce_rows, 512, plain_backward, lambda r, g: None,
+                            loss_chunk_size=block)  # fmt: skip
+        peaks[block] = memory.peak
+    ratio = peaks[32] / peaks[None]
+    print(f"loss graph memory, blocks of 32 rows / the whole 512 x 512: {ratio:.3f}")
+    assert ratio < 2 * 32 / 512
+
+
+def test_a_loss_without_rows_is_refused_before_anything_runs() -> None:
+    net = tower(dropout=0.3)
+    q, d = data(6)
+    calls: list[int] = []
+
+    def encoder(x: Tensor) -> Tensor:
+        calls.append(1)
+        return net(x)
+
+    state = torch.get_rng_state()
+    with pytest.raises(TypeError, match=r"`loss_chunk_size` calls `loss_fn\(\*reps, rows=slice\(i, i \+ m\)\)`"):
+        backward_cached([encoder, encoder], [q, d], info_nce, 2, plain_backward, reps_backward, loss_chunk_size=2)
+    assert not calls and torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(loss_chunk_size=0), ValueError, r"`loss_chunk_size` must be an int >= 1 \(rows of the first input"),
+        (dict(loss_chunk_size=-2), ValueError, "`loss_chunk_size` must be an int >= 1"),
+        (dict(loss_chunk_size=2.0), ValueError, "`loss_chunk_size` must be an int >= 1"),
+        (dict(loss_chunk_size=math.nan), ValueError, "`loss_chunk_size` must be an int >= 1"),
+        (dict(loss_chunk_size=True), ValueError, "`loss_chunk_size` must be an int >= 1"),
+        (dict(loss_chunk_size="2"), ValueError, "`loss_chunk_size` must be an int >= 1"),
+        (dict(chunk_tokens=0), ValueError, r"`chunk_tokens` must be an int >= 1 \(tokens per chunk\)"),
+        (dict(chunk_tokens=[4, 4, 4]), ValueError, "`chunk_tokens` has 3 entries for 2 encoders"),
+        (dict(chunk_tokens=4), ValueError, r"`chunk_tokens` counts the tokens of `inputs\[0\]` by its `attention_m"),
+        (dict(chunk_size=None), ValueError, r"Give `chunk_size` \(samples per chunk\) or `chunk_tokens`"),
+        (dict(chunk_size=[2, None]), ValueError, r"Give `chunk_size` .* for encoder 1"),
+        (dict(no_grad="yes"), TypeError, r"`no_grad` must be True or False, or one per encoder"),
+        (dict(no_grad=[True]), ValueError, "`no_grad` has 1 entries for 2 encoders"),
+        (dict(chunk_size=np.float64(2)), ValueError, r"`chunk_size` must be an int >= 1"),
+    ],
+)  # fmt: skip
+def test_misuse_is_named_with_the_fix_and_changes_nothing(kwargs: dict[str, Any], error: type, match: str) -> None:
+    net = tower(dropout=0.3)
+    q, d = data(6)
+    calls: list[int] = []
+
+    def encoder(x: Tensor) -> Tensor:
+        calls.append(1)
+        return net(x)
+
+    state = torch.get_rng_state()
+    args: dict[str, Any] = {"chunk_size": 2, **kwargs}
+    chunk = args.pop("chunk_size")
+    with pytest.raises(error, match=match):
+        backward_cached([encoder, encoder], [q, d], info_nce_rows, chunk, plain_backward, reps_backward, **args)
+    assert not calls and torch.equal(torch.get_rng_state(), state) and all(p.grad is None for p in net.parameters())
+
+
+def test_numpy_integers_are_counts() -> None:
+    """``chunk_size=np.int64(2)`` (and the other counts) as schedules take them: any integer."""
+    net = tower()
+    q, d = data(6)
+    info_nce(net(q), net(d)).backward()
+    expected = grads(net)
+    net.zero_grad()
+    backward_cached([net, net], [q, d], info_nce_rows, np.int64(2), plain_backward, reps_backward,
+                    loss_chunk_size=np.int32(4))  # fmt: skip
+    assert max((a - b).abs().max().item() for a, b in zip(grads(net), expected, strict=True)) <= 1e-13
+
+
+# ------------------------------------------------------------------------ how an encoder is called
+def test_an_encoder_taking_the_dict_whole_gets_it_and_non_tensors_pass_through() -> None:
+    """An encoder whose one argument is the features dict (a SentenceTransformer's, or one written
+    before keyword arguments came) gets each chunk's dict, a fresh one each call; entries without a
+    tensor go to every chunk unchanged; an output mapping's ``sentence_embedding`` is the default."""
+    net = tower(dropout=0.2)
+    seen: list[dict[str, Any]] = []
+
+    def encoder(features: dict[str, Any]) -> dict[str, Any]:
+        seen.append(dict(features))
+        features["token_embeddings"] = net(features["x"])  # (written into the dict, as a SentenceTransformer does)
+        features["sentence_embedding"] = features["token_embeddings"] * features["w"][:, None]
+        return features
+
+    q, d = data(9)
+    w = torch.rand(9, dtype=torch.float64)
+    inputs = [{"x": q, "w": w, "modality": "text"}, {"x": d, "w": w, "modality": "text", "prompt": None}]
+
+    def reference(features: dict[str, Any]) -> Tensor:
+        return net(features["x"]) * features["w"][:, None]
+
+    torch.manual_seed(1)
+    from lightning_accum.microbatch import split
+
+    ref = [torch.cat([reference(p) for p in split({"x": x["x"], "w": x["w"]}, 4)]) for x in inputs]
+    info_nce_rows(*ref).backward()
+    expected = grads(net)
+    net.zero_grad()
+    torch.manual_seed(1)
+    backward_cached([encoder, encoder], inputs, info_nce_rows, 4, plain_backward, reps_backward, loss_chunk_size=3)
+    assert max((a - b).abs().max().item() for a, b in zip(grads(net), expected, strict=True)) <= 1e-13
+    assert len(seen) == 12 and all(set(s) <= {"x", "w", "modality", "prompt"} for s in seen)  # (2 passes x 6 chunks)
+    assert all(s["modality"] == "text" for s in seen) and [len(s["x"]) for s in seen[:3]] == [4, 4, 1]
+
+
+def test_an_encoder_fitting_neither_call_is_told_both() -> None:
+    def encoder(features: dict[str, Tensor], extra: Tensor) -> Tensor:
+        return features["x"]
+
+    q, _ = data(4)
+    with pytest.raises(TypeError, match=r"fits neither way a Mapping input goes .* as keyword arguments .* or whole"):
+        backward_cached([encoder], [{"x": q}], lambda r: r.sum(), 2, plain_backward, reps_backward)
+
+
+def test_representations_must_be_a_row_per_sample() -> None:
+    net = tower()
+    q, _ = data(6)
+    with pytest.raises(ValueError, match=r"returned \[4\] rows for a chunk of 2 samples; it must return one row"):
+        backward_cached([lambda x: net(torch.cat([x, x]))], [q], lambda r: r.sum(), 2, plain_backward, reps_backward)
+
+
+# ------------------------------------------------------------------------------ token-budget chunks
+LENGTHS = [3, 5, 2, 6, 1, 4, 6, 2]  # 8 passages padded to 7: 8 tokens a chunk packs (0, 2), (2, 4), (4, 6), (6, 8)
+
+
+def bert(dropout: float = 0.0) -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, attn_implementation="eager", hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.BertModel(config, add_pooling_layer=False).double().train()
+
+
+def padded(lengths: list[int], width: int, seed: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": torch.randint(1, 50, (len(lengths), width), generator=g) * mask, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_token_budget_chunks_trim_their_padding(dropout: float) -> None:
+    """Passages packed up to 8 tokens by their attention mask, each chunk's trailing padding columns
+    trimmed: against the whole batch at once (dropout off), and against the same trimmed chunks run
+    by hand with a graph (dropout on: the masks are drawn at the trimmed width, replayed alike)."""
+    net = bert(dropout)
+    widths: list[tuple[int, int]] = []
+
+    def encode(input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # the masked mean of the last states
+        widths.append(tuple(input_ids.shape))  # type: ignore[arg-type]
+        states = net(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return (states * attention_mask[..., None]).sum(1) / attention_mask.sum(1, keepdim=True)
+
+    queries, passages = padded([4, 2, 3, 4], 5, seed=1), padded(LENGTHS, 7, seed=2)
+    torch.manual_seed(3)
+    q = torch.cat([encode(**{k: v[a:b] for k, v in queries.items()}) for a, b in ((0, 2), (2, 4))])
+    if dropout:  # the token chunks, trimmed, by hand
+        chunks = [((0, 2), 5), ((2, 4), 6), ((4, 6), 4), ((6, 8), 6)]
+        d = torch.cat([encode(**{k: v[a:b, :w] for k, v in passages.items()}) for (a, b), w in chunks])
+    else:
+        d = encode(**passages)
+    loss = info_nce_rows(q, d)
+    loss.backward()
+    expected, after = grads(net), torch.get_rng_state()
+    net.zero_grad()
+    widths.clear()
+    torch.manual_seed(3)
+    got = backward_cached([encode, encode], [queries, passages], info_nce_rows, [2, None], plain_backward,
+                          reps_backward, chunk_tokens=[None, 8], loss_chunk_size=3)  # fmt: skip
+    assert max((a - b).abs().max().item() for a, b in zip(grads(net), expected, strict=True)) <= 1e-12
+    assert abs(got.item() - loss.item()) <= 1e-13 and torch.equal(torch.get_rng_state(), after)
+    passes = [(2, 5), (2, 5), (2, 5), (2, 6), (2, 4), (2, 6)]  # queries (2 chunks), then passages, each pass
+    assert widths == passages_twice(passes)
+
+
+def passages_twice(one_pass: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The encoder's calls: the first pass, then the replay, each the queries' 2 chunks then the passages' 4."""
+    return one_pass + one_pass
+
+
+def test_token_budget_with_a_row_cap_and_a_long_sample_alone() -> None:
+    from lightning_accum.cached import plan
+
+    passages = padded([9, 1, 1, 1, 1, 2], 10, seed=0)
+    towers = plan([bert()], [passages], info_nce_rows, 3, chunk_tokens=4)
+    assert towers[0].chunks == [(0, 1), (1, 4), (4, 6)]  # 9 > 4 alone; then at most 3 rows; then 3 tokens
+    assert [tuple(towers[0].part(j)["input_ids"].shape) for j in range(3)] == [(1, 9), (3, 1), (2, 2)]
+
+
+def test_per_token_outputs_with_trimmed_chunks_are_refused_with_the_fix() -> None:
+    net = bert()
+    passages = padded(LENGTHS, 7, seed=2)
+    with pytest.raises(ValueError, match=r"differ in shape from chunk to chunk .* pool it to a row per sample"):
+        backward_cached([net], [passages], lambda r: r.sum(), None, plain_backward, reps_backward, chunk_tokens=8,
+                        get_rep=lambda out: out.last_hidden_state)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- towers without a gradient
+def guided(q: Tensor, d: Tensor, gq: Tensor, gd: Tensor, rows: slice | None = None) -> Tensor:
+    """GISTEmbed-style: the guide's similarities mask the in-batch negatives it scores above the
+    positive (likely false negatives); the rest is ``info_nce_rows``."""
+    rows = slice(0, len(q)) if rows is None else rows
+    guide = nn.functional.normalize(gq[rows], dim=1) @ nn.functional.normalize(gd, dim=1).T
+    labels = torch.arange(rows.start, rows.stop)
+    positive = guide[torch.arange(len(labels)), labels][:, None]
+    scores = nn.functional.normalize(q[rows], dim=1) @ nn.functional.normalize(d, dim=1).T / 0.5
+    scores = scores.masked_fill((guide > positive) & (labels[:, None] != torch.arange(len(d))), -torch.inf)
+    return nn.functional.cross_entropy(scores, labels, reduction="sum") / len(q)
+
+
+@pytest.mark.parametrize("how", ["frozen", "no_grad"])
+def test_a_guide_tower_runs_once(how: str) -> None:
+    """A frozen guide (GISTEmbed) forwarded once per chunk, not replayed, its dropout draws where the
+    whole batch's forward makes them; BatchNorm statistics of both move once per sample."""
+    q_net, d_net = tower(dropout=0.3, norm=True), tower(dropout=0.3, seed=1)
+    guide = tower(dropout=0.3, norm=True, seed=2)
+    if how == "frozen":
+        guide.requires_grad_(False)
+    ref_q, ref_guide = tower(dropout=0.3, norm=True), tower(dropout=0.3, norm=True, seed=2)
+    ref_guide.requires_grad_(False)
+    q, d = data(12)
+    calls: list[bool] = []
+    guide.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))  # type: ignore[func-returns-value]
+
+    def guide_encoder(x: Tensor) -> Tensor:
+        return guide(x)
+
+    torch.manual_seed(4)
+    reps = [chunked(ref_q, q, 5), chunked(d_net, d, 5), chunked(ref_guide, q, 5), chunked(ref_guide, d, 5)]
+    guided(*reps).backward()
+    expected, after = grads(ref_q, d_net), torch.get_rng_state()
+    d_net.zero_grad()
+    encoder = guide if how == "frozen" else guide_encoder
+    torch.manual_seed(4)
+    backward_cached(
+        [q_net, d_net, encoder, encoder], [q, d, q, d], guided, 5, plain_backward, reps_backward,
+        modules=[q_net, guide], loss_chunk_size=4, no_grad=[False, False, how == "no_grad", how == "no_grad"],
+    )  # fmt: skip
+    assert max((a - b).abs().max().item() for a, b in zip(grads(q_net, d_net), expected, strict=True)) <= 1e-13
+    assert torch.equal(torch.get_rng_state(), after)
+    for got_net, want_net in ((q_net, ref_q), (guide, ref_guide)):
+        assert all(torch.equal(a, b) for a, b in zip(got_net.buffers(), want_net.buffers(), strict=True))
+    assert calls == [False] * 6  # (3 chunks of each input, once, without a graph)
+    assert all(p.grad is None for p in guide.parameters())
+
+
+# ------------------------------------------------------------------- a SentenceTransformer as it comes
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(40)]
+
+
+def sentence_transformer(path: Any, dropout: float = 0.0) -> Any:
+    """A tiny SentenceTransformer (BERT + mean pooling) from a config and a vocabulary written here:
+    nothing is downloaded."""
+    st = pytest.importorskip("sentence_transformers")
+    transformers = pytest.importorskip("transformers")
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text("\n".join(WORDS) + "\n")
+    config = transformers.BertConfig(
+        vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(path)
+    transformers.BertTokenizer(str(path / "vocab.txt")).save_pretrained(path)
+    transformers.logging.set_verbosity_error()
+    module = Transformer(str(path), model_kwargs={"attn_implementation": "eager"})
+    pooling = Pooling(module.get_embedding_dimension(), "mean")
+    return st.SentenceTransformer(modules=[module, pooling], device="cpu").double().train()
+
+
+def texts(n: int, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 9, (n,), generator=g).tolist()
+    return [" ".join(f"w{int(w)}" for w in torch.randint(0, 40, (k,), generator=g)) for k in lengths]
+
+
+def mnrl(anchors: Tensor, *candidates: Tensor, rows: slice | None = None, scale: float = 20.0) -> Tensor:
+    """sentence-transformers' MultipleNegativesRankingLoss (cosine x 20, anchor i's positive is
+    candidate i of the first column), the part of the anchors ``rows``."""
+    rows = slice(0, len(anchors)) if rows is None else rows
+    a = nn.functional.normalize(anchors[rows], dim=1)
+    scores = torch.cat([a @ nn.functional.normalize(c, dim=1).T for c in candidates], dim=1) * scale
+    labels = torch.arange(rows.start, rows.stop, device=anchors.device)
+    return nn.functional.cross_entropy(scores, labels, reduction="sum") / len(anchors)
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def st_grads(model: Any) -> list[Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("columns", [2, 3])
+def test_a_sentence_transformer_drops_in(tmp_path: Any, offline: None, columns: int) -> None:
+    """``backward_cached([model] * c, [model.tokenize(t) for t in columns], ...)`` with the model as it
+    comes (its forward takes the features dict, which carries ``"modality": "text"``), dropout on,
+    pairs and triplets, the loss in blocks: the whole batch's gradient, to 1e-12."""
+    model = sentence_transformer(tmp_path, dropout=0.1)
+    features = [model.tokenize(texts(10, seed=c)) for c in range(columns)]
+    assert features[0]["modality"] == "text" and not (features[0]["input_ids"] == WORDS.index("[UNK]")).any()
+
+    def embed(feature: dict[str, Any]) -> Tensor:  # the whole batch's forward, on the same chunks of 4
+        parts = [{k: v[a : a + 4] if isinstance(v, Tensor) else v for k, v in feature.items()} for a in (0, 4, 8)]
+        return torch.cat([model(part)["sentence_embedding"] for part in parts])
+
+    torch.manual_seed(6)
+    loss = mnrl(*[embed(f) for f in features])
+    loss.backward()
+    expected, after = st_grads(model), torch.get_rng_state()
+    model.zero_grad()
+    torch.manual_seed(6)
+    got = backward_cached([model] * columns, features, mnrl, 4, plain_backward, reps_backward, loss_chunk_size=3,
+                          get_rep=lambda out: out["sentence_embedding"])  # fmt: skip
+    assert max((a - b).abs().max().item() for a, b in zip(st_grads(model), expected, strict=True)) <= 1e-12
+    assert abs(got.item() - loss.item()) <= 1e-13 and torch.equal(torch.get_rng_state(), after)
+
+
+def test_as_sentence_transformers_own_cached_loss(tmp_path: Any, offline: None) -> None:
+    """Against ``CachedMultipleNegativesRankingLoss`` (dropout off: its chunks trim their padding, which
+    moves dropout masks), triplets, its ``sentence_embedding`` taken by default; and the uncached loss."""
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    model = sentence_transformer(tmp_path)
+    features = [model.tokenize(texts(12, seed=c)) for c in range(3)]
+    theirs = CachedMultipleNegativesRankingLoss(model, mini_batch_size=5)
+    their_loss = theirs(features, None)
+    their_loss.backward()
+    expected = st_grads(model)
+    model.zero_grad()
+    mnrl(*[model(dict(f))["sentence_embedding"] for f in features]).backward()
+    uncached = st_grads(model)
+    model.zero_grad()
+    got = backward_cached([model] * 3, features, mnrl, 5, plain_backward, reps_backward, loss_chunk_size=5)
+    for want in (expected, uncached):
+        assert max((a - b).abs().max().item() for a, b in zip(st_grads(model), want, strict=True)) <= 1e-12
+    assert abs(got.item() - their_loss.item()) <= 1e-13
+
+
+class Sentences(Dataset[dict[str, str]]):
+    def __init__(self, n: int) -> None:
+        self.q, self.p = texts(n, seed=10), texts(n, seed=11)
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def __getitem__(self, i: int) -> dict[str, str]:
+        return {"q": self.q[i], "p": self.p[i]}
+
+
+class BiEncoder(AccumulationMixin, pl.LightningModule):
+    """A SentenceTransformer trained with the mixin: ``backward_cached`` as the issue writes it, or the
+    whole batch's uncached loss."""
+
+    def __init__(self, path: Any, cached: bool) -> None:
+        super().__init__()
+        self.model, self.cached = sentence_transformer(path), cached
+        self.configure_accumulation(2)
+
+    def training_step(self, batch: dict[str, list[str]], batch_idx: int) -> None:
+        model = self.model
+        with self.accumulate(batch) as acc:
+            if self.cached:
+                acc.backward_cached([model, model], [model.tokenize(batch["q"]), model.tokenize(batch["p"])], mnrl,
+                                    chunk_size=3, get_rep=lambda out: out["sentence_embedding"],
+                                    loss_chunk_size=2)  # fmt: skip
+            else:
+                acc.backward(mnrl(*[model(model.tokenize(batch[c]))["sentence_embedding"] for c in ("q", "p")]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_a_sentence_transformer_trains_with_the_mixin(tmp_path: Any, offline: None) -> None:
+    runs = []
+    for cached in (False, True):
+        model = BiEncoder(tmp_path / str(cached), cached)
+        trainer(max_epochs=1).fit(model, DataLoader(Sentences(40), batch_size=8))
+        runs.append([p.detach().clone() for p in model.parameters()])
+    start = [p.detach() for p in BiEncoder(tmp_path / "start", True).parameters()]
+    assert max((a - b).abs().max().item() for a, b in zip(runs[1], start, strict=True)) > 1e-3  # (it trained)
+    assert max((a - b).abs().max().item() for a, b in zip(*runs, strict=True)) <= 1e-12
+
+
+class Counted(TwoTower):
+    """``normalize="items"``: each cached batch weighs by its query count; batch ``empty`` declares no
+    items and its loss is NaN (a mean over nothing), which must add nothing."""
+
+    def __init__(self, empty: int, as_tensor: bool, block: int | None) -> None:
+        super().__init__(3, chunk=2, normalize="items")
+        self.empty, self.as_tensor, self.block = empty, as_tensor, block
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        n = 0 if batch_idx == self.empty else len(batch["q"])
+
+        def loss(q: Tensor, d: Tensor, rows: slice | None = None) -> Tensor:
+            part = info_nce_rows(q, d, rows)
+            return part * math.nan if n == 0 else part
+
+        with self.accumulate(batch) as acc:
+            acc.backward_cached([self.q_net, self.d_net], [batch["q"], batch["d"]], loss, chunk_size=2,
+                                items=torch.tensor(n) if self.as_tensor else n, loss_chunk_size=self.block)  # fmt: skip
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+@pytest.mark.parametrize("block", [None, 2])
+def test_a_cached_batch_of_no_items_adds_nothing(as_tensor: bool, block: int | None) -> None:
+    """Windows of 3 batches of 4, 5 and 3 queries (by ``items``), the middle one of the first window
+    without items: its NaN adds nothing, the window is the other two batches' count-weighted mean."""
+    model = Counted(1, as_tensor, block)
+    data = Pairs(12)
+    batches = [[0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11]]
+    trainer(max_epochs=1).fit(model, DataLoader(data, batch_sampler=batches))  # type: ignore[arg-type]
+    q_net, d_net = tower(), tower(seed=1)
+    opt = torch.optim.SGD([*q_net.parameters(), *d_net.parameters()], lr=0.5)
+    for rows in (batches[0], batches[2]):
+        (info_nce_rows(q_net(data.q[rows]), d_net(data.d[rows])) * len(rows) / 7).backward()
+    opt.step()
+    got = [p.detach() for p in model.parameters()]
+    expected = [p.detach() for p in [*q_net.parameters(), *d_net.parameters()]]
+    assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
+                                               loss_chunk_size=0), ValueError, "`loss_chunk_size` must be an int >= 1"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce, chunk_size=2,
+                                               loss_chunk_size=2), TypeError, "Add a `rows` argument"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_tokens=8),
+         ValueError, "`chunk_tokens` counts the tokens of `inputs\\[0\\]` by its `attention_mask`"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows),
+         ValueError, "Give `chunk_size` \\(samples per chunk\\) or `chunk_tokens`"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
+                                               no_grad=1), TypeError, "`no_grad` must be True or False"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
+                                               items=6), ValueError, "needs `normalize='items'`"),
+        (lambda m, acc, b: acc.backward_cached([m.q_net, m.d_net], [b["q"], b["d"]], info_nce_rows, chunk_size=2,
+                                               no_grad=True), ValueError, "does not require grad"),
+    ],
+)  # fmt: skip
+def test_the_new_arguments_are_refused_through_the_mixin_before_anything_changes(
+    call: Any, error: type, match: str
+) -> None:
+    model = Refused(lambda acc, batch: call(model, acc, batch))
+    start = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=match):
+        trainer(max_epochs=1).fit(model, DataLoader(Pairs(12), batch_size=6))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), start, strict=True))
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

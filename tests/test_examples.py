@@ -103,3 +103,7 @@ def test_microbatches() -> None:
     assert "'auto' on the small device: micro-batches of 16 samples" in out
     gap = float(out.split("small device vs enough memory: ")[1].split()[0])
     assert gap < 1e-12
+def test_large_batch_retrieval() -> None:
+    pytest.importorskip("sentence_transformers")
+    out = run("large_batch_retrieval.py", "--steps", "1", "--batch", "768", "--budget-mib", "8")
+    assert "(does not fit); in blocks of 64" in out and "(within the budget)" in out and "held-out top-1" in out

@@ -14,13 +14,18 @@ from hypothesis import strategies as st
 
 from lightning_accum import AccumulationScheduler, Piecewise
 from lightning_accum._seam import (
+    DROPPED_SCHEDULER_KEYS,
+    SCHEDULER_KEYS,
     after_module_hook,
+    at_plateau_point,
     backward_skipped,
     batch_processed,
     batches_ran_out,
     ddp_comm_hook,
+    guard_zero_grad,
     keep_progress_consistent,
     keep_scheduler_keys,
+    loop_skips_sync,
     resume_after_finished_epoch,
     route_training_step,
     set_divisor,
@@ -371,6 +376,8 @@ def test_steps_counted_seam(counted: bool) -> None:
     t.fit(StepsAtBatchEnd(counted), loader(TokenData(12), 4))
     assert t.global_step == (3 if counted else 0)  # (Lightning counts none of them by itself)
     assert all(o._on_before_step.__name__ == "do_nothing_closure" for o in t.strategy._lightning_optimizers)
+
+
 class ZeroRule(Recorder):
     """Also records, at each batch's start, where the package expects Lightning to zero after `training_step`."""
 
@@ -431,3 +438,98 @@ def test_ddp_comm_hook_seam() -> None:
 
     assert ddp_comm_hook(DDPStrategy(ddp_comm_hook=print)) is print
     assert ddp_comm_hook(DDPStrategy()) is None
+
+
+def test_loop_skips_sync_seam() -> None:
+    """Lightning's ``block_backward_sync`` enters ``no_sync()`` of any wrapped model that has one (FSDP's root
+    too), which ``_seam.loop_skips_sync`` reports; a model without one, or one device, is left alone."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    class WithNoSync(torch.nn.Linear):
+        entered = 0
+
+        @contextlib.contextmanager
+        def no_sync(self) -> Any:
+            WithNoSync.entered += 1
+            yield
+
+    strategy = DDPStrategy()
+    strategy.model = WithNoSync(2, 2)
+    with strategy.block_backward_sync():
+        pass
+    assert WithNoSync.entered == 1 and loop_skips_sync(strategy)
+    strategy.model = torch.nn.Linear(2, 2)
+    assert not loop_skips_sync(strategy)
+    single = SingleDeviceStrategy(device=torch.device("cpu"))
+    single.model = WithNoSync(2, 2)
+    assert not loop_skips_sync(single)
+
+
+class PlateauPoint(pl.LightningModule):
+    """Manual optimization: records the order of a batch's `on_train_batch_end`, its validation and the seam's
+    plateau point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer, self.order = torch.nn.Linear(3, 1).double(), []  # type: ignore[var-annotated]
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        self.order.append(f"step {batch_idx}")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.order.append("batch end")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.order.append("validation")
+
+    def on_train_start(self) -> None:
+        self.undo = at_plateau_point(self.trainer, lambda: self.order.append("plateau point"))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_plateau_point_seam() -> None:
+    """Lightning's loop steps its step-interval plateau schedulers after the batch's end hooks and validation,
+    where the seam runs its function, once a batch."""
+    model = PlateauPoint()
+    t = trainer(max_epochs=1, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0)
+    t.fit(model, loader(TokenData(12), 4), loader(TokenData(4), 4))
+    batch = ["batch end", "plateau point"]
+    assert model.order == [
+        "step 0", *batch, "step 1", "batch end", "validation", "plateau point", "step 2", *batch,
+    ]  # fmt: skip
+    assert "update_lr_schedulers" in vars(t.fit_loop.epoch_loop)
+    model.undo()
+    assert "update_lr_schedulers" not in vars(t.fit_loop.epoch_loop)
+
+
+def test_zero_grad_guard_seam() -> None:
+    """A `LightningOptimizer`'s `zero_grad` is torch's method run on the wrapper, not the wrapped optimizer's
+    attribute: the guard covers both, and gives back what was there."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    calls: list[str] = []
+    optimizer = torch.optim.SGD(torch.nn.Linear(3, 1).parameters(), lr=0.1)
+    wrapper = LightningOptimizer(optimizer)
+    optimizer.zero_grad = lambda *a, **k: calls.append("raw attribute")  # type: ignore[method-assign]
+    wrapper.zero_grad()
+    assert calls == []  # (Lightning's wrapper does not reach the optimizer's own attribute)
+    own = optimizer.zero_grad
+    undo = guard_zero_grad([wrapper], lambda: calls.append("checked"))
+    wrapper.zero_grad()
+    optimizer.zero_grad()
+    assert calls == ["checked", "checked", "raw attribute"]
+    undo()
+    assert vars(optimizer)["zero_grad"] is own and "zero_grad" not in vars(wrapper)
+
+
+def test_scheduler_keys_are_lightnings() -> None:
+    import dataclasses
+
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    fields = tuple(f.name for f in dataclasses.fields(LRSchedulerConfig))
+    assert fields == SCHEDULER_KEYS
+    assert set(DROPPED_SCHEDULER_KEYS) < set(SCHEDULER_KEYS)

@@ -107,3 +107,23 @@ def test_one_graph_alive_at_a_time() -> None:
 def test_errors(call: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()  # type: ignore[operator]
+
+
+def test_graph_memory_frees_a_branch_the_backward_never_runs() -> None:
+    """The saved tensors of a branch the loss does not use (a BERT's pooler under a mean-pooled loss) are
+    freed with it, while measuring too (they were kept alive in a cycle: 3 more after every step), and
+    the gradient is the same as without measuring."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    torch.tanh(first(x)).sum().backward()
+    expected = [p.grad.clone() for p in first.parameters()]  # type: ignore[union-attr]
+    first.zero_grad()
+    with measure_graph_memory() as memory:
+        for _ in range(3):
+            h = torch.tanh(first(x))
+            unused = torch.tanh(second(h))
+            h.sum().backward()
+            del h, unused
+    assert memory.alive == 0 and memory.peak > 0
+    assert all(torch.equal(p.grad, 3 * e) for p, e in zip(first.parameters(), expected, strict=True))

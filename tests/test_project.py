@@ -3,6 +3,7 @@ here), the metadata carries its URLs, and CONTRIBUTING.md gives the commands."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,19 @@ def test_ci_runs_the_ci_script_on_pull_requests_and_pushes_on_the_oldest_and_new
     assert "3.10" in pythons and max(pythons, key=lambda v: tuple(map(int, v.split(".")))) >= "3.13"
     assert "bash .ci/run" in steps(job)
     assert 'requires-python = ">=3.10"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_a_job_tests_the_declared_floors() -> None:
+    """The floors job installs the oldest Lightning pyproject.toml declares, on the torch .ci/run installs,
+    which is the declared torch floor."""
+    job = workflow("ci.yml")["jobs"]["floors"]
+    floor = next(step["env"]["FLOORS"] for step in job["steps"] if "env" in step)
+    project = (ROOT / "pyproject.toml").read_text()
+    major_minor = ".".join(floor.split(".")[:2])
+    assert f'"lightning>={major_minor}"' in project and f'"pytorch-lightning>={major_minor}"' in project
+    torch = re.search(r"torch==(\d+\.\d+)", (ROOT / ".ci" / "run").read_text())
+    assert torch and f'"torch>={torch.group(1)}"' in project
+    assert "bash .ci/run" in steps(job) and "FLOORS" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_docs_build_strictly_and_deploy_to_pages_from_main() -> None:

@@ -1,4 +1,6 @@
-"""Release hygiene that needs no build: the version is PEP 440 and has its CHANGELOG section."""
+"""Release hygiene that needs no build: the version is PEP 440 and agrees with the CHANGELOG (a
+``.devN`` version is unreleased, a release has its dated section), which uses Keep a Changelog's
+headings and a compare link for each section."""
 
 from __future__ import annotations
 
@@ -8,14 +10,32 @@ from pathlib import Path
 import lightning_accum
 
 ROOT = Path(__file__).resolve().parents[1]
+KEEP_A_CHANGELOG = {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
 
 
 def test_version_matches_changelog() -> None:
     version = lightning_accum.__version__
-    assert re.fullmatch(r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?", version)
+    match = re.fullmatch(r"(\d+\.\d+\.\d+)((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?", version)
+    assert match
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in changelog
-    assert re.search(rf"^## \[{re.escape(version)}\] - \d{{4}}-\d{{2}}-\d{{2}}$", changelog, re.MULTILINE)
+    released = re.findall(r"^## \[(\d[^\]]*)\] - \d{4}-\d{2}-\d{2}$", changelog, re.MULTILINE)
+    if match.group(5):  # X.Y.Z.devN: X.Y.Z is the next release, after every dated one
+        assert all(_release(match.group(1)) > _release(done) for done in released), (version, released)
+    else:
+        assert version in released
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def test_changelog_uses_keep_a_changelog_headings_and_links() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    headings = set(re.findall(r"^### (.+)$", changelog, re.MULTILINE))
+    assert headings <= KEEP_A_CHANGELOG, headings - KEEP_A_CHANGELOG
+    for section in re.findall(r"^## \[([^\]]+)\]", changelog, re.MULTILINE):
+        assert re.search(rf"^\[{re.escape(section)}\]: https://\S+$", changelog, re.MULTILINE), section
 
 
 def test_public_api_is_exported_and_typed() -> None:

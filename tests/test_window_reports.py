@@ -427,3 +427,52 @@ def test_logged_metrics_hold_tensors_as_lightnings_own(tmp_path: Path, adapter: 
     assert all(isinstance(value, torch.Tensor) and value.dim() == 0 for value in accum.values())
     assert float(accum["accum/loss"]) == seen.reports[-1].loss
     assert accum["accum/loss"] is t.callback_metrics["accum/loss"]  # (one tensor for both readers)
+
+
+def _named_scheduler(m: Any) -> Any:
+    opt = torch.optim.SGD([{"params": m.a.parameters()}, {"params": m.b.parameters(), "lr": 0.01}], lr=0.1)
+    return [opt], [{"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step", "name": "mysched"}]
+
+
+def _named_group(m: Any) -> Any:
+    return [torch.optim.SGD([{"params": m.a.parameters(), "name": "body"}], lr=0.1),
+            torch.optim.SGD(m.b.parameters(), lr=0.01)]  # fmt: skip
+
+
+def _second_scheduled(m: Any) -> Any:
+    first, second = torch.optim.SGD(m.a.parameters(), lr=0.1), torch.optim.SGD(m.b.parameters(), lr=0.01)
+    return [first, second], [{"scheduler": torch.optim.lr_scheduler.StepLR(second, 1, 0.5), "interval": "step"}]
+
+
+def _named_and_unnamed(m: Any) -> Any:
+    first, second = torch.optim.SGD(m.a.parameters(), lr=0.1), torch.optim.SGD(m.b.parameters(), lr=0.01)
+    step = torch.optim.lr_scheduler.StepLR
+    return [first, second], [{"scheduler": step(first, 1, 0.5), "interval": "step"},
+                             {"scheduler": step(second, 1, 0.5), "interval": "step", "name": "second"}]  # fmt: skip
+
+
+class Configured(AccumulationMixin, pl.LightningModule):
+    def __init__(self, configure: Any) -> None:
+        super().__init__()
+        self.a, self.b, self.configure = nn.Linear(3, 1).double(), nn.Linear(3, 1).double(), configure
+        self.configure_accumulation(2, step_schedulers=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        with self.accumulate(batch) as acc:
+            acc.backward((self.a(batch["x"]) + self.b(batch["x"])).square().mean())
+
+    def configure_optimizers(self) -> Any:
+        return self.configure(self)
+
+
+@pytest.mark.parametrize("configure", [_named_scheduler, _named_group, _second_scheduled, _named_and_unnamed])
+def test_accum_lr_names_follow_learning_rate_monitor_with_names_and_orders(tmp_path: Path, configure: Any) -> None:
+    """A scheduler config's `name` (`mysched/pg1`, not `lr-SGD/pg1`), a single group's `name`, and the monitor's
+    order (the optimizers with schedulers named first) give the keys `LearningRateMonitor` gives."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    seen, monitor = Windows(), LearningRateMonitor()
+    t = trainer(callbacks=[seen, monitor], max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    t.fit(Configured(configure), loader(DATA, 4))
+    assert set(seen.reports[-1].lr) == set(monitor.lrs)
+    assert {f"accum/{name}" for name in monitor.lrs} <= set(t.logged_metrics)

@@ -15,7 +15,7 @@ from lightning_accum.reporting import WindowReport
 from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
 from lightning_accum.steps import estimated_stepping_batches
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "AccumulationMixin",

@@ -7,7 +7,10 @@ gradients before the backward of the batch where ``batch_idx % trainer.accumulat
 at a window's first batch, to ``lightning_accum.window.lightning_divisor``, makes the loop
 close the window exactly where the schedule says. It also reads the loop's batch progress
 (which part of a batch had run when an exception came), calls the loop's zero-grad path and
-writes the metrics its logger connector keeps (progress bar, callbacks', logged).
+writes the metrics its logger connector keeps (progress bar, callbacks', logged). Around the
+batches it accumulates the loop enters ``strategy.block_backward_sync()``, which calls
+``strategy.model.no_sync()`` on any model that has one (a runtime protocol check,
+``lightning.pytorch.utilities.types.DistributedDataParallel``): FSDP (1) roots included.
 ``tests/test_lightning_seam.py`` fails if Lightning changes any of these.
 """
 
@@ -15,10 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.optim import Optimizer
+
+from lightning_accum._lightning import pl
+
+
+def loop_skips_sync(strategy: Any) -> bool:
+    """Whether Lightning's automatic loop skips the gradient sync of the batches it accumulates under
+    ``strategy`` (``ParallelStrategy.block_backward_sync``: the wrapped model's ``no_sync()``, DDP's and FSDP's)."""
+    protocol = pl.utilities.types.DistributedDataParallel
+    return isinstance(strategy, pl.strategies.ParallelStrategy) and isinstance(strategy.model, protocol)
 
 
 def set_divisor(trainer: Any, value: int) -> None:
@@ -197,6 +209,8 @@ def suspend_clipping(trainer: Any) -> Any:
 
 #: the keys of a scheduler config that Lightning drops in manual optimization (and warns are ignored)
 DROPPED_SCHEDULER_KEYS = ("monitor", "strict", "reduce_on_plateau")
+#: the keys a scheduler config may have (``LRSchedulerConfig``'s fields)
+SCHEDULER_KEYS = ("scheduler", "name", "interval", "frequency", "reduce_on_plateau", "monitor", "strict")
 
 
 def keep_scheduler_keys(
@@ -224,6 +238,12 @@ def _scheduler_keys(conf: Any, monitor: str | None, found: dict[int, tuple[str |
     """``conf`` with each scheduler config's dropped keys taken out into ``found``."""
     if isinstance(conf, dict):
         if "scheduler" in conf:
+            unknown = sorted(set(conf) - set(SCHEDULER_KEYS))
+            if unknown:  # (Lightning's manual optimization fails on them with a bare TypeError)
+                raise ValueError(
+                    f"Found unsupported keys in the lr scheduler dict: {unknown}: remove them from the output of "
+                    f"`configure_optimizers` (the keys are {list(SCHEDULER_KEYS)})."
+                )
             plateau = conf.get("reduce_on_plateau")
             found[id(conf["scheduler"])] = (
                 conf.get("monitor", monitor),
@@ -266,6 +286,65 @@ def after_module_hook(module: Any, name: str, then: Callable[[], None]) -> Calla
     def undo() -> None:
         if vars(module).get(name) is hook:
             del vars(module)[name]
+
+    return undo
+
+
+def at_plateau_point(trainer: Any, then: Callable[[], None]) -> Callable[[], None]:
+    """Run ``then`` where Lightning's automatic loop steps its step-interval ``ReduceLROnPlateau`` schedulers: in
+    ``_TrainingEpochLoop.on_advance_end``, after the batch's ``on_train_batch_end`` hooks and its validation (if
+    one runs), ``update_lr_schedulers("step", update_plateau_schedulers=True)`` ("update plateau LR scheduler
+    after metrics are logged"); in manual optimization it steps nothing there. The loop calls the method on
+    itself each batch: the instance's attribute runs Lightning's, then ``then``. Returns a function that
+    takes this back."""
+    loop = trainer.fit_loop.epoch_loop
+    original = loop.update_lr_schedulers
+
+    def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+        original(interval, update_plateau_schedulers)
+        if interval == "step" and update_plateau_schedulers:
+            then()
+
+    vars(loop)["update_lr_schedulers"] = update_lr_schedulers
+
+    def undo() -> None:
+        if vars(loop).get("update_lr_schedulers") is update_lr_schedulers:
+            del vars(loop)["update_lr_schedulers"]
+
+    return undo
+
+
+def guard_zero_grad(optimizers: Sequence[Any], check: Callable[[], None]) -> Callable[[], None]:
+    """Call ``check`` before every ``zero_grad()`` of ``optimizers`` (Lightning's wrappers, as
+    ``self.optimizers()`` gives them) and of the optimizers they wrap, until the returned function is called.
+    torch has no hook on ``zero_grad``, and a ``LightningOptimizer`` imitates its optimizer's class, so its
+    ``zero_grad`` is torch's method run on the wrapper, not forwarded to the wrapped optimizer
+    (``LightningOptimizer.__getattr__`` only sees what the class lacks): each gets an instance attribute
+    (one the user set is wrapped, and put back after)."""
+    missing = object()
+    patched: list[tuple[Any, Any, Any]] = []
+    targets: list[Any] = []
+    for wrapper in optimizers:
+        for target in (wrapper, getattr(wrapper, "optimizer", wrapper)):
+            if all(target is not t for t in targets):
+                targets.append(target)
+    for target in targets:
+        before, original = vars(target).get("zero_grad", missing), target.zero_grad
+
+        def zero_grad(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            check()
+            return _original(*args, **kwargs)
+
+        vars(target)["zero_grad"] = zero_grad
+        patched.append((target, zero_grad, before))
+
+    def undo() -> None:
+        for target, mine, before in patched:
+            if vars(target).get("zero_grad") is mine:
+                if before is missing:
+                    del vars(target)["zero_grad"]
+                else:
+                    vars(target)["zero_grad"] = before
 
     return undo
 

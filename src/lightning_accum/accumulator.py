@@ -26,9 +26,10 @@ class Accumulator:
     Attributes:
         k: micro-batches of the window.
         index: this micro-batch's position in the window (0-based).
-        last: whether the window closes after this micro-batch (``k`` reached or epoch end): where a model that
-            steps its own LR scheduler once per window steps it, after the block. (A window whose epoch ends
-            on batches that run no block is closed at the epoch's end instead.)
+        last: whether the window closes after this micro-batch (``k`` reached or epoch end). Not whether it
+            steps: a window of no items (``normalize="items"``) closes unstepped, and a window whose epoch
+            ends on batches that run no block of it is closed at the epoch's end, with no block to see it.
+            For one LR-scheduler step per optimizer step, step it in the model's ``on_window_end``.
     """
 
     def __init__(self, block: Block, batch: Any, auto: AutoSize) -> None:
@@ -184,67 +185,114 @@ class Accumulator:
         inputs: Sequence[Any],
         loss_fn: Callable[..., Tensor],
         *,
-        chunk_size: int | Sequence[int],
+        chunk_size: int | Sequence[int | None] | None = None,
         gather: bool = False,
         items: int | Tensor | None = None,
         get_rep: cached.GetRep | Sequence[cached.GetRep | None] | None = None,
+        loss_chunk_size: int | None = None,
+        chunk_tokens: int | Sequence[int | None] | None = None,
+        no_grad: bool | Sequence[bool] = False,
     ) -> Tensor:
         """Back-propagate a loss that couples the whole batch, one chunk's graph at a time (GradCache).
 
         ``loss_fn(*[encoder(x) for encoder, x in zip(encoders, inputs)])`` on the whole batch, each
-        input split along dim 0 into chunks of ``chunk_size`` (one int, or one per encoder): the
-        gradient equals the whole batch's, dropout included (each chunk's RNG state is replayed), for
-        a peak of one chunk's graph plus the representations. Towers may hold different numbers of
-        samples (B queries against B x (1 + n) passages with n hard negatives each). A Mapping input
-        (a dict, a ``BatchEncoding``) is passed as keyword arguments, and ``get_rep`` picks the
-        representation from the encoder's output (a transformers model drops in). ``gather=True``
-        puts every rank's representations into the loss (in-batch negatives from all ranks): 2 ranks
-        of batch B equal one process of 2B. The call is one micro-batch of the window; ``items``
-        weights the loss as in ``backward``. Buffers a forward writes (BatchNorm statistics, ...)
-        move once per sample; the RNG ends where the whole batch's forward and loss leave it.
-        Returns the loss, detached.
+        input split along dim 0 into chunks of ``chunk_size`` samples (one int, or one per encoder):
+        the gradient equals the whole batch's, dropout included (each chunk's RNG state is replayed),
+        for a peak of one chunk's graph plus the representations. Towers may hold different numbers
+        of samples (B queries against B x (1 + n) passages with n hard negatives each).
+
+        - ``loss_chunk_size=m``: the loss runs in blocks of m rows of the first input,
+          ``loss_fn(*reps, rows=slice(i, i + m))`` returning the part of the loss those rows make (the
+          parts sum to the whole loss), each back-propagated before the next: one block of the score
+          matrix alive (m x B(1 + n)) instead of all of it. With ``gather=True`` each rank scores only
+          its own rows against every rank's, and the gradient of every rank's representations comes
+          back to their owners (summed over ranks).
+        - ``chunk_tokens=N`` (one, or one per encoder): chunks packed up to N tokens, counted by the
+          input's ``attention_mask`` (a longer sample alone; at most ``chunk_size`` samples where both
+          are given), each chunk's trailing padding columns trimmed.
+        - A Mapping input (a dict, a ``BatchEncoding``) is passed as keyword arguments where the
+          encoder takes them (a transformers model), else whole (a SentenceTransformer's features
+          dict); entries without a tensor (``"modality": "text"``) go to every chunk as they are.
+          ``get_rep`` picks the representation from the encoder's output; without it, an output
+          mapping's ``"sentence_embedding"`` (a SentenceTransformer's) is taken.
+        - A tower that needs no gradient (a module whose parameters all have ``requires_grad=False``,
+          or ``no_grad=True``, one or one per encoder) runs once, without a graph, and is not replayed.
+        - ``gather=True`` puts every rank's representations into the loss (in-batch negatives from
+          all ranks): 2 ranks of batch B equal one process of 2B, also with different batch sizes.
+
+        The call is one micro-batch of the window; ``items`` weights the loss as in ``backward``
+        (with ``gather=True``, by all ranks' count, as one process with every rank's batch). Buffers a
+        forward writes (BatchNorm statistics, ...) move once per sample; the RNG ends where the whole
+        batch's forward and loss leave it. Returns the loss, detached (with ``gather=True`` and
+        ``loss_chunk_size``, the whole gathered loss: every rank's parts summed).
 
         Example:
+
+            def info_nce(q, d, rows):  # the rows' part of the mean cross-entropy
+                scores = F.normalize(q[rows], dim=1) @ F.normalize(d, dim=1).T / 0.05
+                labels = torch.arange(rows.start, rows.stop, device=q.device)
+                return F.cross_entropy(scores, labels, reduction="sum") / len(q)
 
             with self.accumulate(batch) as acc:
                 acc.backward_cached(
                     [self.bert, self.bert], [batch["queries"], batch["passages"]], info_nce,
-                    chunk_size=32, get_rep=lambda out: out.last_hidden_state[:, 0], gather=True,
+                    chunk_size=32, loss_chunk_size=64, gather=True,
+                    get_rep=lambda out: out.last_hidden_state[:, 0],
                 )
         """
         self._check_open()
         check_flag("gather", gather)
+        if items is not None:
+            if self._block.windows.config.normalize != "items":
+                raise ValueError(
+                    "`acc.backward_cached(..., items=n)` weights the loss by its item count, which needs "
+                    "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
+                )
+            _check_items(items)
+        towers = cached.plan(
+            encoders, inputs, loss_fn, chunk_size, get_rep=get_rep, chunk_tokens=chunk_tokens, no_grad=no_grad,
+            loss_chunk_size=loss_chunk_size,
+        )  # fmt: skip
         block = self._block
         strategy = block.strategy
         world = collectives.world_size(strategy) if gather else 1
+        weight: int | float | Tensor | None = items
+        if items is not None and world > 1:  # every rank's rows are in the loss: weighted by every rank's count
+            weight = collectives.sum_over_ranks(strategy, [items])[0][0] / world
+        empty = False if weight is None else gradients.no_items(weight)
 
         def loss_backward(loss: Tensor) -> None:
             loss = multitask.check_loss(loss, "the loss returned by `loss_fn`")
-            if items is not None:
-                _check_items(items)
-            self._backward(loss if items is None else weigh(loss, items))
+            if weight is None:
+                block.backward(loss / block.window.divisor)
+            elif empty is True:  # (a mean over no items: it adds nothing)
+                block.backward(loss, nothing=True)
+            else:
+                block.backward(weigh(loss, weight) / block.window.divisor, nothing=empty)
 
         def reps_backward(reps: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
             # (FSDP, FSDP2: every chunk of the window's last batch syncs, since each module
             # reduce-scatters in its own backward and two towers end at different chunks)
+            if empty is not False:  # (no items: the cached gradient may be NaN, and adds nothing)
+                grads = [g.masked_fill(empty, 0) if isinstance(empty, Tensor) else torch.zeros_like(g) for g in grads]
             block.trunk_backward(reps, grads)
 
         def gather_rows(reps: Sequence[Tensor]) -> tuple[list[Tensor], int]:
             return collectives.gather_rows(strategy, reps)
 
-        loss = cached.backward_cached(
-            encoders,
-            inputs,
+        loss = cached.run(
+            towers,
             loss_fn,
-            chunk_size,
             loss_backward,
             reps_backward,
             gather=gather_rows if world > 1 else None,
+            reduce=collectives.sum_tensors,
             world=world,
             modules=[block.module],
-            get_rep=get_rep,
+            loss_chunk_size=None if loss_chunk_size is None else int(loss_chunk_size),
         )
-        self._block.add_items(items)
+        block.record_loss(loss if weight is None else weigh(loss, weight))
+        block.add_items(items)
         return loss
 
     def backward_heads(

@@ -202,3 +202,19 @@ def gather_rows(strategy: Any, tensors: Sequence[Tensor]) -> tuple[list[Tensor],
         everything = strategy.all_gather(tensor.contiguous())
         out.append(torch.cat([everything[r, : sizes[r]] for r in range(len(sizes))]))
     return out, sum(sizes[: strategy.global_rank])
+
+
+def sum_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Each of ``tensors`` summed over ranks, element by element (every rank gives the same shapes and
+    dtypes), as new tensors: one all-reduce per device and dtype, of their flat concatenation. What
+    the backward of an all-gather is: each rank's gradient of every rank's rows, added up."""
+    out: list[Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    for indices in groups.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        _all_reduce_sum(flat)
+        for i, piece in zip(indices, torch.split(flat, [tensors[i].numel() for i in indices]), strict=True):
+            out[i] = piece.view(tensors[i].shape)
+    return out  # type: ignore[return-value]

@@ -106,13 +106,13 @@ class ResidualDecay:
 
     def detach(self, restore_residual: bool = True) -> None:
         """Stop managing; the residual goes back into ``.grad`` (unless the fit failed) so that it is
-        visible after fit."""
+        visible after fit, on the parameter's device (Lightning's teardown may have moved the module)."""
         for i, optimizer in enumerate(self._optimizers):
             residual = self._residual.get(i) if restore_residual else None
             if residual is not None:
                 for p, r in zip(gradients.optimizer_params(optimizer), residual, strict=True):
                     if p.grad is None and r is not None:
-                        p.grad = r
+                        p.grad = r.to(p.device)
         for hook in self._hooks:
             hook.remove()
         self._hooks, self._optimizers = [], []

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum import _seam, recovery, schedulers, steps, sync
+from lightning_accum import _seam, recovery, schedulers, steps, sync, window_step
 from lightning_accum._lightning import Callback, loss_scale, pl
 from lightning_accum.block import Block
 from lightning_accum.checkpoint import PartialWindow
@@ -26,7 +26,6 @@ from lightning_accum.microbatch import AutoSize
 from lightning_accum.options import AccumulationConfig
 from lightning_accum.probe import check_noise_under
 from lightning_accum.samples import sample_count
-from lightning_accum.window_step import WindowStep
 from lightning_accum.windows import GroupKey, MixinWindows
 
 
@@ -36,7 +35,7 @@ class MixinDriver(Callback):
     def __init__(self, module: Any) -> None:
         self.module = module
         self.windows = MixinWindows(module)  # the window groups, one engine each
-        self.step = WindowStep()  # the window-end step
+        self.step = window_step.WindowStep()  # the window-end step
         self.auto = AutoSize()  # `backward_microbatches(size="auto")`: the size found, each window's passes
         self.partial = PartialWindow()  # a resumed window's part a checkpoint held
         self.guards = MixinGuards()
@@ -44,10 +43,12 @@ class MixinDriver(Callback):
         self.plan = sync.SyncPlan()
         self.schedulers = schedulers.MixinSchedulers()  # the fit's LR schedulers, under `step_schedulers`
         self._undo_plateau: Callable[[], None] = _nothing  # takes back a plateau step due after the epoch end
+        self._plateau_point: Callable[[], None] = _nothing  # takes back the step-interval plateau steps' seam
         self._early: tuple[Any, int, int | Tensor | None] | None = None  # the training batch, counted early
         self._block: Block | None = None  # the `accumulate` block under way
         self._closing_left_open: GroupKey | None = None  # the group stepped at an epoch's end outside a block
         self._trained = False  # whether a batch of this fit ended yet
+        self._restored = False  # whether this fit's checkpoint restored the windows
 
     @property
     def config(self) -> AccumulationConfig:
@@ -77,8 +78,11 @@ class MixinDriver(Callback):
         sync.refuse_deepspeed(trainer.strategy, "AccumulationMixin")
         self.plan = sync.plan(trainer.strategy, self.config.sync)
         self.windows.start_fit(self.plan, self.config.log)
+        if not self._restored:  # a fit not resumed from a checkpoint continues no window an earlier fit left open
+            self._forget_open_windows()  # (stopped or failed inside it; Lightning zeroes the gradients next)
+        self._restored = False
         check_noise_under(self.plan, self.config.schedule, self.config.lr_scaling)
-        sync.refuse_fsdp_root_skip(self.plan, trainer.strategy.model)
+        sync.refuse_fsdp_root(self.plan, trainer.strategy.model)
         custom_step = type(self.module).lr_scheduler_step is not pl.LightningModule.lr_scheduler_step
         self.schedulers.check_fit(trainer.lr_scheduler_configs, self.module, self.config.step_schedulers, custom_step)
 
@@ -92,11 +96,23 @@ class MixinDriver(Callback):
         self.partial.put_back(self.windows.params())
         if self.config.decay is not None:
             self.config.decay.attach(trainer.optimizers)
-        self.guards.attach(trainer.optimizers)
+        self.guards.attach(trainer.optimizers, self.windows.optimizers(), self.windows.window_open)
         if self.config.step_schedulers:
-            steps.warn_scheduler_horizons(trainer)
+            steps.warn_scheduler_horizons(trainer, optimizers=len(trainer.optimizers))
             self.schedulers.watch(trainer.lr_scheduler_configs)
+            self._release_plateau_point()
+
+            def step_due() -> None:  # (where Lightning's loop steps its step-interval plateau schedulers)
+                self.schedulers.step_due(self.module, trainer)
+
+            self._plateau_point = _seam.at_plateau_point(trainer, step_due)
         self.step.start_training(trainer)
+
+    def _forget_open_windows(self) -> None:
+        for key, engine in self.windows.engines.items():
+            if engine.window is not None:
+                engine.discard()
+                self.auto.forget(key)
 
     def _check_schedulers(self, trainer: Any) -> None:
         """Under ``step_schedulers=True``: refuse a scheduler the model stepped itself."""
@@ -106,7 +122,13 @@ class MixinDriver(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._undo_plateau()
+        self._release_plateau_point()
         self._check_schedulers(trainer)
+
+    def _release_plateau_point(self) -> None:
+        self._plateau_point()
+        self._plateau_point = _nothing
+        self.schedulers.drop_due()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -118,6 +140,7 @@ class MixinDriver(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # before the checkpoint callbacks' `on_exception`: the state a checkpoint written now must hold
         self._undo_plateau()
+        self._release_plateau_point()  # (a plateau step due at this batch's end is not taken, as in Lightning)
         processed, in_backward = recovery.where(trainer, exception)
         block, self._block = self._block, None
         open_key = block.key if block is not None and block.passes else None
@@ -144,6 +167,7 @@ class MixinDriver(Callback):
         """Count the training batch before ``training_step`` can change it (``batch.pop("labels")``)."""
         if not self._trained:  # (the first batch after a resume: where Lightning's counters go off)
             _seam.keep_progress_consistent(trainer)
+        self.guards.batch_start()
         self._early = None
         if self.config.count is not None:
             self._early = (batch, sample_count(batch, self.windows.samples_needed_by()), self.config.count(batch))
@@ -167,11 +191,19 @@ class MixinDriver(Callback):
         else:
             count = self.config.count
             counts = sample_count(batch, engine.samples_needed_by), None if count is None else count(batch)
-        self.guards.block_opened()
+        watched = [] if len(key) == len(windows.optimizers()) or self.plan.sharded else windows.params()
+        self.guards.block_opened(key, lambda: windows.params(key), watched, self._parameter_names)
         self._block = Block(
             windows, key, window, last=last, redoing=redoing, counts=counts, plan=self.plan, guards=self.guards
         )
         return self._block
+
+    def _parameter_names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self.module.named_parameters()}
+
+    def block_exited(self) -> None:
+        """The ``accumulate`` block's code ended (or raised)."""
+        self.guards.block_exited()
 
     def finish(self, trainer: Any, block: Block) -> None:
         """The block exited: count its micro-batch, and step the window at its last."""
@@ -246,6 +278,11 @@ class MixinDriver(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for key in sorted(self.windows.engines):  # windows the epoch's last batch did not reach: the loop stopped
+            engine = self.windows.engines[key]  # inside them (`should_stop`, `max_steps`, a batch start returning -1)
+            if engine.window is not None:  # and, as Lightning's automatic loop, steps none of them
+                window_step.drop(engine, self.windows.params(key), self.config)
+                self.auto.forget(key)
         self.guards.epoch_end()
         if self.config.step_schedulers and _seam.batches_ran_out(trainer):  # (as Lightning: not after `max_steps`
             epochs = trainer.current_epoch + 1  # cut the epoch short) and after the module's `on_train_epoch_end`
@@ -271,6 +308,7 @@ class MixinDriver(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = True
         self.windows.load_state_dict(state_dict["groups"])
         self.partial.load(state_dict)
         if self.config.decay is not None and "decay" in state_dict:

@@ -199,43 +199,56 @@ class WindowEngine:
         extra: Sequence[int] = (),
         grads: Sequence[Tensor] | None = None,
         loss_scale: Callable[[], float] = lambda: 1.0,
+        *,
+        losses: bool = True,
+        norm: bool = True,
     ) -> Closing:
         """The window's global counts (with ``extra``) and its step's factors, with its losses while
         tracking, in one all-reduce and one host read. ``grads``: the window's gradient if it is global
-        already (times the AMP ``loss_scale()``), whose norm is then measured in the same read."""
+        already (times the AMP ``loss_scale()``), whose norm is then measured in the same read.
+        ``losses``, ``norm``: whether anyone reads the window's loss and its gradient's norm (every rank
+        must ask alike); where nobody does, neither is computed, and a window of host counts on one device
+        reads nothing at all."""
         window = self.window
         assert window is not None
-        sync.check_window_synced(self.plan, window)
-        pending = list(window.pending_items)
-        single = collectives.world_size(strategy) == 1
-        losses = self.metrics.parts() if self.metrics.tracking else []
-        # on a single device each micro-batch's loss is read as it is (summed on the host); under DDP each
-        # rank's sum joins the counts' all-reduce
-        sums: list[collectives.Value] = [parts for _, parts, _, _ in losses] if single else [*self.metrics.sums()]
-        local: list[collectives.Value] = [pending]
-        measure = grads is not None and (self.metrics.tracking or self.probe is not None)
-        local.append(norms(grads) if measure else [])  # type: ignore[arg-type]
-        local.append(self.probe.pending() if self.probe is not None else [])
-        # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran
-        # out first, an exception one rank caught) fail together rather than mix their windows
-        ident = [] if single else window_id(self.progress.epoch, window.start)
-        summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *sums]
-        totals, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)
-        counts = [round(v) for v in totals[: 3 + len(extra)]]
-        if ident:
-            collectives.check_same_window(strategy, *totals[3 + len(extra) : 5 + len(extra)])
-        window.settle_items(items)  # type: ignore[arg-type]
+        if self.plan.sharded:
+            sync.check_window_synced(self.plan, window)
+        world = collectives.world_size(strategy)
+        read_losses = losses and self.metrics.tracking
+        measure = grads is not None and ((norm and self.metrics.tracking) or self.probe is not None)
+        ident: list[int] = []
+        parts: list[tuple[str, list[Tensor | float], float, float]] = []
+        if world == 1 and not (window.pending_items or read_losses or measure or self.probe is not None):
+            counts = [window.microbatches, window.samples, window.items, *extra]
+            totals: list[float] = []
+            grad_norms: Any = []
+        else:
+            pending = list(window.pending_items)
+            parts = self.metrics.parts() if read_losses else []
+            # on a single device each micro-batch's loss is read as it is (summed on the host); under DDP each
+            # rank's sum joins the counts' all-reduce
+            sums: list[collectives.Value] = (
+                [p for _, p, _, _ in parts] if world == 1 else [*self.metrics.sums()] if read_losses else []
+            )
+            local: list[collectives.Value] = [pending, norms(grads) if measure else []]  # type: ignore[arg-type]
+            local.append(self.probe.pending() if self.probe is not None else [])
+            # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran
+            # out first, an exception one rank caught) fail together rather than mix their windows
+            ident = [] if world == 1 else window_id(self.progress.epoch, window.start)
+            summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *sums]
+            totals, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)  # type: ignore[assignment]
+            counts = [round(v) for v in totals[: 3 + len(extra)]]
+            if ident:
+                collectives.check_same_window(strategy, *totals[3 + len(extra) : 5 + len(extra)])
+            window.settle_items(items)  # type: ignore[arg-type]
+            if self.probe is not None:
+                self.probe.settle(prefixes)  # type: ignore[arg-type]
         scale = window.gradient_scale(
-            self.normalize,
-            world_size=collectives.world_size(strategy),
-            global_microbatches=counts[0],
-            global_items=counts[2],
+            self.normalize, world_size=world, global_microbatches=counts[0], global_items=counts[2]
         )
         norm_sq = None
         if measure:
             norm_sq = math.fsum(n * n for n in grad_norms) * (scale / loss_scale()) ** 2  # type: ignore[union-attr]
-        if self.probe is not None:
-            self.probe.settle(prefixes)  # type: ignore[arg-type]
         units = counts[1] if self.normalize == "mean" else counts[2]
         if self.first_units is None:
             self.first_units = units
@@ -249,11 +262,13 @@ class WindowEngine:
         empty = not counts[0] or (self.normalize == "items" and not counts[2])
         denominator = counts[0] if self.normalize == "mean" else counts[2]
         window_losses = None
-        if self.metrics.tracking and denominator:
+        if read_losses and denominator:
             totals = totals[3 + len(extra) + len(ident) :]
+            names = [(name, f, offset) for name, _, f, offset in parts] if world == 1 else [
+                (name, 1.0, 0.0) for name in self.metrics.names()
+            ]  # fmt: skip
             window_losses = {
-                name: (total * factor + offset if single else total) / denominator
-                for (name, _, factor, offset), total in zip(losses, totals, strict=True)
+                name: (total * f + offset) / denominator for (name, f, offset), total in zip(names, totals, strict=True)
             }
         self.closing = Closing(
             window.k,

@@ -96,7 +96,7 @@ def restore(params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> None:
         p.grad = g
 
 
-def no_items(items: int | Tensor) -> bool | Tensor:
+def no_items(items: float | Tensor) -> bool | Tensor:
     """Whether a micro-batch's item count is 0: a ``bool``, or a 0-d bool tensor for a tensor count
     (not read on the host; for ``add_nothing_if``)."""
     return items.detach().reshape(()) == 0 if isinstance(items, Tensor) else not items

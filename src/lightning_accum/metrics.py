@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_accum.gradients import squared_norm
 
 
-def weigh(loss: Tensor, items: int | Tensor) -> Tensor:
+def weigh(loss: Tensor, items: float | Tensor) -> Tensor:
     """A mean loss times its item count: the micro-batch's summed loss. 0 when it has no items
     (a mean over no tokens is ``nan``, as Hugging Face losses return it), gradient included.
 

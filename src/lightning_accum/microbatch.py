@@ -139,6 +139,10 @@ class AutoSize:
         """After out-of-memory at ``size``."""
         self.size = max(1, size // 2)
 
+    def forget(self, key: tuple[int, ...]) -> None:
+        """The window was dropped unstepped: its passes are not redone."""
+        self._replay.pop(key, None)
+
     def window_closed(self, key: tuple[int, ...], strategy: Any, world: int) -> None:
         """Forget the window's passes; if it auto-sized (on every rank), all take the smallest size."""
         if self._replay.pop(key, None) and world > 1:

@@ -40,14 +40,17 @@ class AccumulationMixin(_ModuleBase):
     (the same schedules as ``AccumulationScheduler``), then in
     ``training_step`` wrap the backward passes in ``accumulate``. The optimizers are stepped and
     the gradients reset by the mixin at each window's end; do not call ``optimizer.step()`` or
-    ``zero_grad()`` yourself.
+    ``zero_grad()`` yourself (both are refused during training, with the fix).
 
     LR schedulers are the model's to step, as in Lightning's manual optimization (e.g.
-    ``if acc.last: self.lr_schedulers().step()`` after the block, for one step per window), unless
+    ``self.lr_schedulers().step()`` in the model's ``on_window_end(self, window)``, for one step per
+    optimizer step), unless
     ``configure_accumulation(step_schedulers=True)``: then the mixin steps them as Lightning's
     automatic loop would (and refuses a step of the model's own). A ``training_step`` that returns
     ``None`` without an ``accumulate`` block skips its batch. A model's ``on_window_end(self, window)``
-    is called after each step, after the callbacks' (``WindowReport``).
+    is called after each step, after the callbacks' (``WindowReport``). A loop stopped inside a window
+    (``trainer.should_stop``) drops it, as Lightning's automatic loop does; a later fit without a
+    checkpoint starts with no open window.
 
     If the model overrides ``configure_callbacks`` or ``on_validation_model_zero_grad``, it must
     call ``super()``.
@@ -114,10 +117,12 @@ class AccumulationMixin(_ModuleBase):
                 or ``False``: the model, as Lightning's manual optimization says (``None`` warns at the
                 fit's start that it does, where the fit has schedulers). ``True``: the mixin, as
                 Lightning's automatic loop: ``interval="step"`` at each window's step (``frequency``
-                in optimizer steps), ``"epoch"`` after each epoch, ``ReduceLROnPlateau`` with its
-                config's ``monitor`` (for ``"epoch"``, after the model's ``on_train_epoch_end``); the
-                configurations that loop refuses are refused at the fit's start, and a step the model
-                takes itself is refused before any optimizer step uses it.
+                in the window's optimizer steps, across epochs), ``"epoch"`` after each epoch,
+                ``ReduceLROnPlateau`` with its config's ``monitor`` where Lightning's loop steps it (for
+                ``"step"``, after the batch's ``on_train_batch_end`` and validation; for ``"epoch"``,
+                after the model's ``on_train_epoch_end``); the configurations that loop refuses are
+                refused at the fit's start, and a step the model takes itself is refused before any
+                optimizer step uses it.
         """
         self._accumulation.configure(
             AccumulationConfig(
@@ -146,7 +151,15 @@ class AccumulationMixin(_ModuleBase):
     def on_validation_model_zero_grad(self) -> None:
         """Lightning zeroes gradients before validation; keep them while a window is open."""
         if not self._accumulation.windows.window_open():
-            super().on_validation_model_zero_grad()  # type: ignore[misc]
+            with self._accumulation.guards.resetting():
+                super().on_validation_model_zero_grad()  # type: ignore[misc]
+
+    @override
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Refused during a training batch or while a window holds micro-batches: the mixin resets the gradients
+        itself when a window closes (a ``zero_grad`` inside a window would throw its micro-batches away)."""
+        self._accumulation.guards.check_zero_grad()
+        super().zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ windows
     def microbatches(self, batch: Any, size: int) -> list[Any]:
@@ -180,6 +193,7 @@ class AccumulationMixin(_ModuleBase):
             yield acc
         finally:
             acc._close()
+            driver.block_exited()
         driver.finish(trainer, block)
 
     @override

@@ -147,7 +147,10 @@ class GraphMemory:
         self.alive -= nbytes
 
     def _pack(self, tensor: Tensor) -> _Saved:
-        saved = _Saved(tensor)
+        # (detached: a saved output held with its grad_fn would make a cycle through autograd's C++
+        # objects, which no collector frees where the node never runs, e.g. a branch the loss does
+        # not use; autograd puts the grad_fn back when it unpacks)
+        saved = _Saved(tensor.detach())
         if tensor.data_ptr() not in self._exclude:
             nbytes = tensor.numel() * tensor.element_size()
             self.alive += nbytes

@@ -163,6 +163,11 @@ class Pieces:
         self._fit, self.batch, self._next = None, None, None
         self._window, self._base = [], None
 
+    def fresh_fit(self) -> None:
+        """A fit not resumed from a checkpoint: nothing of an earlier fit's batches or window is continued."""
+        self.resume = None
+        self.forget_window()
+
     def forget_window(self) -> None:
         """A window was stepped (or opened): forget its batches."""
         self._window, self._base, self._as_ran = [], None, True

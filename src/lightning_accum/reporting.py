@@ -13,13 +13,12 @@ accumulated optimizer step (Lightning issue #11688).
 
 from __future__ import annotations
 
-import collections
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,7 +35,9 @@ class WindowReport:
     """A window whose optimizer step has just been taken, as callbacks' ``on_window_end`` get it.
 
     Attributes:
-        step: optimizer steps taken so far, this one included.
+        step: the window group's optimizer steps so far, this one included (``Progress.step``):
+            ``trainer.global_step`` with the callback; with the mixin, one per window of its group (a window
+            shared by several optimizers counts once, where ``trainer.global_step`` counts each one's step).
         epoch: the epoch the step was taken in.
         k: micro-batches the schedule gave the window (an epoch's last window may hold fewer).
         microbatches, samples, items: what went in, over all ranks.
@@ -85,9 +86,11 @@ def report(
     group: tuple[int, ...] = (0,),
     *,
     microbatch_size: int | None = None,
+    schedulers: Sequence[Any] = (),
 ) -> WindowReport:
-    """The report of the window ``engine`` has just advanced past (``closing``, stepped); ``optimizers``:
-    the fit's (``trainer.optimizers``), which name the learning rates."""
+    """The report of the window ``engine`` has just advanced past (``closing``, stepped); ``optimizers`` and
+    ``schedulers``: the fit's (``trainer.optimizers``, ``trainer.lr_scheduler_configs``), which name the
+    learning rates."""
     losses = dict(closing.losses or {})
     loss = losses.pop("loss", None)
     if closing.norm_sq is not None:
@@ -105,34 +108,45 @@ def report(
         progress=engine.progress,
         task_losses=MappingProxyType(losses),
         grad_norm=grad_norm,
-        lr=MappingProxyType(lr_names(optimizers, engine.used_lrs)),
+        lr=MappingProxyType(lr_names(optimizers, engine.used_lrs, schedulers)),
         noise_scale=engine.noise_scale,
         optimizers=group,
         microbatch_size=microbatch_size,
     )
 
 
-def lr_names(optimizers: Sequence[Any], used: Sequence[tuple[Any, list[Any]]]) -> dict[str, Any]:
-    """The learning rates ``used`` (optimizer, each group's rate), named as ``LearningRateMonitor``
-    names them among the fit's ``optimizers`` (``"lr"`` alone for one optimizer of one group)."""
+def lr_names(
+    optimizers: Sequence[Any], used: Sequence[tuple[Any, list[Any]]], schedulers: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """The learning rates ``used`` (optimizer, each group's rate), named as ``LearningRateMonitor`` names them
+    among the fit's ``optimizers`` and LR ``schedulers`` (``trainer.lr_scheduler_configs``: a config's ``name``,
+    else ``lr-<Optimizer>`` with ``-1``, ``-2`` for more of a type, the optimizers with schedulers first; a
+    group's ``name``, or ``pg<i>`` among several) ("lr" alone for one optimizer of one group)."""
     raw = [getattr(o, "optimizer", o) for o in optimizers]
     if len(raw) == 1 and len(used) == 1 and len(used[0][1]) == 1:
         return {"lr": used[0][1][0]}
-    seen: collections.Counter[str] = collections.Counter()
+    counted: dict[type, int] = {}  # optimizers of each type named `lr-<type>` so far
     names: dict[int, str] = {}
-    for optimizer in raw:
-        name = f"lr-{type(optimizer).__name__}"
-        seen[name] += 1
-        names[id(optimizer)] = name if seen[name] == 1 else f"{name}-{seen[name] - 1}"
+    for optimizer, name, scheduled in [
+        *((c.scheduler.optimizer, getattr(c, "name", None), True) for c in schedulers),
+        *((o, None, False) for o in raw),
+    ]:
+        if not scheduled and id(optimizer) in names:
+            continue  # (an optimizer with a scheduler: named already)
+        kind = type(optimizer)
+        if name is None:
+            counted[kind] = counted.get(kind, 0) + 1
+        base = name or f"lr-{kind.__name__}"
+        count = counted.get(kind, 0)
+        names.setdefault(id(optimizer), f"{base}-{count - 1}" if count > 1 else base)
     out = {}
     for optimizer, lrs in used:
         inner = getattr(optimizer, "optimizer", optimizer)
         base = names.get(id(inner), f"lr-{type(inner).__name__}")
-        if len(lrs) == 1:
-            out[base] = lrs[0]
-            continue
-        for i, (group, lr) in enumerate(zip(inner.param_groups, lrs, strict=True)):
-            out[f"{base}/{group.get('name', f'pg{i + 1}')}"] = lr
+        groups = inner.param_groups
+        for i, (group, lr) in enumerate(zip(groups, lrs, strict=True)):
+            label = group.get("name", f"pg{i + 1}" if len(groups) > 1 else None)
+            out[base if label is None else f"{base}/{label}"] = lr
     return out
 
 
@@ -155,22 +169,128 @@ def metric_values(window: WindowReport) -> dict[str, Any]:
     return values
 
 
-def publish(trainer: Any, window: WindowReport, prefix: str = "accum/") -> dict[str, Any]:
+class Wants(NamedTuple):
+    """What one window must compute, and where it goes (``Readers.wants``)."""
+
+    publish: bool  # its numbers go to `trainer.callback_metrics` and the progress bar
+    logs: bool  # ... and to the loggers (this step is theirs)
+    losses: bool  # its loss is read
+    norm: bool  # its gradient's norm is measured
+    hooks: bool  # the `on_window_end` hooks are handed its report
+
+
+NOTHING = Wants(False, False, False, False, False)
+
+
+class Readers:
+    """Who reads a fit's window numbers, found when it starts, so that no window computes a number nobody
+    reads. The readers, and what each is given:
+
+    * the loggers: every ``accum/*`` key at the steps they write (every ``Trainer(log_every_n_steps)``
+      optimizer steps), also into ``trainer.logged_metrics``;
+    * the ``on_window_end`` hooks: the whole ``WindowReport``, every window;
+    * a monitor, a callback with a ``monitor`` attribute (``EarlyStopping``, ``ModelCheckpoint``, ...) or an
+      LR scheduler config's ``monitor`` naming an ``accum/`` key, and the progress bar: ``callback_metrics``;
+    * a callback or a LightningModule with its own ``on_train_batch_start`` or ``on_train_batch_end`` (one
+      from neither Lightning nor this package): it may read ``callback_metrics`` at any batch, so it is
+      given every number, the gradient's norm included, every window.
+
+    Where any of them is there, every window's numbers go to ``callback_metrics`` and the progress bar; the
+    gradient's norm (``accum/grad_norm``) is measured only where it is read: the loggers' steps, the hooks,
+    a monitor naming it (between, ``callback_metrics`` keeps the last measured). Where none is (no logger, no
+    progress bar, no monitor, no hook), only each epoch's last window and the fit's last step are published,
+    so that ``callback_metrics`` still holds the latest numbers when the epoch or the fit ends.
+
+    Example:
+
+        >>> readers = Readers(log=True, loggers=True, every=50, bar=False, hooks=[], watched={"accum/loss"})
+        >>> readers.wants(step=3).norm, readers.wants(step=50).logs
+        (False, True)
+    """
+
+    def __init__(
+        self,
+        *,
+        log: bool,
+        loggers: bool,
+        every: int,
+        bar: bool,
+        hooks: Sequence[Any],
+        watched: Collection[str],
+        unknown: bool = False,
+    ) -> None:
+        self.log, self.hooks = log, hooks
+        self.loggers, self.every = log and loggers, every
+        watched = frozenset(key for key in watched if key.startswith("accum/")) if log else frozenset()
+        unknown = log and unknown
+        self.any = bool(self.loggers or (log and bar) or watched or hooks or unknown)
+        self._norm_watched = unknown or any(key.endswith("grad_norm") for key in watched)
+
+    @classmethod
+    def of(
+        cls, trainer: Any, log: bool, hooks: Sequence[Any], watched: Collection[str] = (), own: object = None
+    ) -> Readers:
+        """The readers of ``trainer``'s fit (``watched``: keys the adapter knows are monitored besides;
+        ``own``: the adapter's own callback, no reader)."""
+        keys = set(watched)
+        for config in (*trainer.callbacks, *trainer.lr_scheduler_configs):
+            monitor = getattr(config, "monitor", None)
+            if isinstance(monitor, str):
+                keys.add(monitor)
+        bar = trainer.progress_bar_callback is not None
+        others = [callback for callback in trainer.callbacks if callback is not own]
+        unknown = any(map(_reads_batches, [*others, trainer.lightning_module]))
+        return cls(log=log, loggers=bool(trainer.loggers), every=trainer.log_every_n_steps, bar=bar, hooks=hooks,
+                   watched=keys, unknown=unknown)  # fmt: skip
+
+    @classmethod
+    def of_nobody(cls) -> Readers:
+        """No reader (before a fit starts)."""
+        return cls(log=False, loggers=False, every=0, bar=False, hooks=(), watched=())
+
+    def wants(self, step: int, last: bool = False) -> Wants:
+        """What the window that makes optimizer step ``step`` must compute (``last``: the epoch's or the fit's
+        last window), and where it goes."""
+        hooks = bool(self.hooks)
+        logs = self.loggers and bool(self.every) and step % self.every == 0
+        publish = self.log and (self.any or last)
+        if not (publish or hooks):
+            return NOTHING
+        return Wants(publish, logs, True, logs or hooks or self._norm_watched, hooks)
+
+
+_KNOWN = ("lightning.", "pytorch_lightning.", "lightning_accum.")  # whose reads of `callback_metrics` are known
+
+
+def _reads_batches(obj: Any) -> bool:
+    """A callback or LightningModule with its own ``on_train_batch_start`` or ``on_train_batch_end``, where it
+    may read ``callback_metrics`` (one from neither Lightning nor this package)."""
+    for name in ("on_train_batch_start", "on_train_batch_end"):
+        owner = next((base for base in type(obj).__mro__ if name in vars(base)), None)
+        if owner is not None and not owner.__module__.startswith(_KNOWN):
+            return True
+    return False
+
+
+def publish(trainer: Any, window: WindowReport, prefix: str = "accum/", wants: Wants | None = None) -> dict[str, Any]:
     """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar, and, every
-    ``log_every_n_steps`` optimizer steps, write them to the loggers. Host numbers only, but for a
-    device gradient norm or learning rate (read with the rest, once, when written to the loggers).
-    Returns what it put in ``callback_metrics``."""
+    ``log_every_n_steps`` optimizer steps (or where ``wants.logs``, ``Readers.wants``), write them to the
+    loggers. Host numbers only, but for a device gradient norm or learning rate (read with the rest, once,
+    when written to the loggers). Returns what it put in ``callback_metrics``."""
     values = metric_values(window)
     names = [prefix + name for name in values]
-    on_host = [float(v) for v in values.values() if not isinstance(v, Tensor)]
-    as_tensors = iter(torch.tensor(on_host, dtype=torch.get_default_dtype()).unbind())
-    metrics = {n: v if isinstance(v, Tensor) else next(as_tensors) for n, v in zip(names, values.values(), strict=True)}
-    _seam.put_callback_metrics(trainer, metrics)
+    metrics: dict[str, Any] = {}
+    if values:
+        on_host = [float(v) for v in values.values() if not isinstance(v, Tensor)]
+        as_tensors = iter(torch.tensor(on_host, dtype=torch.get_default_dtype()).unbind() if on_host else ())
+        pairs = zip(names, values.values(), strict=True)
+        metrics = {n: v if isinstance(v, Tensor) else next(as_tensors) for n, v in pairs}
+        _seam.put_callback_metrics(trainer, metrics)
     _seam.show_in_progress_bar(trainer, f"{prefix}k", float(window.k))
     if window.loss is not None:
         _seam.show_in_progress_bar(trainer, f"{prefix}loss", window.loss)
     every = trainer.log_every_n_steps
-    if every and window.step % every == 0 and trainer.loggers:
+    if (wants.logs if wants is not None else every and window.step % every == 0) and trainer.loggers:
         devices = [v.detach().reshape(()).to(torch.float64) for v in values.values() if isinstance(v, Tensor)]
         read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
         scalars = [next(read) if isinstance(v, Tensor) else float(v) for v in values.values()]
@@ -195,9 +315,9 @@ class Reported:
     def __init__(self) -> None:
         self._metrics: dict[str, Any] = {}
 
-    def publish(self, trainer: Any, window: WindowReport, prefix: str = "accum/") -> None:
+    def publish(self, trainer: Any, window: WindowReport, prefix: str = "accum/", wants: Wants | None = None) -> None:
         """``publish`` the window, and keep what it put in ``callback_metrics``."""
-        self._metrics.update(publish(trainer, window, prefix))
+        self._metrics.update(publish(trainer, window, prefix, wants))
 
     def restore(self, trainer: Any) -> None:
         """At a fit's train start: put back what a checkpoint held (nothing in a fresh fit)."""
@@ -220,24 +340,29 @@ def listeners(trainer: Any) -> list[Callable[[Any, Any, WindowReport], None]]:
     for callback in trainer.callbacks:
         hook = getattr(callback, "on_window_end", None)
         if callable(hook):
+            _check_hook(hook, callback, module=False)
             hooks.append(hook)
     own = getattr(trainer.lightning_module, "on_window_end", None)
     if callable(own):
-        _check_module_hook(own, trainer.lightning_module)
+        _check_hook(own, trainer.lightning_module, module=True)
         hooks.append(lambda trainer, module, window: own(window))
     return hooks
 
 
-def _check_module_hook(hook: Callable[..., Any], module: Any) -> None:
-    """Refuse, at the fit's start, a LightningModule's ``on_window_end`` that cannot take the report alone."""
+def _check_hook(hook: Callable[..., Any], owner: Any, module: bool) -> None:
+    """Refuse, at the fit's start, an ``on_window_end`` that cannot take what it is handed: the report alone on
+    a LightningModule, ``(trainer, pl_module, window)`` on a callback (as Lightning hands its hooks)."""
     try:
-        inspect.signature(hook).bind(None)
+        inspect.signature(hook).bind(*([None] if module else [None] * 3))
     except TypeError:
-        raise TypeError(
-            f"`{type(module).__name__}.on_window_end` must take the window's report alone, "
-            "`def on_window_end(self, window):` (a LightningModule's hooks are not handed the trainer or the "
-            "module; a callback's `on_window_end(self, trainer, pl_module, window)` is)."
-        ) from None
+        mine, other = (
+            ("the window's report alone, `def on_window_end(self, window):` (a LightningModule's hooks are not "
+             "handed the trainer or the module;", "a callback's `on_window_end(self, trainer, pl_module, window)` is)"),
+            ("`(trainer, pl_module, window)`, `def on_window_end(self, trainer, pl_module, window):` (as a "
+             "callback's Lightning hooks are;", "a LightningModule's `on_window_end(self, window)` takes the window "
+             "alone)"),
+        )[not module]  # fmt: skip
+        raise TypeError(f"`{type(owner).__name__}.on_window_end` must take {mine} {other}.") from None
     except ValueError:  # (no signature to read: a builtin)
         return
 

@@ -3,18 +3,19 @@
 ``configure_accumulation(step_schedulers=...)`` decides:
 
 - ``None`` (the default) or ``False``: Lightning's manual-optimization contract. The model steps its
-  schedulers itself (``self.lr_schedulers().step()``, e.g. after the ``accumulate`` block when
-  ``acc.last``, or in ``on_train_epoch_end``); the mixin steps none, and a model written for
+  schedulers itself (``self.lr_schedulers().step()``, e.g. in its ``on_window_end`` for one step per
+  optimizer step, or in ``on_train_epoch_end``); the mixin steps none, and a model written for
   Lightning trains as it does there. ``None`` warns at the fit's start when the fit has schedulers
   (the mixin of 0.1 stepped step-interval schedulers itself); ``False`` says the model steps them.
 - ``True``: the mixin steps them as Lightning's automatic loop does (``_TrainingEpochLoop.
-  _update_learning_rates``): ``interval="step"`` at each window's step (``frequency`` in optimizer
-  steps), ``interval="epoch"`` after an epoch's last batch, ``ReduceLROnPlateau`` (or a config's
-  ``reduce_on_plateau=True``) with the ``monitor`` and ``strict`` its config names, read from
-  ``trainer.callback_metrics`` (for ``interval="epoch"``: after the LightningModule's
-  ``on_train_epoch_end``, as Lightning). The configurations that loop refuses are refused at the
-  fit's start, and a step the model takes itself is refused at the next hook, before any
-  optimizer step uses it (a silent double step otherwise).
+  _update_learning_rates``): ``interval="step"`` at each window's step (``frequency`` in the window's
+  optimizer steps, where Lightning counts the epoch's batches), ``interval="epoch"`` after an epoch's
+  last batch, ``ReduceLROnPlateau`` (or a config's ``reduce_on_plateau=True``) with the ``monitor``
+  and ``strict`` its config names, read from ``trainer.callback_metrics`` where Lightning's loop
+  steps it (``interval="step"``: after the batch's ``on_train_batch_end`` and its validation;
+  ``"epoch"``: after the LightningModule's ``on_train_epoch_end``). The configurations that loop
+  refuses are refused at the fit's start, and a step the model takes itself is refused at the next
+  hook, before any optimizer step uses it (a silent double step otherwise).
 
 Handed the trainer's scheduler configs, it imports nothing of Lightning but ``rank_zero_warn``.
 """
@@ -31,6 +32,11 @@ from torch.optim.lr_scheduler import LRScheduler, OneCycleLR, ReduceLROnPlateau
 from lightning_accum._lightning import rank_zero_warn
 
 INTERVALS = ("step", "epoch")
+#: where a plateau scheduler of each interval is stepped, as Lightning's automatic loop steps it
+WHEN = {
+    "step": "after the batch's `on_train_batch_end` hooks and its validation, if one runs",
+    "epoch": "after the LightningModule's `on_train_epoch_end`",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +76,8 @@ class MixinSchedulers:
     def __init__(self) -> None:
         self.kept: Kept = {}
         self._seen: dict[int, tuple[Any, int]] = {}  # id(scheduler) -> (it, `last_epoch` after the mixin's step)
+        # the step-interval plateau steps of this batch's windows, due where Lightning's loop steps them
+        self._due: list[tuple[int, tuple[Optimizer, ...]]] = []
 
     # ------------------------------------------------------------------ the fit's start
     def check_fit(self, configs: Sequence[Any], module: Any, mode: bool | None, custom_step: bool) -> None:
@@ -82,8 +90,8 @@ class MixinSchedulers:
             listed = ", ".join(type(c.scheduler).__name__ for c in configs)
             rank_zero_warn(
                 f"`{name}` has LR schedulers ({listed}) and uses `AccumulationMixin`, which leaves them to the model "
-                "as Lightning's manual optimization does: step them yourself (after the `accumulate` block when "
-                "`acc.last` for one step per window), or have the mixin step them at each window's end as "
+                "as Lightning's manual optimization does: step them yourself (in the model's "
+                "`on_window_end(self, window)` for one step per optimizer step), or have the mixin step them as "
                 "Lightning's automatic loop would with `configure_accumulation(..., step_schedulers=True)`. "
                 "`step_schedulers=False` says you step them (and silences this)."
             )
@@ -145,12 +153,14 @@ class MixinSchedulers:
             if seen is None or seen[0] is not scheduler:
                 self._seen[id(scheduler)] = scheduler, now
             elif seen[1] != now:
+                when = "after each epoch" if config.interval == "epoch" else "at each window's step"
                 raise RuntimeError(
                     f"The LR scheduler `{type(scheduler).__name__}` was stepped by the model (its `last_epoch` went "
                     f"from {seen[1]} to {now}), but with `configure_accumulation(step_schedulers=True)` the mixin "
-                    "steps the fit's LR schedulers itself at each window's end, so it would be stepped twice. Remove "
-                    "the model's `scheduler.step()` (`self.lr_schedulers().step()`), or drop `step_schedulers=True` "
-                    "to step them yourself as in Lightning's manual optimization."
+                    f'steps the fit\'s LR schedulers itself (this one, of "interval": "{config.interval}", {when}), '
+                    "so it would be stepped twice. Remove the model's `scheduler.step()` "
+                    "(`self.lr_schedulers().step()`), or drop `step_schedulers=True` to step them yourself as in "
+                    "Lightning's manual optimization."
                 )
 
     # ------------------------------------------------------------------ the mixin's steps
@@ -158,6 +168,22 @@ class MixinSchedulers:
         """At a fit's setup: forget the last fit's configs; the dict to catch this fit's keys in."""
         self.kept = {}
         return self.kept
+
+    def defer_plateau(self, count: int, optimizers: Sequence[Optimizer]) -> None:
+        """A window of ``optimizers`` stepped (``count``: its group's optimizer steps): its step-interval plateau
+        schedulers are due at the batch's plateau point (``step_due``), after ``on_train_batch_end`` and the
+        batch's validation, where Lightning's automatic loop steps them, so that a metric logged there is fresh."""
+        self._due.append((count, tuple(optimizers)))
+
+    def step_due(self, module: Any, trainer: Any) -> None:
+        """At the batch's plateau point: the step-interval plateau steps its windows made due."""
+        due, self._due = self._due, []
+        for count, optimizers in due:
+            self.step(module, trainer, "step", count, optimizers, plateau=True)
+
+    def drop_due(self) -> None:
+        """The batch did not reach its plateau point (an exception): Lightning's loop steps nothing then."""
+        self._due = []
 
     def keys(self, scheduler: Any) -> Keys:
         found = self.kept.get(id(scheduler))
@@ -194,12 +220,21 @@ class MixinSchedulers:
                 assert keys.monitor is not None  # (refused at the fit's start)
                 metric = trainer.callback_metrics.get(keys.monitor)
                 if metric is None:
+                    when = WHEN[interval]
                     if keys.strict:
                         raise RuntimeError(
-                            f"`{type(scheduler).__name__}` monitors {keys.monitor!r}, which was not logged before "
-                            f"its {interval} ended; logged: {sorted(trainer.callback_metrics)}. Log it with "
-                            "`self.log(...)`, or give one of these as the scheduler config's `monitor`."
+                            f"`{type(scheduler).__name__}` monitors {keys.monitor!r}, which is not in "
+                            f"`trainer.callback_metrics` where it is stepped ({when}, as in Lightning's automatic "
+                            f"loop); logged: {sorted(trainer.callback_metrics)}. Log it with `self.log(...)` before "
+                            "then, give one of these as the scheduler config's `monitor`, or `\"strict\": False` to "
+                            "skip the step while it is missing."
                         )
+                    rank_zero_warn(
+                        f"`{type(scheduler).__name__}` monitors {keys.monitor!r}, which is not in "
+                        f"`trainer.callback_metrics` where it is stepped ({when}), and its config says "
+                        '`"strict": False`: the step is skipped.',
+                        category=RuntimeWarning,
+                    )
                     continue
             module.lr_scheduler_step(scheduler, metric)
         for config in configs:

@@ -9,6 +9,7 @@ This walks the fit's windows as the package will form them instead.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from lightning_accum import _seam
@@ -17,10 +18,17 @@ from lightning_accum.noise import NoiseScale
 from lightning_accum.schedules import Constant, Progress, Schedule
 
 
-def estimated_stepping_batches(trainer: Any) -> int | float:
+def estimated_stepping_batches(trainer: Any, *, optimizers: int = 1) -> int | float:
     """The number of optimizer steps the whole fit will take under the active
     ``AccumulationScheduler`` or ``AccumulationMixin`` schedule (Lightning's own estimate without
     one). Call it in ``configure_optimizers`` instead of ``trainer.estimated_stepping_batches``.
+
+    ``optimizers``: how many optimizers step at each window (the mixin's window shared by several, or windows
+    of their own closing at the same batches). Each one's steps count in ``trainer.global_step``, so
+    ``max_steps`` ends the fit after ``ceil(max_steps / optimizers)`` windows: the count returned is each
+    optimizer's, the horizon of a scheduler on one of them. The optimizers do not exist yet in
+    ``configure_optimizers``, hence the argument. Windows of one optimizer fed only some batches (a GAN
+    alternating its optimizers) take fewer steps than the walk of every batch gives: not known in advance.
 
     Honours ``max_epochs``, ``max_steps``, ``limit_train_batches``, windows cut short at epoch
     ends and several devices. Exact for schedules keyed on epochs or steps, and on samples when
@@ -42,6 +50,32 @@ def estimated_stepping_batches(trainer: Any) -> int | float:
             scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps)
             return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
     """
+    n = _check_optimizers(optimizers)
+    return _per_optimizer(_estimate(trainer), trainer.max_steps, n)
+
+
+def _check_optimizers(optimizers: object) -> int:
+    what = (
+        "`estimated_stepping_batches(trainer, optimizers=...)` takes how many optimizers step at each window, an "
+        f"integer >= 1 (e.g. `optimizers=2` for the mixin's window shared by two); got {optimizers!r}."
+    )
+    if isinstance(optimizers, bool) or not isinstance(optimizers, numbers.Integral):
+        raise TypeError(what)
+    if optimizers < 1:
+        raise ValueError(what)
+    return int(optimizers)
+
+
+def _per_optimizer(steps: int | float, max_steps: int, optimizers: int) -> int | float:
+    """``steps`` when ``max_steps`` counts each of ``optimizers``' steps (``trainer.global_step`` in manual
+    optimization): ``ceil(max_steps / optimizers)`` windows at most."""
+    if optimizers == 1 or max_steps < 0:
+        return steps
+    return min(steps, -(-max_steps // optimizers))
+
+
+def _estimate(trainer: Any) -> int | float:
+    """``estimated_stepping_batches`` for one optimizer."""
     if getattr(trainer, "lightning_module", None) is None:
         raise RuntimeError(
             "`estimated_stepping_batches(trainer)` was called before a fit: it counts the steps of the fit's "
@@ -140,11 +174,12 @@ def _walk(schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs:
     return step
 
 
-def warn_scheduler_horizons(trainer: Any) -> None:
+def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:
     """At a fit's start: warn about each step-interval LR scheduler whose horizon (``total_steps``, as
     ``OneCycleLR``'s, or ``T_max``, as ``CosineAnnealingLR``'s) is not the fit's real number of its steps
-    (optimizer steps over the config's ``frequency``): sized with ``trainer.estimated_stepping_batches``
-    it is stretched by the mean k. Nothing where the real count cannot be known in advance."""
+    (optimizer steps over the config's ``frequency``; ``optimizers`` step at each window): sized with
+    ``trainer.estimated_stepping_batches`` it is stretched by the mean k. Nothing where the real count cannot
+    be known in advance."""
     configs = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
     horizons = [
         (c, getattr(c.scheduler, n)) for c in configs for n in ("total_steps", "T_max") if hasattr(c.scheduler, n)
@@ -152,11 +187,12 @@ def warn_scheduler_horizons(trainer: Any) -> None:
     if not horizons:
         return
     try:
-        steps = estimated_stepping_batches(trainer)
+        steps = estimated_stepping_batches(trainer, optimizers=optimizers)
     except ValueError:
         return  # (a schedule keyed on items, or `NoiseScale`: not known in advance)
     if math.isinf(steps):
         return
+    size_with = "" if optimizers == 1 else f", optimizers={optimizers}"  # (`max_steps` counts each one's step)
     for config, horizon in horizons:
         real = steps // config.frequency
         if int(horizon) != real:
@@ -164,5 +200,5 @@ def warn_scheduler_horizons(trainer: Any) -> None:
                 f"The LR scheduler {type(config.scheduler).__name__} is sized for {int(horizon)} steps, but this fit "
                 f"takes {real} (optimizer steps{f' / frequency {config.frequency}' if config.frequency > 1 else ''}) "
                 "under the accumulation schedule; `trainer.estimated_stepping_batches` does not know the schedule. "
-                "Size it with `lightning_accum.estimated_stepping_batches(trainer)`."
+                f"Size it with `lightning_accum.estimated_stepping_batches(trainer{size_with})`."
             )

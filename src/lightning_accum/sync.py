@@ -8,9 +8,11 @@ gradient collective; ``skip_sync`` picks it from a ``SyncPlan``:
   the mixin runs every pass under it and all-reduces the window once, explicitly, at its end
   (``all_reduce_gradients``): one collective round per optimizer step whatever the number
   of backward passes, and no dependence on ``find_unused_parameters``.
-* FSDP (``FSDPStrategy``): the outermost wrapped modules' ``no_sync()``, opt-in
-  (``sync="skip"``): full unsharded gradients are then held until the window's last
-  micro-batch. By default FSDP reduce-scatters every micro-batch, as Lightning does.
+* FSDP (``FSDPStrategy``): the outermost wrapped modules' ``no_sync()``: full unsharded gradients
+  are then held until the window's last micro-batch. Lightning's automatic loop enters the root's
+  ``no_sync()`` on the batches it accumulates, so the callback skips under every mode but
+  ``"every"``, which it refuses there; the mixin reduce-scatters every micro-batch unless
+  ``sync="skip"``.
 * FSDP2 (``ModelParallelStrategy``, ``fully_shard``): ``set_requires_gradient_sync(False)`` on
   the sharded modules, back to ``True`` for the window's last micro-batch.
 * DeepSpeed (``AccumulationScheduler`` only): the engine is built with
@@ -40,8 +42,9 @@ from lightning_accum.collectives import world_size
 
 Family = Literal["single", "ddp", "fsdp", "fsdp2", "deepspeed"]
 SyncMode = Literal["auto", "skip", "every"]
-"""Gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per window; FSDP: every
-micro-batch), ``"skip"`` (once per window) or ``"every"``."""
+"""Gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per window; FSDP: as
+Lightning's own loop, once per window in the callback and every micro-batch in the mixin), ``"skip"``
+(once per window) or ``"every"``."""
 SYNC_MODES = ("auto", "skip", "every")
 
 
@@ -154,7 +157,7 @@ class SyncPlan:
 def plan(strategy: Any, mode: SyncMode = "auto") -> SyncPlan:
     """The ``SyncPlan`` for ``strategy`` (after setup) under ``sync=mode``.
 
-    ``"auto"`` skips on DDP and FSDP2 and keeps Lightning's per-micro-batch reduce-scatter on FSDP;
+    ``"auto"`` skips on DDP and FSDP2 and not on FSDP (but see ``loop_plan``);
     ``"skip"`` skips wherever the strategy can; ``"every"`` reduce-scatters sharded gradients after
     every micro-batch. DDP's gradients are whole on every rank, so DDP syncs once per window in all modes.
     """
@@ -162,6 +165,23 @@ def plan(strategy: Any, mode: SyncMode = "auto") -> SyncPlan:
     if kind == "fsdp2":
         refuse_unsharded(strategy.model, "Accumulation under FSDP2")
     return plan_for(kind, mode)
+
+
+def loop_plan(strategy: Any, mode: SyncMode, loop_skips: bool) -> SyncPlan:
+    """The ``SyncPlan`` of the callback, whose micro-batches run in Lightning's automatic loop: where the loop
+    itself skips FSDP's sync (``loop_skips``, ``_seam.loop_skips_sync``), ``"auto"`` is that skip and
+    ``"every"`` cannot be kept."""
+    sync_plan = plan(strategy, mode)
+    if sync_plan.family != "fsdp" or not loop_skips:
+        return sync_plan
+    if mode == "every":
+        raise ValueError(
+            "`AccumulationScheduler(sync='every')` cannot hold under `FSDPStrategy`: Lightning's own loop enters "
+            "FSDP's `no_sync()` on every batch it accumulates (`strategy.block_backward_sync()`), so the gradient "
+            "is reduced once per window whatever `sync` says. Use `sync='auto'` (once per window, as Lightning's "
+            "`accumulate_grad_batches`), or FSDP2 (`ModelParallelStrategy`) for a reduce-scatter per micro-batch."
+        )
+    return SyncPlan("fsdp", skip=True)
 
 
 def plan_for(kind: Family, mode: SyncMode = "auto") -> SyncPlan:
@@ -198,15 +218,28 @@ def check_window_synced(sync_plan: SyncPlan, window: Any) -> None:
         )
 
 
-def refuse_fsdp_root_skip(sync_plan: SyncPlan, model: Any) -> None:
-    """The mixin cannot skip FSDP's sync when ``FSDPStrategy`` wraps the whole LightningModule:
-    Lightning runs ``training_step`` inside the root's forward, where FSDP refuses ``no_sync()``."""
-    if sync_plan.family == "fsdp" and sync_plan.skip and model is not None and fsdp_roots(model) == [model]:
+def refuse_fsdp_root(sync_plan: SyncPlan, model: Any) -> None:
+    """What the mixin cannot do when ``FSDPStrategy`` wraps the whole LightningModule: Lightning runs
+    ``training_step`` inside the root's forward, where FSDP refuses ``no_sync()`` and cannot run a backward
+    pass over parameters the root holds itself (Lightning issue #19685, manual optimization alone)."""
+    if sync_plan.family != "fsdp" or model is None or fsdp_roots(model) != [model]:
+        return
+    if sync_plan.skip:
         raise ValueError(
             "`sync='skip'` cannot work with the mixin when `FSDPStrategy` wraps the whole LightningModule: "
             "Lightning runs `training_step` inside FSDP's forward, where FSDP refuses `no_sync()`. Use "
             "`sync='auto'` (reduce-scatter every micro-batch), wrap submodules in `configure_model`, or use "
             "FSDP2 (`ModelParallelStrategy`)."
+        )
+    nested = [m for m in model.modules() if m is not model and isinstance(m, type(model))]
+    inner = {id(p) for m in nested for p in m.parameters()}
+    if any(id(p) not in inner for p in model.parameters()):
+        raise ValueError(
+            "The mixin cannot run under `FSDPStrategy` when the FSDP root (the whole LightningModule) holds "
+            "parameters itself: Lightning runs `training_step` inside the root's forward, where FSDP cannot run "
+            "a backward pass over them (Lightning issue #19685; manual optimization fails the same way without "
+            "this package). Wrap every module that has parameters (e.g. `FSDPStrategy(auto_wrap_policy={nn.Linear})`) "
+            "or use FSDP2 (`ModelParallelStrategy` with `fully_shard` in `configure_model`)."
         )
 
 

@@ -79,7 +79,8 @@ class WindowStep:
             closing = engine.close(strategy, grads=grads, loss_scale=lambda: loss_scale(trainer))
         self.rescaled = False
         if closing.empty:  # nothing went in, over all ranks: no step (it would move Adam's state)
-            _reset(config, optimizers)
+            with guards.resetting():
+                _reset(config, optimizers)
             engine.advance(trainer.current_epoch)
             return
         # the window's normalised gradient is `.grad * scale / loss scale`
@@ -101,14 +102,19 @@ class WindowStep:
                 )
         if config.decay is not None:
             config.decay.after_step()
-        _reset(config, optimizers)
+        with guards.resetting():
+            _reset(config, optimizers)
         engine.advance(trainer.current_epoch)
         auto.window_closed(key, strategy, world)
-        window = reporting.report(trainer.optimizers, engine, closing, key) if config.log or self.listeners else None
+        window = None
+        if config.log or self.listeners:
+            window = reporting.report(trainer.optimizers, engine, closing, key, schedulers=trainer.lr_scheduler_configs)
         if window is not None and config.log:  # (before the schedulers: a `ReduceLROnPlateau` may watch the loss)
             self.reported.publish(trainer, window, log_prefix)
-        if schedulers is not None:  # (`step_schedulers=True`)
-            schedulers.step(module, trainer, "step", engine.progress.step, [o.optimizer for o in optimizers])
+        if schedulers is not None:  # (`step_schedulers=True`; plateau ones later, where Lightning steps them)
+            raw = [o.optimizer for o in optimizers]
+            schedulers.step(module, trainer, "step", engine.progress.step, raw, plateau=False)
+            schedulers.defer_plateau(engine.progress.step, raw)
         if window is not None:
             reporting.announce(self.listeners, trainer, module, window)
 
@@ -132,6 +138,17 @@ class WindowStep:
             config.decay.combine(optimizer)
         if config.gradient_clip_val is not None:
             clip(optimizer)
+
+
+def drop(engine: WindowEngine, params: Sequence[Tensor], config: AccumulationConfig) -> None:
+    """Drop the group's open window unstepped (its loop stopped inside it): forget it and clear its gradient,
+    zeroed (``reset="zero"``, the buffers kept) or ``None`` (a decay's residual waits aside, not in ``.grad``)."""
+    engine.discard()
+    if config.reset == "zero":
+        gradients.zero_(gradients.grads_of(params))
+    else:
+        for p in params:
+            p.grad = None
 
 
 def _reset(config: AccumulationConfig, stepped: Sequence[Any]) -> None:

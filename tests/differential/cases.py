@@ -60,6 +60,15 @@ CASES: dict[str, dict[str, Any]] = {
     # two optimizers in one window sharing a parameter: its gradient was rescaled once per optimizer
     "two_optimizers_sharing_a_parameter": {"adapter": "mixin", "optimizers": 2, "shared": True, "n": 22,
                                            "schedule": {"family": "constant", "k": 4}},
+    # issue 32: the cached loss in blocks of samples, chunks packed by tokens (padding trimmed, no row cap on the
+    # first tower), a frozen guide tower run once; with batches of no items, and through a resume
+    "cached_blocks_tokens_frozen_guide": {
+        "adapter": "mixin", "mode": "cached", "n": 13, **_ITEMS, "reduction": "sum", "empty_batches": [1],
+        "schedule": {"family": "constant", "k": 2}, "chunks": [None, 2], "chunk_tokens": [3, 2], "loss_chunk": 3,
+        "guide": "frozen", "interruptions": [["on_after_backward", 0, 2]]},
+    "cached_blocks_no_grad_guide": {"adapter": "mixin", "mode": "cached", "n": 14, "batch_size": 3, "epochs": 1,
+                                    "schedule": {"family": "constant", "k": 3}, "chunks": [1, 5], "loss_chunk": 2,
+                                    "guide": "no_grad", "optimizer": "adam", "lr": 0.01},
     # issue 23: a plateau on `accum/loss` after a resume inside an epoch whose last window steps nothing saw no
     # value (Lightning keeps no logged metric across a resume; the uninterrupted run saw the last window's)
     "accum_loss_monitor_after_resume_mixin": {
@@ -134,6 +143,30 @@ CASES: dict[str, dict[str, Any]] = {
     "decay_alone_estimated_and_resumed": {"plain": True, "schedule": {"family": "constant", "k": 1}, "estimate": True,
                                           "decay": [0.5, "sum", False], "n": 20, "epochs": 2,
                                           "interruptions": [["save", 1, 2]]},
+    # the adversarial pass after issue 31, 1: a step-interval plateau on a metric logged after the block was stepped
+    # as the block exited (refused at the first window with `strict=True`, one batch old otherwise); Lightning steps
+    # it after the batch's end hooks and validation (the callback, in Lightning's own loop, always did)
+    "mixin_step_plateau_on_a_metric_logged_after_the_batch": {
+        "adapter": "mixin", "n": 24, "epochs": 2, "schedule": {"family": "constant", "k": 2}, "optimizer": "momentum",
+        "lr": 0.5, "val_every": 3, "scheduler": {"kind": "plateau", "interval": "step"}},
+    "callback_step_plateau_on_a_metric_logged_after_the_batch": {
+        "n": 24, "epochs": 2, "schedule": {"family": "constant", "k": 2}, "optimizer": "momentum", "lr": 0.5,
+        "val_every": 3, "scheduler": {"kind": "plateau", "interval": "step"}},
+    "mixin_step_plateau_windows_of_their_own": {
+        "adapter": "mixin", "n": 24, "optimizers": 2, "windows": "each", "epochs": 2, "optimizer": "momentum",
+        "lr": 0.5, "schedule": {"family": "constant", "k": 2}, "scheduler": {"kind": "plateau", "interval": "step"}},
+    # ... 4: `zero_grad()` left in `training_step` threw each window's earlier micro-batches away: refused
+    "mixin_zero_grad_in_training_step_is_refused": {"adapter": "mixin", "n": 24, "zero_grad": True,
+                                                   "schedule": {"family": "constant", "k": 3}},
+    # ... 3: a fit stopped inside a window left it open, and the next `trainer.fit` counted its micro-batches into its
+    # first window (gradients at the old weights)
+    "mixin_refit_after_a_stop_inside_a_window": {
+        "adapter": "mixin", "n": 30, "epochs": 2, "refit": [0, 4], "optimizer": "adam", "lr": 0.01,
+        "decay": [0.5, "sum", False], "lr_scaling": "linear",
+        "schedule": {"family": "ramp", "start": 1, "end": 4, "over": 4, "unit": "step"}},
+    "mixin_refit_windows_of_their_own": {
+        "adapter": "mixin", "n": 30, "epochs": 2, "refit": [0, 4], "optimizers": 2, "windows": "each",
+        "schedule": {"family": "constant", "k": 3}, "scheduler": {"kind": "step", "interval": "step", "step_size": 1}},
     # every option at once, through two resumes
     "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
                    "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},

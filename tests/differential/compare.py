@@ -16,14 +16,16 @@ def check(c: Config) -> list[str]:
     must refuse ``c``, anything but that refusal)."""
     if c.world > 1:
         return ranks.check_all([c])[0]
-    if c.refused():  # a scheduler the model steps while the mixin steps it too: a double step, refused (where the
-        try:  # model's code did step it: else the mixin's steps alone, as the reference's)
+    refusal = c.refusal()
+    if refusal is not None:  # a scheduler the model steps while the mixin steps it too: a double step, refused (where
+        try:  # the model's code did step it: else the mixin's steps alone, as the reference's); a `zero_grad()`
             got = package.run(c)
         except RuntimeError as error:
-            if "was stepped by the model" in str(error):
+            if refusal in str(error):
                 return []
             return ["raised: " + traceback.format_exc(limit=-3).strip().replace("\n", " | ")]
-        alone = dataclasses.replace(c, schedulers_by="package")
+        by = "package" if c.schedulers_by == "both" else c.schedulers_by
+        alone = dataclasses.replace(c, schedulers_by=by, zero_grad=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             want = reference.run(alone)

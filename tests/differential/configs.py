@@ -34,7 +34,14 @@ class Config:
     mode: str = "backward"
     # "cached": two towers of different sizes (the first two tokens of each sample, then every other token on
     # its own), keyword inputs, `get_rep`; their chunk sizes
-    chunks: list[int] = dataclasses.field(default_factory=lambda: [2, 2])
+    chunks: list[int | None] = dataclasses.field(default_factory=lambda: [2, 2])
+    # and with these (issue 32): the loss in blocks of `loss_chunk` samples (the first tower's rows); chunks
+    # packed up to `chunk_tokens` tokens a tower by the mask (its padding trimmed; a chunk size of None: no
+    # row cap); a `guide` tower (the fuzzer's net at another seed) whose sigmoid weights each token's error,
+    # run once: "frozen" (its parameters without grad) or "no_grad" (the flag)
+    loss_chunk: int | None = None
+    chunk_tokens: list[int | None] | None = None
+    guide: str | None = None
     n: int = 24  # samples
     batch_size: int = 4
     epochs: int = 2
@@ -82,6 +89,10 @@ class Config:
     microbatch_size: Any = None
     oom: list[Any] | None = None
     fail_piece: int = 0  # a "training_step" failure fires at this piece (0-based) of its batch
+    # the mixin: `zero_grad()` left in `training_step` (refused); a first fit stopped (`trainer.should_stop`) after
+    # batch [epoch, batch], inside a window, then `trainer.fit` again on the same model (a new Trainer, no checkpoint)
+    zero_grad: bool = False
+    refit: list[int] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -107,7 +118,20 @@ class Config:
 
     def refused(self) -> bool:
         """Whether the package must refuse the configuration (a scheduler stepped by the model and the mixin)."""
-        return self.adapter == "mixin" and self.scheduler is not None and self.schedulers_by == "both"
+        return self.refusal() is not None
+
+    def refusal(self) -> str | None:
+        """What the package's refusal says (a scheduler stepped by the model and the mixin, a `zero_grad()` in
+        `training_step`), where it must refuse the configuration."""
+        if self.adapter == "mixin" and self.zero_grad:
+            return "`zero_grad()` was called during training"
+        if self.adapter == "mixin" and self.scheduler is not None and self.schedulers_by == "both":
+            return "was stepped by the model"
+        return None
+
+    def step_plateau(self) -> bool:
+        """A `ReduceLROnPlateau` of `interval="step"`, on a metric the model logs in `on_train_batch_end`."""
+        return self.scheduler is not None and self.scheduler == {"kind": "plateau", "interval": "step"}
 
     def batches_per_epoch(self) -> int:
         """Per process: rank r's j-th batch is the data's batch ``j * world + r``."""
@@ -171,6 +195,8 @@ def generate(rng: random.Random) -> Config:
             c.callbacks.append(name)
     if c.monitors() and rng.random() < 0.5:
         c.monitor = "accum/loss"
+        if c.clip is not None and c.clip[0] < 1e-6:  # (a model held still: its float64 losses tie, and a monitor's
+            c.clip[0] = 0.05  # decisions would turn on their last bits, which two ways of summing need not share)
     if c.optimizers == 1 and rng.random() < 0.15:
         c.swa = [c.lr / 2, rng.randint(1, c.epochs)]
     total = batches * c.epochs
@@ -184,7 +210,9 @@ def generate(rng: random.Random) -> Config:
     c.interruptions.sort(key=lambda i: (i[1], i[2]))
     if c.mode == "cached":
         c.chunks = [rng.randint(1, 3), rng.randint(1, 5)]
+        _cached_options(c, random.Random(c.seed * 1009 + 32))  # (its own generator: the others' draws stay)
     _contracts(rng, c, batches)
+    _lightning_order(c, batches)
     if rng.random() < 0.15:  # the same options in a Fabric loop, where it has them
         c = fabric_config(c, rng)
     if c.adapter == "callback" and not c.plain:  # (`microbatch_size` is the package callback's)
@@ -219,6 +247,26 @@ def _contracts(rng: random.Random, c: Config, batches: int) -> None:
         c.interruptions = [i for i in c.interruptions if i[2] != batches - 1]
 
 
+def _lightning_order(c: Config, batches: int) -> None:
+    """Where the mixin meets Lightning's order of hooks (the adversarial pass after issue 31), drawn from a
+    generator of the configuration's own (the other draws stay as they were): a step-interval plateau on a metric
+    logged after the batch (either adapter), a `zero_grad()` left in the mixin's `training_step`, a refit after a
+    fit stopped inside a window."""
+    rng = random.Random(f"order/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if c.swa is None and rng.random() < 0.12:
+        c.scheduler, c.schedulers_by = {"kind": "plateau", "interval": "step"}, "package"
+        # (Lightning steps it after the batch's end hooks: a checkpoint written there, or a failure after them,
+        # misses that batch's step, package or not; so only failures before the batch is processed)
+        c.interruptions = [i for i in c.interruptions if i[0] in ("on_train_batch_start", "training_step")]
+    if c.adapter != "mixin":
+        return
+    r = rng.random()
+    if r < 0.04:
+        c.zero_grad = True
+    elif r < 0.14 and batches > 1 and c.swa is None:
+        c.refit, c.interruptions = [0, rng.randrange(batches - 1)], []
+
+
 def _microbatches(c: Config) -> None:
     """The callback's ``microbatch_size`` (and injected out-of-memory errors for ``"auto"``), drawn from a
     generator of the configuration's own, so that the other configurations' draws stay as they were."""
@@ -242,7 +290,8 @@ def fabric_config(c: Config, rng: random.Random) -> Config:
     c.callbacks, c.monitor = [], "probe"
     c.interruptions = [i for i in c.interruptions if i[0] == "save"]
     c.schedulers_by, c.probe_in, c.windows, c.skip = "package", "callback", "shared", []
-    c.plain = c.estimate = False
+    c.plain = c.estimate = c.zero_grad = False
+    c.refit = None
     c.microbatch_size, c.oom, c.fail_piece = None, None, 0
     c.passes = rng.choice([1, 1, 2])
     c.resave = bool(c.interruptions) and rng.random() < 0.5
@@ -284,3 +333,15 @@ def _schedule(rng: random.Random, batches: int) -> dict[str, Any]:
         start, end = rng.randint(1, 4), rng.randint(1, 5)
         return {"family": "ramp", "start": start, "end": end, "over": over, "unit": unit}
     return {"family": "lambda", "fn": rng.choice(LAMBDAS)}
+
+
+def _cached_options(c: Config, rng: random.Random) -> None:
+    """The cached mode's loss blocks, token budgets and guide tower (issue 32)."""
+    if rng.random() < 0.5:
+        c.loss_chunk = rng.randint(1, 3)
+    if rng.random() < 0.35:
+        c.chunk_tokens = [rng.choice([None, 1, 2, 3]), rng.choice([None, 1, 2])]
+        pairs = zip(c.chunks, c.chunk_tokens, strict=True)
+        c.chunks = [None if t is not None and rng.random() < 0.5 else k for k, t in pairs]  # (no row cap)
+    if rng.random() < 0.3:
+        c.guide = rng.choice(["frozen", "no_grad"])

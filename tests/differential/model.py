@@ -45,9 +45,18 @@ def errors(out: Tensor, batch: dict[str, Tensor]) -> Tensor:
     return (out - batch["y"]).squeeze(-1) ** 2 * batch["mask"]
 
 
-def micro_loss(net: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, float, int]:
-    """(sum of masked squared errors, number of items, number of token positions)."""
-    return errors(net(batch["x"]), batch).sum(), float(batch["mask"].sum()), batch["x"].shape[0] * T
+def micro_loss(net: nn.Module, batch: dict[str, Tensor], guide: nn.Module | None = None) -> tuple[Tensor, float, int]:
+    """(sum of masked squared errors, each times the guide's weight where there is one, number of items,
+    number of token positions)."""
+    err = errors(net(batch["x"]), batch)
+    if guide is not None:
+        err = err * guide_weights(guide(batch["x"]))
+    return err.sum(), float(batch["mask"].sum()), batch["x"].shape[0] * T
+
+
+def guide_weights(out: Tensor) -> Tensor:
+    """A guide tower's output as a weight per token, in (0, 1), without a gradient."""
+    return torch.sigmoid(out.detach()).squeeze(-1)
 
 
 def count_tokens(batch: dict[str, Tensor]) -> Tensor:
@@ -59,4 +68,12 @@ def probe_loss(net: nn.Module, data: Data) -> float:
     float32 (as Lightning may store a logged value)."""
     with torch.no_grad():
         value = ((net(data.x[:4]) - data.y[:4]) ** 2).mean()
+    return float(value.float())
+
+
+def batch_probe(net: nn.Module, batch: dict[str, Tensor]) -> float:
+    """What a step-interval plateau watches: the batch's unmasked error at the weights after its step, logged in
+    ``on_train_batch_end`` (rounded to float32, as ``probe_loss``)."""
+    with torch.no_grad():
+        value = ((net(batch["x"]) - batch["y"]) ** 2).mean()
     return float(value.float())

@@ -8,6 +8,7 @@ import os
 import signal
 import tempfile
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import lightning_accum as la
 from lightning_accum.lr import WarmupCosine
 
 from .configs import Config
-from .model import Data, count_tokens, errors, make_net, micro_loss, probe_loss
+from .model import Data, batch_probe, count_tokens, errors, guide_weights, make_net, micro_loss, probe_loss
 from .reference import EMA, Result, make_optimizers, make_scheduler, optimizer_state
 
 LAMBDA_FNS = {
@@ -88,10 +89,16 @@ class _Base(pl.LightningModule):
         if sched is None:
             return opts
         config = {"scheduler": sched, "interval": self.c.scheduler.get("interval", "epoch")}  # type: ignore[union-attr]
-        if self.c.scheduler["kind"] == "plateau":  # type: ignore[index]
+        if self.c.step_plateau():  # (on a metric logged after the batch: Lightning steps it after that)
+            config["monitor"], config["strict"] = "batch", True
+        elif self.c.scheduler["kind"] == "plateau":  # type: ignore[index]
             config["monitor"] = monitored(self.c)
             config["strict"] = self.c.monitor == "probe"  # (no window may have stepped by the first epoch's end)
         return opts, [config]
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self.c.step_plateau():
+            self.log("batch", batch_probe(self.net, batch))
 
     def on_train_epoch_end(self) -> None:
         if self.c.probe_in == "module":  # (the usual place for an epoch's metric: after the callbacks')
@@ -133,6 +140,9 @@ def _out_of_memory(grad: Tensor) -> Tensor:
 class Manual(la.AccumulationMixin, _Base):
     def __init__(self, c: Config, data: Data) -> None:
         super().__init__(c, data)
+        self.guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
+        if c.guide == "frozen":
+            self.guide.requires_grad_(False)  # type: ignore[union-attr]
         self.configure_accumulation(
             schedule(c.schedule),
             normalize=c.normalize,  # type: ignore[arg-type]
@@ -166,9 +176,13 @@ class Manual(la.AccumulationMixin, _Base):
             return [x / err.numel() for x in parts]
         return parts
 
-    def encode(self, tokens: Tensor) -> dict[str, Tensor]:
-        """A keyword-argument encoder returning an output object, as a transformers model does."""
-        return {"hidden": self.net(tokens)}
+    def encode(self, tokens: Tensor, attention_mask: Tensor | None = None, width: int = 0) -> dict[str, Tensor]:
+        """A keyword-argument encoder returning an output object, as a transformers model does (a chunk whose
+        padding `chunk_tokens` trimmed comes back to ``width`` tokens, the trimmed ones zero: masked out)."""
+        out = self.net(tokens)
+        if out.shape[1] < width:
+            out = torch.cat([out, out.new_zeros(len(out), width - out.shape[1], out.shape[2])], dim=1)
+        return {"hidden": out}
 
     def _whole(self, batch: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         """The micro-batch's loss as `training_step` of the callback's model returns it (not `mean` over items)."""
@@ -177,6 +191,9 @@ class Manual(la.AccumulationMixin, _Base):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.maybe_fail()
+        if self.c.zero_grad:  # (left over from Lightning's manual optimization: refused)
+            optimizers = self.optimizers()
+            (optimizers[0] if isinstance(optimizers, list) else optimizers).zero_grad()  # type: ignore[union-attr]
         if batch_idx in self.c.skip:
             return None  # (Lightning's manual optimization: the batch trains nothing)
         if self.c.windows == "each":  # a window per optimizer, one after the other (a GAN's habit)
@@ -207,14 +224,31 @@ class Manual(la.AccumulationMixin, _Base):
             acc.backward_microbatches(lambda part: self._whole(part), size=2)
         elif c.mode == "cached":  # two towers of different sizes: the first two tokens of each sample, the
             # others one by one (per-token outputs, picked from an output object), then the loss on all of them
-            x = batch["x"]
+            # (in blocks of samples with `loss_chunk`); with `guide`, its weight on each token's error
+            x, mask = batch["x"], batch["mask"]
             first, rest = {"tokens": x[:, :2]}, {"tokens": x[:, 2:].reshape(-1, 1, x.shape[-1])}
+            if c.chunk_tokens is not None:
+                first["attention_mask"], rest["attention_mask"] = mask[:, :2], mask[:, 2:].reshape(-1, 1)
 
-            def loss(a: Tensor, b: Tensor) -> Tensor:
-                return self._whole(batch, torch.cat([a, b.reshape(len(x), -1, b.shape[-1])], dim=1))
+            def loss(a: Tensor, b: Tensor, g: Tensor | None = None, rows: slice | None = None) -> Tensor:
+                out = torch.cat([a, b.reshape(len(x), -1, b.shape[-1])], dim=1)
+                some = slice(None) if rows is None else rows
+                err = errors(out[some], {"y": batch["y"][some], "mask": mask[some]})
+                if g is not None:
+                    err = err * guide_weights(g)[some]
+                return err.sum() / (len(x) * out.shape[1]) if c.normalize == "mean" else err.sum()
 
-            acc.backward_cached([self.encode, self.encode], [first, rest], loss, chunk_size=c.chunks,
-                                get_rep=lambda out: out["hidden"])  # fmt: skip
+            encoders: list[Any] = [partial(self.encode, width=2), partial(self.encode, width=1)]
+            inputs: list[Any] = [first, rest]
+            if self.guide is not None:
+                encoders.append(self.guide)
+                inputs.append(x)
+            acc.backward_cached(
+                encoders, inputs, loss, chunk_size=c.chunks + [3] * (len(inputs) - 2),
+                get_rep=[lambda out: out["hidden"]] * 2 + [None] * (len(inputs) - 2), loss_chunk_size=c.loss_chunk,
+                chunk_tokens=None if c.chunk_tokens is None else c.chunk_tokens + [None] * (len(inputs) - 2),
+                no_grad=[False, False] + [c.guide == "no_grad"] * (len(inputs) - 2),
+            )  # fmt: skip
         elif c.mode == "each":
             acc.backward_each([lambda i=i: self._parts(self.net(batch["x"]), batch)[i] for i in (0, 1)])
         else:
@@ -336,6 +370,17 @@ class Interrupter(Checkpoint):
         self._fire(trainer, "validation")
 
 
+class Stopper(pl.Callback):
+    """Stops the loop (``trainer.should_stop``) after the batch ``at`` (epoch, index)."""
+
+    def __init__(self, at: tuple[int, int]) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx) == self.at:
+            trainer.should_stop = True
+
+
 class StepSaver(Checkpoint):
     """A checkpoint at every optimizer step (as ``ModelCheckpoint(every_n_train_steps=1)``), noting which
     were written at an epoch's last batch: Lightning resumes from those without running that epoch's
@@ -362,10 +407,20 @@ class StepSaver(Checkpoint):
 
 
 def _fit(
-    c: Config, tmp: Path, recorder: Recorder, saver: StepSaver, fault: Interrupter | None, ckpt: Path | None
+    c: Config,
+    tmp: Path,
+    recorder: Recorder,
+    saver: StepSaver,
+    fault: Interrupter | None,
+    ckpt: Path | None,
+    model: _Base | None = None,
 ) -> pl.LightningModule:
-    model: _Base = Manual(c, recorder.data) if c.adapter == "mixin" else Automatic(c, recorder.data)
+    first = model is None  # (else `trainer.fit` again on the model of an earlier fit)
+    if model is None:
+        model = Manual(c, recorder.data) if c.adapter == "mixin" else Automatic(c, recorder.data)
     callbacks: list[pl.Callback] = [recorder]
+    if first and c.refit is not None:
+        callbacks.append(Stopper((c.refit[0], c.refit[1])))
     ema = model.window_ema = WindowEMA()
     if c.adapter == "callback" and not c.plain:
         callbacks.append(
@@ -458,6 +513,9 @@ def run(c: Config) -> Result:
             if ckpt is None:  # failed before any step was saved: start again (Lightning would resume from
                 recorder.lrs.clear()  # the on-exception checkpoint when given none)
                 (tmp / "on_exception.ckpt").unlink()
+        if c.refit is not None:  # `trainer.fit` again, a new Trainer and callbacks, no checkpoint
+            recorder = Recorder(data, ResumingLoader(data, c.batch_size))
+            model = _fit(c, tmp, recorder, StepSaver(tmp / "refit"), None, None, model=model)  # type: ignore[arg-type]
         trainer = model.trainer
         params = [p.detach().clone() for p in model.net.parameters()]
         lrs = [recorder.lrs[s] for s in sorted(recorder.lrs)]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import SWALR
 
 from .configs import Config
-from .model import Data, make_net, micro_loss, probe_loss
+from .model import Data, batch_probe, make_net, micro_loss, probe_loss
 
 
 @dataclasses.dataclass
@@ -107,12 +107,20 @@ def make_scheduler(c: Config, opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=c.scheduler["step_size"], gamma=0.5)
 
 
-def _terms(c: Config, net: nn.Module, batches: list[dict[str, Tensor]], tokens: float, size: int) -> list[Tensor]:
+def _terms(
+    c: Config,
+    net: nn.Module,
+    batches: list[dict[str, Tensor]],
+    tokens: float,
+    size: int,
+    guide: nn.Module | None = None,
+) -> list[Tensor]:
     """Each micro-batch's part of the loss of a window of ``size`` and ``tokens`` items: its mean over the window
-    (``"mean"``), or its sum over the window's items (``"items"``; nothing from a micro-batch without items)."""
+    (``"mean"``), or its sum over the window's items (``"items"``; nothing from a micro-batch without items); each
+    token's error times the cached mode's ``guide`` weight where there is one."""
     terms = []
     for b in batches:
-        total, n_items, positions = micro_loss(net, b)
+        total, n_items, positions = micro_loss(net, b, guide)
         if c.normalize == "items":
             if n_items > 0:
                 terms.append(total / tokens)
@@ -172,8 +180,18 @@ def _each(
 
 
 def run(c: Config) -> Result:
+    if c.refit is None:
+        return _run(c)[0]
+    # a first fit stopped after batch `refit` (its open windows dropped, unstepped), then a new fit of the same
+    # model: new optimizers, schedulers and callbacks; the model's progress, first k and decay residual go on
+    _, carried = _run(c, stop=(c.refit[0], c.refit[1]))
+    return _run(c, carried)[0]
+
+
+def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int] | None = None) -> tuple[Result, Any]:
     data = Data(c)
-    net = make_net(c.seed)
+    net = make_net(c.seed) if carried is None else carried["net"]
+    guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
     opts = make_optimizers(c, net)
     sched = make_scheduler(c, opts[0])
     interval = None if c.scheduler is None else c.scheduler.get("interval", "epoch")
@@ -186,6 +204,10 @@ def run(c: Config) -> Result:
     lrs: list[list[float]] = []
     best, wait = math.inf, 0  # EarlyStopping(monitor=c.monitor, patience=1)
     last_loss: float | None = None  # the last stepped window's loss (`accum/loss`)
+    if carried is not None:
+        p, first_k, residual, last_loss = carried["p"], carried["first_k"], carried["residual"], carried["last_loss"]
+    step0 = p["step"]  # (each fit's Trainer counts its own steps)
+    step_plateau = plateau and interval == "step"  # (on the batch's probe after its step: `batch_probe`)
     ema: list[Tensor] | None = None
     batches = c.batches_per_epoch()
     done = False
@@ -215,6 +237,9 @@ def run(c: Config) -> Result:
             # a window cut short at the epoch's end is stepped at its last batch, trained or not; the model's own
             # step (after the block when `acc.last`) comes where a window is full or the epoch's last batch ran
             end = indices[-1] if len(indices) == k else batches - 1
+            if stop is not None and (epoch, end) > stop:  # the loop stopped inside this window: dropped
+                done = True
+                break
             due = not by_model or len(indices) == k or indices[-1] == batches - 1
             samples = sum(len(b["x"]) for b in window)
             counts = [float(b["mask"].sum()) if c.count else float(len(b["x"])) for b in window]
@@ -237,11 +262,11 @@ def run(c: Config) -> Result:
                 p["samples"] += samples
                 p["items"] += int(tokens)
                 if interval == "step" and due:
-                    sched.step()
-                if c.max_steps != -1 and p["step"] * len(opts) >= c.max_steps:
+                    sched.step(batch_probe(net, data.batch(end))) if step_plateau else sched.step()
+                if c.max_steps != -1 and (p["step"] - step0) * len(opts) >= c.max_steps:
                     done = True
                 continue
-            loss = sum(_terms(c, net, window, tokens, len(window)), torch.zeros((), dtype=torch.float64))
+            loss = sum(_terms(c, net, window, tokens, len(window), guide), torch.zeros((), dtype=torch.float64))
             net.zero_grad(set_to_none=False)
             loss.backward()
             if c.decay is not None:
@@ -264,9 +289,9 @@ def run(c: Config) -> Result:
             p["samples"] += samples
             p["items"] += int(tokens)
             if interval == "step" and due:
-                sched.step()
-            if c.max_steps != -1 and p["step"] * len(opts) >= c.max_steps:  # (manual: each optimizer's step counts)
-                done = True
+                sched.step(batch_probe(net, data.batch(end))) if step_plateau else sched.step()
+            if c.max_steps != -1 and (p["step"] - step0) * len(opts) >= c.max_steps:  # (manual: each optimizer's
+                done = True  # step counts)
         # the epoch's end (also one cut short by max_steps; Lightning steps an epoch's scheduler only when the
         # epoch ran all its batches, the model in `on_train_epoch_end` at every epoch's end)
         ran_out = i >= len(trained) and (not done or end == batches - 1)
@@ -288,5 +313,6 @@ def run(c: Config) -> Result:
         with torch.no_grad():
             for prm, a in zip(net.parameters(), average, strict=True):
                 prm.copy_(a)
-    steps = p["step"] * len(opts)  # (manual optimization counts each optimizer's step)
-    return Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts), ema)
+    steps = (p["step"] - step0) * len(opts)  # (manual optimization counts each optimizer's step)
+    result = Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts), ema)
+    return result, {"net": net, "p": p, "first_k": first_k, "residual": residual, "last_loss": last_loss}

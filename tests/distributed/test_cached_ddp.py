@@ -81,13 +81,20 @@ def reference_local(schedule: list[int], per_rank: list[list[dict[str, Any]]]) -
     return [p.detach() for p in [*q_net.parameters(), *d_net.parameters()]]
 
 
-def test_fsdp2_with_gather_equals_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("block", [None, 2], ids=["whole-loss", "rank-local"])
+def test_fsdp2_with_gather_equals_one_process(tmp_path: Path, block: int | None) -> None:
     """FSDP2: the graph-free first pass, the replayed chunks and the skipped sync of all chunks but
-    the window's last work on sharded towers."""
+    the window's last work on sharded towers; in blocks, each rank's own rows."""
     pytest.importorskip("torch.distributed.fsdp")
+    from test_cached import info_nce_rows
     from test_fsdp2 import ForkedModelParallel, shard
 
     class Sharded(Gathered):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            with self.accumulate(batch) as acc:
+                acc.backward_cached([self.q_net, self.d_net], [batch["q"], batch["d"]], info_nce_rows, chunk_size=4,
+                                    gather=True, loss_chunk_size=block)  # fmt: skip
+
         def configure_model(self) -> None:
             shard(self.q_net, self.device_mesh["data_parallel"])
             shard(self.d_net, self.device_mesh["data_parallel"])
@@ -184,3 +191,114 @@ def test_hard_negatives_on_ranks_of_different_batch_sizes_equal_one_process(tmp_
     for r in range(2):
         got = [torch.tensor(p, dtype=torch.float64) for p in json.loads((tmp_path / f"rank{r}.json").read_text())]
         assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-12
+
+
+class RankSizes(torch.utils.data.Sampler):  # type: ignore[type-arg]
+    """Each rank's batches of the given sizes, from its own stretch of the data (rank 0's first)."""
+
+    def __init__(self, sizes: list[list[int]]) -> None:
+        self.sizes = sizes
+
+    def batches(self, rank: int) -> list[list[int]]:
+        start = sum(sum(s) for s in self.sizes[:rank])
+        out = []
+        for size in self.sizes[rank]:
+            out.append(list(range(start, start + size)))
+            start += size
+        return out
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        yield from self.batches(rank)
+
+    def __len__(self) -> int:
+        return len(self.sizes[0])
+
+
+class RankLocal(TwoTower):
+    """Hard negatives, every rank's in the loss, the loss in blocks of 2 query rows (each rank its own),
+    a learned temperature; with ``items``: ``normalize="items"`` and each rank's query count. The rows
+    each block scored, and the score block's shape, are kept."""
+
+    def __init__(self, block: int | None, items: bool) -> None:
+        super().__init__(2, chunk=None, normalize="items" if items else "mean")
+        self.temperature = torch.nn.Parameter(torch.tensor(0.6, dtype=torch.float64))
+        self.block, self.items = block, items
+        self.seen: list[list[int]] = []
+
+    def loss(self, q: torch.Tensor, d: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        from test_cached import info_nce_rows
+
+        if rows is not None:
+            self.seen.append([rows.start, rows.stop, *(q[rows] @ d.T).shape])
+        return info_nce_rows(q, d, rows, self.temperature)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        passages = batch["d"].reshape(-1, batch["d"].shape[-1])
+        with self.accumulate(batch) as acc:
+            acc.backward_cached(
+                [self.q_net, self.d_net], [batch["q"], passages], self.loss, chunk_size=[3, 5], gather=True,
+                loss_chunk_size=self.block, items=len(batch["q"]) if self.items else None,
+            )  # fmt: skip
+
+
+class RowsReport(Report):
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        (self.out / f"rows{trainer.global_rank}.json").write_text(json.dumps(pl_module.seen))  # type: ignore[arg-type]
+
+
+def one_process(sizes: list[list[int]], data: HardNegatives, windows: list[int], items: bool) -> list[torch.Tensor]:
+    """The float64 reference: each batch is every rank's rows (rank 0's first) in one loss; a window's
+    gradient is the mean of its batches' (``"mean"``) or their query-count-weighted mean (``"items"``)."""
+    from test_cached import info_nce_rows, tower
+
+    q_net, d_net = tower(), tower(seed=1)
+    temperature = torch.nn.Parameter(torch.tensor(0.6, dtype=torch.float64))
+    params = [temperature, *q_net.parameters(), *d_net.parameters()]  # (a module's own parameters come first)
+    opt = torch.optim.SGD(params, lr=0.5)
+    sampler = RankSizes(sizes)
+    batches = [a + b for a, b in zip(sampler.batches(0), sampler.batches(1), strict=True)]
+    i = 0
+    for k in windows:
+        window = batches[i : i + k]
+        total = sum(len(rows) for rows in window)
+        for rows in window:
+            loss = info_nce_rows(q_net(data.q[rows]), d_net(data.d[rows].reshape(-1, data.d.shape[-1])), None,
+                                 temperature)  # fmt: skip
+            (loss * len(rows) / total if items else loss / len(window)).backward()
+        opt.step()
+        opt.zero_grad()
+        i += k
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize(
+    ("block", "items"), [(2, False), (2, True), (None, True)], ids=["rank-local", "rank-local-items", "items"]
+)
+def test_gathered_loss_on_uneven_ranks_equals_one_process(tmp_path: Path, block: int | None, items: bool) -> None:
+    """Ranks of different batch sizes (rank 0: 4, 2, 3 queries; rank 1: 2, 5, 1), hard negatives, a
+    learned temperature, windows of 2 batches. In blocks, each rank scores only its own query rows
+    against every rank's passages (B_local x B_global(1 + n) per rank); with ``items=len(queries)``
+    and ``normalize="items"`` each batch weighs by all ranks' count (issue 31: each rank's own count
+    made it 1.06 off). Both equal one process with both ranks' batches, to 1e-12."""
+    sizes = [[4, 2, 3], [2, 5, 1]]
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
+    t = trainer(callbacks=[RowsReport(tmp_path)], max_epochs=1, devices=2, strategy=strategy,
+                use_distributed_sampler=False)  # fmt: skip
+    data = HardNegatives(sum(map(sum, sizes)))
+    t.fit(RankLocal(block, items), DataLoader(data, batch_sampler=RankSizes(sizes)))
+    expected = one_process(sizes, data, [2, 1], items)
+    for r in range(2):
+        got = [torch.tensor(p, dtype=torch.float64) for p in json.loads((tmp_path / f"rank{r}.json").read_text())]
+        assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-12
+        seen = json.loads((tmp_path / f"rows{r}.json").read_text())
+        if block is None:
+            assert seen == []
+            continue
+        want = []
+        for own, other in zip(sizes[r], sizes[1 - r], strict=True):
+            start = 0 if r == 0 else other  # (rank 1's rows follow rank 0's)
+            want += [[s, min(s + 2, start + own), min(s + 2, start + own) - s, 3 * (own + other)]
+                     for s in range(start, start + own, 2)]  # fmt: skip
+        assert seen == want  # only its own rows, 2 at a time, against all ranks' passages

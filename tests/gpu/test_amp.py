@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_helpers import precision_plugins
 
 from lightning_accum import AccumulationScheduler, GradientDecay, Piecewise
 
@@ -41,7 +42,7 @@ DATA = TokenData(50)  # 13 batches of 4: short last windows
 
 
 def gpu_trainer(precision: str, **kwargs: Any) -> Any:
-    return trainer(accelerator="gpu", devices=1, precision=precision, **kwargs)
+    return trainer(accelerator="gpu", devices=1, **precision_plugins(precision), **kwargs)
 
 
 def check(model: torch.nn.Module, decay: tuple[float, str, bool] | None = None, tol: float = 1e-2) -> None:
@@ -80,3 +81,15 @@ def test_decay_with_grad_scaler() -> None:
     callbacks = [AccumulationScheduler(SCHEDULE), GradientDecay(0.8)]
     gpu_trainer("16-mixed", callbacks=callbacks, max_epochs=2).fit(model, data32())
     check(model, decay=(0.8, "sum", False), tol=2e-2)  # the residual carries earlier rounding forward
+
+
+def test_default_scaler_as_lightnings_own() -> None:
+    """With the GradScaler Lightning makes (2^16 at first: these models' float16 gradients overflow and
+    their first steps are skipped), the callback steps, skips and rescales as Lightning's own
+    ``accumulate_grad_batches`` does on full windows."""
+    data = loader(TokenData(48), 4)  # 12 batches: windows of 2, none short
+    ours, builtin = Float32TokenModel(), Float32TokenModel()
+    trainer(accelerator="gpu", devices=1, precision="16-mixed", callbacks=[AccumulationScheduler(2)]).fit(ours, data)
+    trainer(accelerator="gpu", devices=1, precision="16-mixed", accumulate_grad_batches=2).fit(builtin, data)
+    got, want = ([p.detach().double().cpu() for p in params_of(m)] for m in (ours, builtin))
+    assert max_diff(got, want) <= 1e-6

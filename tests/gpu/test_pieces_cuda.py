@@ -1,6 +1,7 @@
 """``AccumulationScheduler(microbatch_size=...)`` on CUDA: 16-mixed with its GradScaler, and real
-out-of-memory errors (a piece of n samples allocates n * (GPU memory / 3.5) for a moment, in its
-forward or inside its backward): "auto" backs off to 2 and the run equals the float64 reference.
+out-of-memory errors (a piece of n samples allocates n * 0.3 of a 4 GiB cap on the process's CUDA memory, for a
+moment, in its forward or inside its backward): "auto" backs off to 2 and the run equals the float64
+reference.
 
 Skipped without CUDA. Run on a GPU machine with ``bash tests/gpu/run.sh``.
 """
@@ -8,10 +9,12 @@ Skipped without CUDA. Run on a GPU machine with ``bash tests/gpu/run.sh``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from gpu_helpers import memory_cap, per_sample_bytes, precision_plugins
 from torch import Tensor
 
 from lightning_accum import AccumulationScheduler, Piecewise
@@ -31,11 +34,14 @@ from helpers import (
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+
+@pytest.fixture(autouse=True)
+def _capped() -> Iterator[None]:
+    with memory_cap():
+        yield
+
+
 SCHEDULE = Piecewise({0: 3, 4: 2}, unit="step")
-
-
-def per_sample_bytes() -> int:
-    return int(torch.cuda.get_device_properties(0).total_memory / 3.5)  # pieces of 4 and more: out of memory
 
 
 class _Hog(torch.autograd.Function):
@@ -82,8 +88,8 @@ def test_real_out_of_memory_backs_off_exactly(where: str) -> None:
     with pytest.warns(UserWarning, match="continuing with micro-batches of 4 samples"):
         trainer(accelerator="gpu", devices=1, max_epochs=2, callbacks=[callback]).fit(model, loader(data, 8))
     expected, _ = Reference(SCHEDULE, normalize="items").run([rank_batches(data, 8)] * 2)
-    assert callback._split is not None and callback._split.found == 2
     assert max_diff([p.double().cpu() for p in params_of(model)], expected) <= 1e-10
+    assert callback._split is not None and callback._split.found == 2
 
 
 @pytest.mark.parametrize("size", [3, "auto"])
@@ -104,7 +110,7 @@ def test_16_mixed_grad_scaler(size: Any) -> None:
                                      microbatch_size=size)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer(accelerator="gpu", devices=1, precision="16-mixed", max_epochs=2, callbacks=[callback]).fit(
+        trainer(accelerator="gpu", devices=1, **precision_plugins("16-mixed"), max_epochs=2, callbacks=[callback]).fit(
             model, loader(data, 8)
         )
     expected, _ = Reference(SCHEDULE, normalize="items").run([rank_batches(data, 8)] * 2)

@@ -9,6 +9,7 @@ the same reference. Skipped without CUDA; run with ``bash tests/gpu/run.sh``.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,11 +42,14 @@ COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "
 
 class Collectives(pl.Callback):
     """Names of the collectives called during backward passes (Lightning's own, e.g. for its
-    loop decisions, happen outside them); FSDP looks its collectives up on `torch.distributed`."""
+    loop decisions, happen outside them); FSDP looks its collectives up on `torch.distributed`.
+    First in ``callbacks``: its ``on_after_backward`` runs before the accumulation callback's, whose
+    window-end count and loss reductions are not the gradient's."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.in_backward = False
+        self.stack = ""  # where the first was called from
 
     def on_before_backward(self, *args: Any) -> None:
         self.in_backward = True
@@ -65,6 +69,7 @@ def collectives(monkeypatch: pytest.MonkeyPatch) -> Collectives:
         def counting(*args: Any, __name: str = name, __original: Any = original, **kwargs: Any) -> Any:
             if counter.in_backward:
                 counter.calls.append(__name)
+                counter.stack = counter.stack or "".join(traceback.format_stack(limit=14))
             return __original(*args, **kwargs)
 
         monkeypatch.setattr(dist, name, counting)
@@ -93,14 +98,15 @@ def per_step(collectives: Collectives, steps: int, microbatches: int, skip: bool
     if not calls:
         return
     rounds = steps if skip else microbatches
-    assert len(calls) % rounds == 0, (len(calls), rounds)
+    assert len(calls) % rounds == 0, (len(calls), rounds, collectives.stack)
 
 
 # ---------------------------------------------------------------------- trainers and models
-def fsdp_trainer(**kwargs: Any) -> Any:
+def fsdp_trainer(auto_wrap_policy: Any = None, **kwargs: Any) -> Any:
     from lightning.pytorch.strategies import FSDPStrategy
 
-    return trainer(accelerator="gpu", devices=1, strategy=FSDPStrategy(), precision="32-true", **ONE_RANK, **kwargs)
+    strategy = FSDPStrategy(auto_wrap_policy=auto_wrap_policy)
+    return trainer(accelerator="gpu", devices=1, strategy=strategy, precision="32-true", **ONE_RANK, **kwargs)
 
 
 def fsdp2_trainer(**kwargs: Any) -> Any:
@@ -129,14 +135,24 @@ class ShardedManual(Float32ManualTokenModel):
 # ---------------------------------------------------------------------- the callback
 @pytest.mark.parametrize(
     ("family", "sync", "skipped"),
-    [("fsdp", "auto", False), ("fsdp", "skip", True), ("fsdp2", "auto", True), ("fsdp2", "every", False)],
+    [("fsdp", "auto", True), ("fsdp", "skip", True), ("fsdp2", "auto", True), ("fsdp2", "every", False)],
 )
 def test_callback(family: str, sync: str, skipped: bool, collectives: Collectives) -> None:
     model, recorder = (Float32TokenModel() if family == "fsdp" else Sharded()), KRecorder()
-    callbacks = [AccumulationScheduler(SCHEDULE, sync=sync), recorder, collectives]  # type: ignore[arg-type]
+    callbacks = [collectives, AccumulationScheduler(SCHEDULE, sync=sync), recorder]  # type: ignore[arg-type]
     (fsdp_trainer if family == "fsdp" else fsdp2_trainer)(callbacks=callbacks).fit(model, loader(DATA, 4))
     sizes = check(model, recorder)
     per_step(collectives, len(sizes), sum(sizes), skip=skipped)
+
+
+def test_callback_refuses_every_under_fsdp() -> None:
+    """Lightning's own loop enters the FSDP root's ``no_sync()`` on the batches it accumulates: a
+    reduce-scatter per micro-batch cannot be kept, and is refused before training."""
+    model = Float32TokenModel()
+    with pytest.raises(ValueError, match="sync='every'\\)` cannot hold under `FSDPStrategy`"):
+        fsdp_trainer(callbacks=[AccumulationScheduler(SCHEDULE, sync="every")]).fit(model, loader(DATA, 4))
+    expected, _ = Reference(SCHEDULE).run([])
+    assert max_diff(full_params(model), expected) < 1e-6
 
 
 @pytest.mark.parametrize("sync", ["auto", "skip"])
@@ -150,10 +166,22 @@ def test_fsdp_gradient_decay(sync: str) -> None:
 
 # ---------------------------------------------------------------------- the mixin
 def test_fsdp_mixin(collectives: Collectives) -> None:
+    """Every module with parameters wrapped: the root holds none, so backward passes inside its forward
+    (where Lightning runs ``training_step``) are FSDP's children's."""
     model = Float32ManualTokenModel(schedule=SCHEDULE)
-    fsdp_trainer(callbacks=[collectives]).fit(model, loader(DATA, 4))
+    fsdp_trainer(callbacks=[collectives], auto_wrap_policy={torch.nn.Linear}).fit(model, loader(DATA, 4))
     sizes = check(model)
     per_step(collectives, len(sizes), sum(sizes), skip=False)
+
+
+def test_fsdp_mixin_refuses_a_root_with_parameters() -> None:
+    """Lightning issue #19685: a backward pass inside the FSDP root's forward fails on the root's own
+    parameters (FSDP's assertion ``Expects BACKWARD_PRE or BACKWARD_POST state``); refused before training."""
+    model = Float32ManualTokenModel(schedule=SCHEDULE)
+    with pytest.raises(ValueError, match="holds parameters itself"):
+        fsdp_trainer().fit(model, loader(DATA, 4))
+    expected, _ = Reference(SCHEDULE).run([])
+    assert max_diff(full_params(model), expected) < 1e-6
 
 
 def test_fsdp_mixin_refuses_skip_before_any_step() -> None:

@@ -33,7 +33,7 @@ from lightning_accum.pieces import Fit, Pieces
 from lightning_accum.probe import check_noise_under
 from lightning_accum.samples import sample_count
 from lightning_accum.schedules import Progress, Schedule
-from lightning_accum.sync import SyncMode
+from lightning_accum.sync import SyncMode, SyncPlan
 from lightning_accum.window import Normalize, lightning_divisor
 
 
@@ -137,8 +137,11 @@ class AccumulationScheduler(Callback):
         self._user_divisor: int | None = None  # the Trainer's accumulate_grad_batches before this fit
         self._trained = False
         self._uncount = False  # whether Lightning is taking a step that moves nothing, which it counts
-        self._listeners: list[Any] = []  # other callbacks' `on_window_end`
+        self._plan = SyncPlan()  # the fit's
+        self._readers = reporting.Readers.of_nobody()  # who reads the windows' numbers (found at train start)
+        self._wants = reporting.NOTHING  # what the closing window must compute for them
         self._reported = reporting.Reported()  # the last window's numbers, for monitors after a resume
+        self._restored = False  # whether this fit's checkpoint restored the window
 
     @property
     def progress(self) -> Progress:
@@ -150,10 +153,15 @@ class AccumulationScheduler(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._user_divisor = trainer.accumulate_grad_batches  # what teardown gives back
         fit_checks.refuse_scheduler_misuse(self, trainer, pl_module, decay_type=GradientDecay)
-        plan = sync.plan(trainer.strategy, self.sync)
+        plan = sync.loop_plan(trainer.strategy, self.sync, _seam.loop_skips_sync(trainer.strategy))
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
         fit_checks.refuse_split_misuse(self.microbatch_size, trainer, pl_module, plan)
-        self._engine.start_fit(plan, self._log)
+        self._plan = plan
+        if not self._restored:  # a fit not resumed from a checkpoint continues no window an earlier fit left open
+            self._engine.discard()  # (one that failed inside it; Lightning zeroes the gradients before training)
+            if self._split is not None:
+                self._split.fresh_fit()
+        self._restored = False
         check_noise_under(plan, self.schedule, self.lr_scaling)
 
     # ------------------------------------------------------------------ fit lifetime
@@ -169,7 +177,8 @@ class AccumulationScheduler(Callback):
         self._frequencies = _seam.SchedulerFrequencies(trainer)
         self._trained = False  # whether this fit trained a batch yet
         steps.warn_scheduler_horizons(trainer)
-        self._listeners = reporting.listeners(trainer)
+        self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
+        self._engine.start_fit(self._plan, track=self._readers.any)  # (losses kept only where someone reads them)
         self._reported.restore(trainer)
         if self.lr_scaling is not None or self.lr_schedule is not None:
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
@@ -269,7 +278,7 @@ class AccumulationScheduler(Callback):
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
             self._open(trainer, batch_idx)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
-        self._redoing = engine.redo == (trainer.current_epoch, batch_idx)
+        self._redoing = engine.redo is not None and engine.redo == (trainer.current_epoch, batch_idx)
         # counted now, before `training_step` can change the batch (e.g. `labels = batch.pop("labels")`)
         samples = sample_count(batch, self._engine.samples_needed_by)
         self._counts = (samples, samples if self.count is None else self.count(batch))
@@ -325,7 +334,8 @@ class AccumulationScheduler(Callback):
             self._holding = True
             if self._redoing:
                 return
-        sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
+        if mean or self._loss_factor != 1.0:  # (the hot path of an aligned window: nothing to scale)
+            sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._pass.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
@@ -388,18 +398,23 @@ class AccumulationScheduler(Callback):
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
         grads = None if deepspeed else gradients.optimizer_grads(optimizer)  # (DeepSpeed holds its own)
+        step = engine.progress.step + 1  # (the step this window makes: the fit's last at `max_steps`)
+        # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
+        last = not self._readers.any and (trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer))
+        self._wants = wants = self._readers.wants(step, last)
         if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
             assert engine.closing is not None
             closing = engine.closing
         else:  # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
-            closing = engine.close(trainer.strategy, grads=None if self._sharded else grads)  # (a shard's is not)
+            grads_measured = None if self._sharded else grads  # (a shard's norm is not the window's)
+            closing = engine.close(trainer.strategy, grads=grads_measured, losses=wants.losses, norm=wants.norm)
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
         elif grads is not None and (closing.scale != 1.0 or engine.probe is not None or self._closed):
             gradients.scale_(grads, closing.scale)
             engine.measure_window(trainer.strategy, grads)
-            if self._closed and closing.norm_sq is None:
+            if self._closed and closing.norm_sq is None and wants.norm:
                 engine.metrics.add_grad_norm(grads)
         engine.scale_lr(optimizer)
         self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
@@ -440,12 +455,14 @@ class AccumulationScheduler(Callback):
         closing = engine.advance(trainer.current_epoch)
         if closing.empty:
             return
-        if self._log or self._listeners:
+        wants = self._wants
+        if wants.publish or wants.hooks:
             size = None if self._split is None else self._split.used
-            window = reporting.report(trainer.optimizers, engine, closing, microbatch_size=size)
-            if self._log:
-                self._reported.publish(trainer, window)
-            reporting.announce(self._listeners, trainer, pl_module, window)
+            configs = trainer.lr_scheduler_configs
+            window = reporting.report(trainer.optimizers, engine, closing, microbatch_size=size, schedulers=configs)
+            if wants.publish:
+                self._reported.publish(trainer, window, wants=wants)
+            reporting.announce(self._readers.hooks, trainer, pl_module, window)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -477,6 +494,7 @@ class AccumulationScheduler(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (the partial gradient is put back at train start)."""
+        self._restored = True
         self._engine.load_state_dict(state_dict)
         self._divisor = int(state_dict.get("divisor", 1))
         self._reported.load_state_dict(state_dict.get("reported", {}))
