@@ -11,9 +11,13 @@ well inside it, in place in a real fit:
 * Python memory blocks the hooks leave allocated (``sys.getallocatedblocks``): what a micro-batch keeps
   until its window's end.
 
-The bounds are the figures of the hooks as they are: lower them when the hooks shed work; a change that
-raises one adds work to every micro-batch, and says why. A window's end (its one host read, its report)
-is counted apart: at most one read per window, none elsewhere.
+Each configuration names who reads the windows' numbers (``reporting.Readers``): nobody (no logger, no
+progress bar, no monitor, no hook: nothing kept per micro-batch, nothing read), a monitor of ``accum/loss``,
+or a user's callback with its own ``on_train_batch_end`` (every number every window). The bounds are the
+figures of the hooks as they are (the memory blocks, an average that the allocator moves by a fraction,
+rounded up): lower them when the hooks shed work; a change that raises one adds work to every
+micro-batch, and says why. A window's end (its one host read, its report) is counted apart: one read per
+window where someone reads its loss or a tensor count must be read, none otherwise, none elsewhere.
 """
 
 from __future__ import annotations
@@ -170,37 +174,80 @@ def traced(batch: MicroBatch) -> Iterator[None]:
         sys.settrace(previous)
 
 
-def fit(
-    callback: AccumulationScheduler, model: pl.LightningModule, batches: int, held: range, traced: range
-) -> CountedHooks:
+class Monitor(pl.Callback):
+    """A monitor of ``key`` (as ``EarlyStopping`` or ``ModelCheckpoint`` is one; no hook of its own)."""
+
+    def __init__(self, key: str) -> None:
+        self.monitor = key
+
+
+class BatchReader(pl.Callback):
+    """A user's callback with its own ``on_train_batch_end``: taken to read every number every window."""
+
+    def on_train_batch_end(self, *args: Any) -> None: ...
+
+
+def fit(config: Config, k: int, batches: int, held: range, traced: range) -> CountedHooks:
+    callback = config.make(k)
     counted = CountedHooks(callback, held, traced)
-    trainer(callbacks=[callback], max_epochs=1).fit(model, loader(TokenData(batches, seed=3), 1))
+    callbacks = [callback, *config.readers()]
+    trainer(callbacks=callbacks, max_epochs=1).fit(config.model(), loader(TokenData(batches, seed=3), 1))
     return counted
 
 
 @dataclass
 class Config:
     make: Callable[[int], AccumulationScheduler]  # the callback, of k
-    model: Callable[[], pl.LightningModule]
     # the hooks' work per micro-batch inside a window, as it is
     tensor_ops: int
     builds: int
     held: int
     reads_per_window: int  # at its end: the counts, the losses and the gradient norm in one transfer
+    readers: Callable[[], list[pl.Callback]] = list  # who reads the windows' numbers (no logger, no progress bar)
+    model: Callable[[], pl.LightningModule] = TokenModel
+
+
+def items(k: int) -> AccumulationScheduler:
+    return AccumulationScheduler(k, normalize="items", reduction="sum", count=count_tokens)
 
 
 CONFIGS = {
-    "log": Config(lambda k: AccumulationScheduler(k), TokenModel, tensor_ops=1, builds=10, held=1, reads_per_window=1),
-    "no log": Config(
-        lambda k: AccumulationScheduler(k, log=False), TokenModel, tensor_ops=0, builds=6, held=0, reads_per_window=0
+    # nobody reads a window's numbers: no loss kept, nothing read (the fit's last numbers are published from the
+    # host counts)
+    "log, nobody reads": Config(AccumulationScheduler, tensor_ops=0, builds=5, held=0, reads_per_window=0),
+    # a monitor of the loss: each micro-batch's loss kept (a device tensor), read with the counts at the window's end
+    "log, monitor": Config(
+        AccumulationScheduler,
+        tensor_ops=1,
+        builds=9,
+        held=1,
+        reads_per_window=1,
+        readers=lambda: [Monitor("accum/loss")],
     ),
-    "items, tensor count": Config(  # (a copy of each micro-batch's count is kept on its device till the window's end)
-        lambda k: AccumulationScheduler(k, normalize="items", reduction="sum", count=count_tokens),
-        lambda: TokenModel(reduction="sum"),
+    # a callback of the user's that may read any number: the loss and the gradient's norm, every window
+    "log, batch reader": Config(
+        AccumulationScheduler, tensor_ops=1, builds=9, held=1, reads_per_window=1, readers=lambda: [BatchReader()]
+    ),
+    "no log, batch reader": Config(
+        lambda k: AccumulationScheduler(k, log=False),
+        tensor_ops=0,
+        builds=5,
+        held=0,
+        reads_per_window=0,
+        readers=lambda: [BatchReader()],
+    ),
+    # a copy of each micro-batch's count is kept on its device till the window's end
+    "items, tensor count, nobody reads": Config(
+        items, tensor_ops=6, builds=5, held=2, reads_per_window=1, model=lambda: TokenModel(reduction="sum")
+    ),
+    "items, tensor count, batch reader": Config(
+        items,
         tensor_ops=7,
-        builds=10,
+        builds=9,
         held=3,
         reads_per_window=1,
+        model=lambda: TokenModel(reduction="sum"),
+        readers=lambda: [BatchReader()],
     ),
 }
 
@@ -208,8 +255,8 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_no_host_read_and_bounded_work_per_microbatch(name: str) -> None:
     config = CONFIGS[name]
-    counted = fit(config.make(10 * BATCHES), config.model(), BATCHES, HELD, TRACED)  # one window: the epoch's
-    assert len(counted.window_ends) == 1  # end closes it
+    counted = fit(config, 10 * BATCHES, BATCHES, HELD, TRACED)  # one window: the epoch's end closes it
+    assert len(counted.window_ends) == 1
     traced = [counted.batches[i] for i in TRACED]
     assert [b.reads for b in traced] == [0] * len(traced), "a host read per micro-batch"
     worst = max(traced, key=lambda b: len(b.tensor_ops))
@@ -223,7 +270,7 @@ def test_no_host_read_and_bounded_work_per_microbatch(name: str) -> None:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_host_reads_only_at_window_ends(name: str) -> None:
     config = CONFIGS[name]
-    counted = fit(config.make(4), config.model(), 16, range(0), range(16))
+    counted = fit(config, 4, 16, range(0), range(16))
     ends = counted.window_ends
     assert len(ends) == 4
     assert [b.reads for b in ends] == [config.reads_per_window] * 4
