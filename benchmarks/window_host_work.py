@@ -1,23 +1,36 @@
 """Where each window's host work goes: ``AccumulationScheduler``'s window end, part by part, in place.
 
-One short fit of a tiny MLP (16-32-1, batches of 8, k = 4, one CPU thread, no logger, no monitor) runs
-as ``overhead.py``'s does; at the end of a window in the middle of its epoch, with the fit's real trainer,
+One short fit of a tiny MLP (16-32-1, batches of 8, k = 4, one CPU thread, no logger, no progress bar)
+runs as ``overhead.py``'s does, with one of these readers of the windows' numbers
+(``lightning_accum.reporting.Readers``: the callback computes only what someone reads):
+
+* ``every number``: a user's callback with its own ``on_train_batch_end``, taken to read
+  ``callback_metrics`` after any batch: the loss and the gradient's norm measured, read and published every
+  window (the most work a window does; what ``log=True`` did for everyone before ``Readers``);
+* ``monitor``: a callback monitoring ``accum/loss`` (as ``EarlyStopping`` or ``ModelCheckpoint`` does; the
+  progress bar reads the same): the loss read and published every window, the norm not measured;
+* ``nobody``: no reader: nothing kept, read or published but the epoch's last window;
+* ``log=False``.
+
+At the end of a window in the middle of its epoch, with the fit's real trainer,
 module, optimizer, gradients, batches and losses, the callback's work is replayed and timed outside
 Lightning's loop, thousands of times, each repetition starting from the state the fit had (the window's
 micro-batches replayed through the callback's own hooks before each timed call):
 
 * ``close``: the window's close as the callback makes it (``WindowEngine.close`` with the window's
   gradients: the counts, the losses and the gradient norm in its one host read);
-* ``grad_norm``: within ``close`` with ``log=True``, the gradient's norm (``gradients.norms``, not read);
+* ``grad_norm``: within ``close`` where the norm is read, the gradient's norm (``gradients.norms``, not read);
 * ``report``: building the ``WindowReport`` (``lightning_accum.reporting.report``);
 * ``publish``: putting it in ``trainer.callback_metrics`` and the progress bar
   (``reporting.Reported.publish``; the loggers are written every ``log_every_n_steps`` steps, not here);
 * ``window_end``: the whole of ``on_before_optimizer_step`` and the window's last ``on_train_batch_end``:
-  the callback's host work per window (the parts above, and the rest); target <= 20 us with ``log=True``;
+  the callback's host work per window (the parts above, and the rest); target <= 20 us with ``log=True`` (each reader);
 * ``microbatch_hooks``: the four hooks of a micro-batch in the middle of its window, for scale.
 
-With ``log=False`` the callback neither reports nor publishes (no ``on_window_end`` listener here): those
-parts are left out. Each time is the best (minimum) over rounds of a round's mean, with the median of the
+Where nobody reads the numbers (and with ``log=False``) the callback neither reports nor publishes (no
+``on_window_end`` listener here): those parts are left out. The fit's timing is the callback's own hooks,
+wrapped on the instance to see what they were given (a callback of this tool's with batch hooks of its own
+would be a reader). Each time is the best (minimum) over rounds of a round's mean, with the median of the
 rounds beside it: a busy machine only adds time. Python's garbage collector stays on, as in training.
 The calls are replayed back to back, their code and data hot in the caches: in the training loop, between
 the model's kernels and Lightning's own work, the same calls take longer (``overhead.py`` times the hooks
@@ -56,6 +69,30 @@ from lightning_accum import AccumulationScheduler, gradients, reporting
 K = 4
 AT = 4 * K - 1  # the window end measured at: the fourth window's last batch (the fit has six windows)
 PARTS = ("close", "grad_norm", "report", "publish", "window_end", "microbatch_hooks")
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+         "on_train_batch_end")  # fmt: skip
+
+
+class BatchReader(pl.Callback):
+    """A user's callback with its own ``on_train_batch_end``: taken to read every number every window."""
+
+    def on_train_batch_end(self, *args: Any) -> None: ...
+
+
+class Monitor(pl.Callback):
+    """A monitor of ``key`` (as ``EarlyStopping`` or ``ModelCheckpoint`` is one; no hook of its own)."""
+
+    def __init__(self, key: str) -> None:
+        self.monitor = key
+
+
+# (label, log, the readers' callbacks)
+READERS: tuple[tuple[str, bool, Callable[[], list[pl.Callback]]], ...] = (
+    ("every number", True, lambda: [BatchReader()]),
+    ("monitor", True, lambda: [Monitor("accum/loss")]),
+    ("nobody", True, list),
+    ("log=False", False, lambda: [BatchReader()]),
+)
 
 
 class Internals:
@@ -67,9 +104,15 @@ class Internals:
         return callback._engine
 
     @staticmethod
+    def wants(callback: AccumulationScheduler) -> reporting.Wants:
+        """What the fit's readers ask of a window in the middle of its epoch (as the callback finds it)."""
+        return callback._readers.wants(Internals.engine(callback).progress.step + 1)
+
+    @staticmethod
     def close(callback: AccumulationScheduler, trainer: pl.Trainer, optimizer: Any) -> Any:
         """The window's close, as ``on_before_optimizer_step`` makes it (single device)."""
-        return Internals.engine(callback).close(trainer.strategy, grads=gradients.optimizer_grads(optimizer))
+        wants, grads = Internals.wants(callback), gradients.optimizer_grads(optimizer)
+        return Internals.engine(callback).close(trainer.strategy, grads=grads, losses=wants.losses, norm=wants.norm)
 
     @staticmethod
     def grad_norm(optimizer: Any) -> Any:
@@ -100,9 +143,10 @@ class Internals:
         Internals.engine(callback).progress = progress
 
 
-class Capture(pl.Callback):
-    """Keeps what the fit's hooks were given for each batch; at batch ``AT``'s end (after the callback's own
-    hooks: it comes after it in ``callbacks``) hands a ``Replay`` of its window to ``measure``."""
+class Capture:
+    """Wraps the callback's hooks on the instance (Lightning calls them by name) to keep what the fit gave them
+    for each batch; at batch ``AT``'s end, after the callback's own hook, hands a ``Replay`` of its window to
+    ``measure``. The replays call the hooks as they were (``hooks``)."""
 
     def __init__(self, callback: AccumulationScheduler, measure: Callable[[Replay], None]) -> None:
         self.callback, self.measure = callback, measure
@@ -112,19 +156,29 @@ class Capture(pl.Callback):
         self.optimizer: Any = None
         self.trainer: pl.Trainer | None = None
         self._idx = 0
+        self.hooks = {name: getattr(callback, name) for name in HOOKS}
+        for name in HOOKS:
+            setattr(callback, name, getattr(self, name))
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.batches[idx], self._idx = batch, idx
+        self.hooks["on_train_batch_start"](trainer, module, batch, idx)
 
     def on_before_backward(self, trainer: pl.Trainer, module: pl.LightningModule, loss: torch.Tensor) -> None:
         self.losses[self._idx] = loss
+        self.hooks["on_before_backward"](trainer, module, loss)
+
+    def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.hooks["on_after_backward"](trainer, module)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
         self.optimizer = optimizer
+        self.hooks["on_before_optimizer_step"](trainer, module, optimizer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
+        self.hooks["on_train_batch_end"](trainer, module, outputs, batch, idx)
         self.outputs[idx] = outputs
         if idx == AT:
             self.trainer = trainer
@@ -135,22 +189,22 @@ class Replay:
     """The window that ended at batch ``AT``, replayed through the callback's own hooks with what the fit gave them."""
 
     def __init__(self, capture: Capture, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        self.c, self.trainer, self.module, self.callback = capture, trainer, module, capture.callback
+        self.c, self.trainer, self.module, self.hooks = capture, trainer, module, capture.hooks
         self.first = AT - K + 1
 
     def microbatch(self, i: int) -> None:
         """The hooks of the window's ``i``-th micro-batch, its ``on_train_batch_end`` but for the last."""
-        idx, c, cb, t, m = self.first + i, self.c, self.callback, self.trainer, self.module
-        cb.on_train_batch_start(t, m, c.batches[idx], idx)
-        cb.on_before_backward(t, m, c.losses[idx])
-        cb.on_after_backward(t, m)
+        idx, c, hooks, t, m = self.first + i, self.c, self.hooks, self.trainer, self.module
+        hooks["on_train_batch_start"](t, m, c.batches[idx], idx)
+        hooks["on_before_backward"](t, m, c.losses[idx])
+        hooks["on_after_backward"](t, m)
         if i < K - 1:
-            cb.on_train_batch_end(t, m, c.outputs[idx], c.batches[idx], idx)
+            hooks["on_train_batch_end"](t, m, c.outputs[idx], c.batches[idx], idx)
 
     def window_end(self) -> None:
-        c, cb, t, m = self.c, self.callback, self.trainer, self.module
-        cb.on_before_optimizer_step(t, m, c.optimizer)
-        cb.on_train_batch_end(t, m, c.outputs[AT], c.batches[AT], AT)
+        c, hooks, t, m = self.c, self.hooks, self.trainer, self.module
+        hooks["on_before_optimizer_step"](t, m, c.optimizer)
+        hooks["on_train_batch_end"](t, m, c.outputs[AT], c.batches[AT], AT)
 
     def fill(self) -> None:
         """The window's micro-batches (all but the window end's work)."""
@@ -243,9 +297,11 @@ def counted(part: Part) -> dict[str, int]:
     return {"host_reads": work.reads, "tensor_ops": work.tensor_ops, "builds": work.builds}
 
 
-def measure(replay: Replay, reps: int, rounds: int, log: bool, out: dict[str, Any]) -> None:
-    cb, trainer, module, optimizer = replay.callback, replay.trainer, replay.module, replay.c.optimizer
+def measure(replay: Replay, reps: int, rounds: int, out: dict[str, Any]) -> None:
+    cb, trainer, module, optimizer = replay.c.callback, replay.trainer, replay.module, replay.c.optimizer
+    hooks = replay.hooks
     saved = Internals.progress(cb)
+    wants = Internals.wants(cb)
 
     def forget() -> None:
         Internals.forget(cb)
@@ -260,19 +316,20 @@ def measure(replay: Replay, reps: int, rounds: int, log: bool, out: dict[str, An
         "close": Part(replay.fill, lambda: Internals.close(cb, trainer, optimizer), forget),
         "window_end": Part(replay.fill, replay.window_end, lambda: Internals.set_progress(cb, saved)),
     }
-    if log:  # a stepped window, as the callback reports it: its hooks up to the step, then the progress advanced
+    if wants.norm:
+        parts["grad_norm"] = Part(nothing, lambda: Internals.grad_norm(optimizer), nothing)
+    if wants.publish:  # a stepped window, as the callback reports it: its hooks up to the step, the progress advanced
         replay.fill()
-        cb.on_before_optimizer_step(trainer, module, optimizer)
+        hooks["on_before_optimizer_step"](trainer, module, optimizer)
         closing = Internals.advance(cb, trainer.current_epoch)
         window = Internals.report(cb, trainer, closing)
         reported = reporting.Reported()
-        parts["grad_norm"] = Part(nothing, lambda: Internals.grad_norm(optimizer), nothing)
         parts["report"] = Part(nothing, lambda: Internals.report(cb, trainer, closing), nothing)
-        parts["publish"] = Part(nothing, lambda: reported.publish(trainer, window), nothing)
+        parts["publish"] = Part(nothing, lambda: reported.publish(trainer, window, wants=wants), nothing)
     for name, part in parts.items():
         out[name] = (*timed(part, rounds, reps), counted(part))
-    if log:
-        cb.on_train_batch_end(trainer, module, replay.c.outputs[AT], replay.c.batches[AT], AT)
+    if wants.publish:
+        hooks["on_train_batch_end"](trainer, module, replay.c.outputs[AT], replay.c.batches[AT], AT)
         Internals.set_progress(cb, saved)
     # leave the fit as it was at this batch's end: the window replayed and stepped once more, the progress given back
     replay.fill()
@@ -280,15 +337,15 @@ def measure(replay: Replay, reps: int, rounds: int, log: bool, out: dict[str, An
     Internals.set_progress(cb, saved)
 
 
-def run(log: bool, reps: int, rounds: int) -> dict[str, Any]:
+def run(log: bool, readers: list[pl.Callback], reps: int, rounds: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     batches = 6 * K
     x, y = torch.randn(batches * 8, 16, generator=g), torch.randn(batches * 8, 1, generator=g)
     data = DataLoader(TensorDataset(x, y), batch_size=8)
     callback = AccumulationScheduler(K, log=log)
     parts: dict[str, Any] = {}
-    capture = Capture(callback, lambda replay: measure(replay, reps, rounds, log, parts))
-    timed_epoch(TinyMLP(), data, [callback, capture])
+    capture = Capture(callback, lambda replay: measure(replay, reps, rounds, parts))
+    timed_epoch(TinyMLP(), data, [callback, *readers])
     trainer = capture.trainer
     if trainer is None or callback.progress.step != trainer.global_step or trainer.global_step != batches // K:
         raise RuntimeError("the replays left the fit's progress changed (or nothing was measured)")
@@ -307,23 +364,24 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     totals = {}
-    print(f"{'log':<7}{'part':<18}{'best us':>9}{'median us':>11}{'host reads':>12}{'tensor ops':>12}{'builds':>8}")
-    for log in (True, False):
-        parts = run(log, args.reps, args.rounds)
+    header = f"{'readers':<14}{'part':<18}{'best us':>9}{'median us':>11}{'host reads':>12}{'tensor ops':>12}"
+    print(f"{header}{'builds':>8}")
+    for label, log, readers in READERS:
+        parts = run(log, readers(), args.reps, args.rounds)
         for part in PARTS:
             if part not in parts:
                 continue
             best, median, counts = parts[part]
-            rows.append({"log": log, "part": part, "us": best, "us_median": median, **counts})
+            rows.append({"readers": label, "log": log, "part": part, "us": best, "us_median": median, **counts})
             print(
-                f"{log!s:<7}{part:<18}{best:>9.1f}{median:>11.1f}{counts['host_reads']:>12}"
+                f"{label:<14}{part:<18}{best:>9.1f}{median:>11.1f}{counts['host_reads']:>12}"
                 f"{counts['tensor_ops']:>12}{counts['builds']:>8}"
             )
         named = sum(parts[p][0] for p in ("close", "report", "publish") if p in parts)
         other = parts["window_end"][0] - named
-        totals[f"window_end_us_log_{log}"] = parts["window_end"][0]
-        totals[f"other_us_log_{log}"] = other
-        print(f"{log!s:<7}{'(rest of the end)':<18}{other:>9.1f}")
+        totals[f"window_end_us_{label}"] = parts["window_end"][0]
+        totals[f"other_us_{label}"] = other
+        print(f"{label:<14}{'(rest of the end)':<18}{other:>9.1f}")
     result = {
         "benchmark": "window_host_work",
         "what": f"us per window in place, tiny MLP, k={K}, best of {args.rounds} rounds of {args.reps} calls",
@@ -332,7 +390,7 @@ def main() -> None:
         "target_us": 20,
         "machine": f"{platform.machine()} torch {torch.__version__} lightning {pl.__version__}",
     }
-    print(f"target: window_end (log=True) <= {result['target_us']} us")
+    print(f"target: window_end (log=True, every reader) <= {result['target_us']} us")
     args.json.write_text(json.dumps(result, indent=2))
 
 
