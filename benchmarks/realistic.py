@@ -24,7 +24,7 @@ round; a shared 2-core machine adds +-15 % to single runs, and noise only adds t
 the ratio of the best (minimum) CPU times over the rounds, with the median of the per-round ratios
 beside it. Every run's optimizer steps are checked to be its baseline's. Target: each <= 1.01.
 
-    python benchmarks/realistic.py [--batches 32] [--mlp-batches 400] [--rounds 7] [--seq 128]
+    python benchmarks/realistic.py [--batches 32] [--mlp-batches 400] [--rounds 7] [--seq 128]  # about 8 minutes
 """
 
 from __future__ import annotations
