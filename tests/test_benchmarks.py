@@ -21,6 +21,7 @@ def test_every_benchmark_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     table = out.read_text()
     rows = ("overhead:", "multitask:", "decay:", "noise scale", "comm,", "cached backward vs GradCache", "rank check",
-            "microbatches:", "cached backward vs sentence-transformers", "2 gloo ranks, rank-local")
+            "microbatches:", "cached backward vs sentence-transformers", "2 gloo ranks, rank-local", "realistic:",
+            "window host work")
     for row in rows:
         assert row in table, row

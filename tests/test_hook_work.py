@@ -1,0 +1,277 @@
+"""What ``AccumulationScheduler``'s hooks do for each micro-batch that does not end its window, counted
+(never timed): on a GPU a host read stalls the CPU until the device catches up, and every Python object
+the hooks build is host time in a loop that users keep lean. Counted in one long window (``k`` larger
+than the epoch, so that every micro-batch but the epoch's last is in its middle), on the micro-batches
+well inside it, in place in a real fit:
+
+* host reads (``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``, ...): none;
+* tensor operations (``TorchFunctionMode``; attribute reads such as ``.grad`` left out);
+* containers the package's own code builds (tuples, lists, dicts, sets, strings, closures, ``*args``:
+  the bytecodes that build one, traced in the package's frames);
+* Python memory blocks the hooks leave allocated (``sys.getallocatedblocks``): what a micro-batch keeps
+  until its window's end.
+
+Each configuration names who reads the windows' numbers (``reporting.Readers``): nobody (no logger, no
+progress bar, no monitor, no hook: nothing kept per micro-batch, nothing read), a monitor of ``accum/loss``,
+or a user's callback with its own ``on_train_batch_end`` (every number every window). The bounds are the
+figures of the hooks as they are (the memory blocks, an average that the allocator moves by a fraction,
+rounded up): lower them when the hooks shed work; a change that raises one adds work to every
+micro-batch, and says why. A window's end (its one host read, its report) is counted apart: one read per
+window where someone reads its loss or a tensor count must be read, none otherwise, none elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import CodeType, FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import lightning_accum
+from lightning_accum import AccumulationScheduler
+
+from helpers import TokenData, TokenModel, count_tokens, loader, trainer
+
+PACKAGE = str(Path(lightning_accum.__file__).resolve().parent)
+READS = {  # (as test_host_reads.py counts them)
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.numpy,
+}
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+         "on_train_batch_end")  # fmt: skip
+# the bytecodes that make a new container, closure or string (or add to one a comprehension builds)
+BUILDS = {
+    "BUILD_TUPLE", "BUILD_LIST", "BUILD_SET", "BUILD_MAP", "BUILD_CONST_KEY_MAP", "BUILD_STRING", "BUILD_SLICE",
+    "LIST_APPEND", "SET_ADD", "MAP_ADD", "LIST_EXTEND", "SET_UPDATE", "DICT_UPDATE", "DICT_MERGE", "MAKE_FUNCTION",
+    "FORMAT_VALUE", "CALL_FUNCTION_EX",
+}  # fmt: skip
+BATCHES = 40
+HELD = range(4, 20)  # the micro-batches whose memory blocks are counted (nothing else watches them)
+TRACED = range(20, 36)  # the micro-batches whose reads, tensor operations and builds are counted
+
+
+@dataclass(eq=False)
+class MicroBatch:
+    ends_window: bool = False
+    reads: int = 0
+    tensor_ops: list[str] = field(default_factory=list)
+    builds: list[str] = field(default_factory=list)
+    held: int = 0
+
+
+class TensorWork(TorchFunctionMode):
+    def __init__(self, batch: MicroBatch) -> None:
+        super().__init__()
+        self.batch = batch
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in READS:
+            self.batch.reads += 1
+        elif getattr(func, "__name__", "") != "__get__":  # (an attribute read: `.grad`, `.requires_grad`)
+            self.batch.tensor_ops.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+_OPNAMES: dict[CodeType, dict[int, str]] = {}
+
+
+def _opname(frame: FrameType) -> str:
+    code = frame.f_code
+    names = _OPNAMES.get(code)
+    if names is None:
+        names = _OPNAMES[code] = {i.offset: i.opname for i in dis.get_instructions(code)}
+    return names.get(frame.f_lasti, "")
+
+
+def traced_builds(batch: MicroBatch) -> Callable[..., Any]:
+    """A trace function recording the building bytecodes run in the package's frames (by file and line)."""
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode" and _opname(frame) in BUILDS:
+            batch.builds.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {_opname(frame)}")
+        return local
+
+    def call(frame: FrameType, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    return call
+
+
+class CountedHooks:
+    """Wraps the callback's hooks (on the instance: Lightning calls them by name) and counts, per batch,
+    what they do: the memory blocks they keep on the batches in ``held``; on those in ``traced``, and in
+    every window's end hooks (``on_before_optimizer_step`` and the batch's end), the rest."""
+
+    def __init__(self, callback: AccumulationScheduler, held: range, traced: range) -> None:
+        self.held, self.traced = held, traced
+        self.batches: dict[int, MicroBatch] = {}
+        self._batch = MicroBatch()
+        self._idx = -1
+        self._artefact = self._calibrate()
+        for name in HOOKS:
+            setattr(callback, name, self._wrap(name, getattr(callback, name)))
+
+    @property
+    def window_ends(self) -> list[MicroBatch]:
+        return [b for b in self.batches.values() if b.ends_window]
+
+    @staticmethod
+    def _calibrate() -> int:
+        """The blocks the counting itself holds across a hook (its own integer), counted around nothing."""
+        return min(blocks_kept(lambda: None) for _ in range(5))
+
+    def _wrap(self, name: str, hook: Callable[..., None]) -> Callable[..., None]:
+        def counted(*args: Any) -> None:
+            if name == "on_train_batch_start":
+                self._idx, self._batch = args[-1], MicroBatch()
+                self.batches[self._idx] = self._batch
+            if name == "on_before_optimizer_step":
+                self._batch.ends_window = True
+            if self._idx in self.held:
+                self._batch.held += blocks_kept(hook, *args) - self._artefact
+            elif self._idx in self.traced or self._batch.ends_window:
+                with traced(self._batch):
+                    hook(*args)
+            else:
+                hook(*args)
+
+        return counted
+
+
+def blocks_kept(function: Callable[..., None], *args: Any) -> int:
+    """The Python memory blocks allocated during ``function(*args)`` and still allocated after it."""
+    before = sys.getallocatedblocks()
+    function(*args)
+    return sys.getallocatedblocks() - before
+
+
+@contextlib.contextmanager
+def traced(batch: MicroBatch) -> Iterator[None]:
+    """Count, into ``batch``, the reads and tensor operations and the package's builds inside."""
+    previous = sys.gettrace()
+    sys.settrace(traced_builds(batch))
+    try:
+        with TensorWork(batch):
+            yield
+    finally:
+        sys.settrace(previous)
+
+
+class Monitor(pl.Callback):
+    """A monitor of ``key`` (as ``EarlyStopping`` or ``ModelCheckpoint`` is one; no hook of its own)."""
+
+    def __init__(self, key: str) -> None:
+        self.monitor = key
+
+
+class BatchReader(pl.Callback):
+    """A user's callback with its own ``on_train_batch_end``: taken to read every number every window."""
+
+    def on_train_batch_end(self, *args: Any) -> None: ...
+
+
+def fit(config: Config, k: int, batches: int, held: range, traced: range) -> CountedHooks:
+    callback = config.make(k)
+    counted = CountedHooks(callback, held, traced)
+    callbacks = [callback, *config.readers()]
+    trainer(callbacks=callbacks, max_epochs=1).fit(config.model(), loader(TokenData(batches, seed=3), 1))
+    return counted
+
+
+@dataclass
+class Config:
+    make: Callable[[int], AccumulationScheduler]  # the callback, of k
+    # the hooks' work per micro-batch inside a window, as it is
+    tensor_ops: int
+    builds: int
+    held: int
+    reads_per_window: int  # at its end: the counts, the losses and the gradient norm in one transfer
+    readers: Callable[[], list[pl.Callback]] = list  # who reads the windows' numbers (no logger, no progress bar)
+    model: Callable[[], pl.LightningModule] = TokenModel
+
+
+def items(k: int) -> AccumulationScheduler:
+    return AccumulationScheduler(k, normalize="items", reduction="sum", count=count_tokens)
+
+
+CONFIGS = {
+    # nobody reads a window's numbers: no loss kept, nothing read (the fit's last numbers are published from the
+    # host counts)
+    "log, nobody reads": Config(AccumulationScheduler, tensor_ops=0, builds=5, held=0, reads_per_window=0),
+    # a monitor of the loss: each micro-batch's loss kept (a device tensor), read with the counts at the window's end
+    "log, monitor": Config(
+        AccumulationScheduler,
+        tensor_ops=1,
+        builds=9,
+        held=1,
+        reads_per_window=1,
+        readers=lambda: [Monitor("accum/loss")],
+    ),
+    # a callback of the user's that may read any number: the loss and the gradient's norm, every window
+    "log, batch reader": Config(
+        AccumulationScheduler, tensor_ops=1, builds=9, held=1, reads_per_window=1, readers=lambda: [BatchReader()]
+    ),
+    "no log, batch reader": Config(
+        lambda k: AccumulationScheduler(k, log=False),
+        tensor_ops=0,
+        builds=5,
+        held=0,
+        reads_per_window=0,
+        readers=lambda: [BatchReader()],
+    ),
+    # a copy of each micro-batch's count is kept on its device till the window's end
+    "items, tensor count, nobody reads": Config(
+        items, tensor_ops=6, builds=5, held=2, reads_per_window=1, model=lambda: TokenModel(reduction="sum")
+    ),
+    "items, tensor count, batch reader": Config(
+        items,
+        tensor_ops=7,
+        builds=9,
+        held=3,
+        reads_per_window=1,
+        model=lambda: TokenModel(reduction="sum"),
+        readers=lambda: [BatchReader()],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_no_host_read_and_bounded_work_per_microbatch(name: str) -> None:
+    config = CONFIGS[name]
+    counted = fit(config, 10 * BATCHES, BATCHES, HELD, TRACED)  # one window: the epoch's end closes it
+    assert len(counted.window_ends) == 1
+    traced = [counted.batches[i] for i in TRACED]
+    assert [b.reads for b in traced] == [0] * len(traced), "a host read per micro-batch"
+    worst = max(traced, key=lambda b: len(b.tensor_ops))
+    assert len(worst.tensor_ops) <= config.tensor_ops, f"tensor operations per micro-batch: {worst.tensor_ops}"
+    worst = max(traced, key=lambda b: len(b.builds))
+    assert len(worst.builds) <= config.builds, f"containers built per micro-batch: {worst.builds}"
+    kept = sum(counted.batches[i].held for i in HELD) / len(HELD)
+    assert kept <= config.held, f"{kept} Python memory blocks kept per micro-batch"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_host_reads_only_at_window_ends(name: str) -> None:
+    config = CONFIGS[name]
+    counted = fit(config, 4, 16, range(0), range(16))
+    ends = counted.window_ends
+    assert len(ends) == 4
+    assert [b.reads for b in ends] == [config.reads_per_window] * 4
+    assert [b.reads for b in counted.batches.values() if not b.ends_window] == [0] * 12
