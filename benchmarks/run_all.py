@@ -7,6 +7,7 @@ python benchmarks/run_all.py --quick    # tiny budgets: checks that every benchm
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import platform
 import subprocess
@@ -161,9 +162,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--jobs", type=int, default=1, help="scripts run at once (--quick: their figures unread)")
     args = parser.parse_args()
     json_dir = args.out.parent
-    results = {script: run(script, QUICK[script] if args.quick else [], json_dir) for script in QUICK}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        done = {s: pool.submit(run, s, QUICK[s] if args.quick else [], json_dir) for s in QUICK}
+        results = {script: future.result() for script, future in done.items()}
     machine = f"{platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
     lines = [
         "# Benchmark results",
