@@ -95,7 +95,7 @@ def test_the_same_as_items_per_pass_and_as_the_callback_s_sum() -> None:
     mean = fit("backward")
     declared = ManualTokenModel(mode="items_arg", schedule=SCHEDULE, normalize="items")  # (no `count`: `items=`)
     trainer(max_epochs=2).fit(declared, loader(DATA, 4))
-    summed = ManualTokenModel(mode="backward", reduction="sum", schedule=SCHEDULE, normalize="items", count=count_tokens)
+    summed = ManualTokenModel(reduction="sum", schedule=SCHEDULE, normalize="items", count=count_tokens)
     trainer(max_epochs=2).fit(summed, loader(DATA, 4))
     assert max_diff(params_of(mean), params_of(declared)) <= TOL
     assert max_diff(params_of(mean), params_of(summed)) <= TOL
@@ -140,7 +140,8 @@ def test_resume_equals_uninterrupted(tmp_path: Path, stop: int | str) -> None:
     schedule = Ramp(1, 5, over=160, unit="items")
 
     def run(ckpt: Path | None = None, resume: Path | None = None) -> ManualTokenModel:
-        model = ManualTokenModel(mode="each", reduction="mean", schedule=schedule, normalize="items", count=count_tokens)
+        options = {"normalize": "items", "count": count_tokens}
+        model = ManualTokenModel(mode="each", reduction="mean", schedule=schedule, **options)
         every = [ModelCheckpoint(dirpath=ckpt, every_n_train_steps=1, save_top_k=-1, filename="{epoch}-{step}")]
         t = trainer(callbacks=every if ckpt else [], max_epochs=2, enable_checkpointing=ckpt is not None)
         t.fit(model, ResumableLoader(DATA, 4), ckpt_path=resume)
@@ -178,7 +179,7 @@ class Configured(AccumulationMixin):
         ({"reduction": "mean", "normalize": "mean"}, ValueError, r"only `normalize='items'` .* leave `reduction` out"),
         ({"reduction": "sum", "normalize": "mean", "count": None}, ValueError, r"only `normalize='items'`"),
         ({"reduction": "mean", "count": None}, ValueError, r"`reduction='mean'` .* no `count` was given: give `count="),
-        ({"reduction": "sum", "count": None}, ValueError, r"no `count` was given.*`acc.backward\(mean_loss, items=n\)`"),
+        ({"reduction": "sum", "count": None}, ValueError, r"no `count` .*`acc.backward\(mean_loss, items=n\)`"),
         ({"count": 3}, TypeError, r"`count` must be a function"),
     ],
 )  # fmt: skip
