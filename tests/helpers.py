@@ -307,7 +307,8 @@ class ManualTokenModel(AccumulationMixin, pl.LightningModule):
     ``mode``: ``"backward"`` (one pass), ``"items_arg"`` (a token-mean loss with ``items=``),
     ``"each"`` (the tokens split in two tasks, each with its own forward), ``"heads"`` (the
     net's first layers as a shared trunk, the last layer applied by two heads on the split).
-    Every mode yields the same gradient as ``"backward"``.
+    Every mode yields the same gradient as ``"backward"``. ``reduction`` is what the loss is over a
+    micro-batch's tokens, and with ``normalize="items"`` and ``count`` also the mixin's ``reduction``.
     """
 
     def __init__(
@@ -325,6 +326,8 @@ class ManualTokenModel(AccumulationMixin, pl.LightningModule):
         self.mode, self.reduction = mode, reduction
         self.lr, self.optimizer_name = lr, optimizer
         self.scheduler, self.scheduler_frequency = scheduler, scheduler_frequency
+        if accumulation.get("normalize") == "items" and accumulation.get("count") is not None:
+            accumulation["reduction"] = reduction
         self.configure_accumulation(**accumulation)
 
     def _split_losses(self, out: Tensor, batch: Batch) -> list[Tensor]:

@@ -113,21 +113,31 @@ def test_hf_loss_with_causal_lm_tokens_and_the_attention_mask_trap() -> None:
 
 
 class MixinLM(AccumulationMixin, pl.LightningModule):
-    def __init__(self) -> None:
+    """``by="items"``: the count given to each pass; ``"reduction"``: ``reduction="mean"`` with ``count``."""
+
+    def __init__(self, by: str = "items") -> None:
         super().__init__()
         self.model = gpt2()
-        self.configure_accumulation(SCHEDULE, normalize="items")
+        self.by = by
+        if by == "items":
+            self.configure_accumulation(SCHEDULE, normalize="items")
+        else:
+            self.configure_accumulation(SCHEDULE, normalize="items", count=causal_lm_tokens, reduction="mean")
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         with self.accumulate(batch) as acc:
-            acc.backward(self.model(**batch).loss, items=causal_lm_tokens(batch))
+            if self.by == "items":
+                acc.backward(self.model(**batch).loss, items=causal_lm_tokens(batch))
+            else:
+                acc.backward(self.model(**batch).loss)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def test_mixin_takes_the_hf_mean_loss_with_its_count() -> None:
-    model = MixinLM()
+@pytest.mark.parametrize("by", ["items", "reduction"])
+def test_mixin_takes_the_hf_mean_loss_with_its_count(by: str) -> None:
+    model = MixinLM(by)
     trainer(max_epochs=1).fit(model, DataLoader(batches(), batch_size=None))
     assert gap([p.detach() for p in model.parameters()], reference(batches(), [3, 3, 2, 1])) <= 1e-7
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_accum import cached, collectives, gradients, microbatch, multitask
 from lightning_accum.block import Block
-from lightning_accum.metrics import weigh
+from lightning_accum.metrics import weigh, weighted
 from lightning_accum.microbatch import AutoSize
 from lightning_accum.options import check_flag
 
@@ -70,33 +70,41 @@ class Accumulator:
     def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
         """Back-propagate one loss into the window.
 
-        With ``normalize="items"``, ``loss`` is a sum over the micro-batch's items; or pass a mean
-        loss with ``items=n`` and it is weighted by ``n``.
+        With ``normalize="items"``, ``loss`` is a sum over the micro-batch's items
+        (``reduction="sum"``), or a mean over them (``reduction="mean"``), then weighted by
+        ``count(batch)``: the micro-batch's items, counted once however many passes it makes. Or pass a
+        mean loss with ``items=n`` (either reduction): it is weighted by ``n``, which this pass adds to
+        the micro-batch's items. A mean over no items (NaN) adds nothing.
+
+        Example:
+
+            # configure_accumulation(..., normalize="items", count=causal_lm_tokens, reduction="mean")
+            with self.accumulate(batch) as acc:
+                acc.backward(self.model(**batch).loss)  # a token mean, weighted by the batch's tokens
         """
         self._check_open()
         loss = multitask.check_loss(loss, "the loss passed to `acc.backward`")
-        if items is None:
-            self._backward(loss)
-            return
-        if self._block.windows.config.normalize != "items":
-            raise ValueError(
-                "`acc.backward(loss, items=n)` weights a mean loss by its item count, which needs "
-                "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
-            )
-        _check_items(items)
-        empty = gradients.no_items(items)
-        if empty is True:  # a mean over no items (NaN): counted, adds nothing
-            self._backward_nothing(loss)
-        else:  # (for a tensor count, nothing is added where it is 0: decided on the device)
-            self._backward(weigh(loss, items), nothing=empty)
-        self._block.add_items(items)
+        if items is not None:
+            if self._block.windows.config.normalize != "items":
+                raise ValueError(
+                    "`acc.backward(loss, items=n)` weights a mean loss by its item count, which needs "
+                    "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
+                )
+            _check_items(items)
+        self._weighted(loss, self._block.weight(items))
 
-    def _backward_nothing(self, loss: Tensor) -> None:
-        """A pass of a micro-batch without items: it counts, and adds nothing to any gradient."""
-        if loss.requires_grad:  # (run, so that a sync the window's last pass makes still happens)
-            self._block.backward(loss, nothing=True)
-        else:
-            self._block.count_pass()
+    def _weighted(self, loss: Tensor, items: int | Tensor | None) -> None:
+        """A pass of a loss weighted by ``items`` (a mean over them; ``None``: as it is): a pass of no items
+        counts, and adds nothing to any gradient (for a tensor count, decided on the device)."""
+        loss, nothing = weighted(loss, items)
+        self._backward(loss, nothing=nothing)
+
+    def _passes(self) -> tuple[Callable[[Tensor], None], bool | Tensor]:
+        """A call of several passes without ``items=`` (``backward_each``, ``backward_heads``): each pass's backward,
+        weighted by ``count(batch)`` under ``reduction="mean"``, and whether they add nothing (no items)."""
+        weight = self._block.weight(None)
+        empty = False if weight is None else gradients.no_items(weight)
+        return (lambda loss: self._weighted(loss, weight)), empty
 
     def backward_each(
         self,
@@ -114,7 +122,8 @@ class Accumulator:
         """
         self._check_open()
         params = self._block.windows.params() if grad_norms else None
-        losses, norms = multitask.backward_each(self._backward, closures, weights, grad_norms_of=params)
+        backward, _ = self._passes()
+        losses, norms = multitask.backward_each(backward, closures, weights, grad_norms_of=params)
         self._record_tasks(losses, names)
         return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
 
@@ -130,7 +139,9 @@ class Accumulator:
     def backward_microbatches(self, loss_fn: Callable[[Any], Tensor], size: int | Literal["auto"] = "auto") -> Tensor:
         """Split this micro-batch's ``batch`` along dim 0 and back-propagate ``loss_fn(part)`` for
         each part, weighted so that the result equals the whole batch's (sample-weighted for
-        ``"mean"``, plain sums for ``"items"``). Returns the detached per-part losses.
+        ``"mean"``; for ``"items"``, plain sums, or under ``reduction="mean"`` each part's mean weighted
+        by ``count(part)``: ``count`` must add up over the parts, as a token count does). Returns the
+        detached per-part losses.
 
         ``size="auto"`` starts with the whole batch and, on CUDA out-of-memory, frees the
         window's gradient, halves the size, and redoes the window from its first micro-batch
@@ -139,16 +150,17 @@ class Accumulator:
         """
         self._check_open(auto=size == "auto")
         auto = self._auto_size
+        whole = self._block.weight(None)  # (under reduction="mean", `count(batch)` weighs the batch as one part)
         if size != "auto":
-            return self._run_parts(self._batch, loss_fn, size)
+            return self._run_parts(self._batch, loss_fn, size, whole)
         self._auto += 1
-        redo: list[tuple[Any, Callable[[Any], Tensor]]] = []
+        redo: list[tuple[Any, Callable[[Any], Tensor], int | Tensor | None]] = []
         while True:
             size = auto.size_for(self._batch)
             try:
-                for past_batch, past_fn in redo:
-                    self._run_parts(past_batch, past_fn, size)
-                losses = self._run_parts(self._batch, loss_fn, size)
+                for past_batch, past_fn, past_whole in redo:
+                    self._run_parts(past_batch, past_fn, size, past_whole)
+                losses = self._run_parts(self._batch, loss_fn, size, whole)
                 break
             except Exception as error:
                 if not microbatch.is_oom(error):
@@ -166,16 +178,21 @@ class Accumulator:
                 torch.cuda.empty_cache()
             auto.halve(size)
             redo = auto.replay(self._block.key)
-        auto.remember(self._block.key, self._batch, loss_fn)
+        auto.remember(self._block.key, self._batch, loss_fn, whole)
         return losses
 
-    def _run_parts(self, batch: Any, loss_fn: Callable[[Any], Tensor], size: int) -> Tensor:
+    def _run_parts(self, batch: Any, loss_fn: Callable[[Any], Tensor], size: int, whole: int | Tensor | None) -> Tensor:
+        """``loss_fn`` of each part of ``batch``, back-propagated as its share of the batch (``whole``: what the
+        batch's own loss is weighted by, ``count(batch)`` for a mean over its items, or ``None``)."""
         n = microbatch.batch_length(batch)
         mean = self._block.windows.config.normalize == "mean"
         losses = []
         for part in microbatch.split(batch, size):
             loss = multitask.check_loss(loss_fn(part), "the loss returned by `loss_fn`")
-            self._backward(loss * (microbatch.batch_length(part) / n) if mean and size < n else loss)
+            if whole is not None:  # a mean over the part's items: weighted by them (the whole batch: as counted)
+                self._weighted(loss, whole if size >= n else self._block.part_weight(part))
+            else:
+                self._backward(loss * (microbatch.batch_length(part) / n) if mean and size < n else loss)
             losses.append(loss.detach())
         return torch.stack(losses)
 
@@ -220,8 +237,9 @@ class Accumulator:
         - ``gather=True`` puts every rank's representations into the loss (in-batch negatives from
           all ranks): 2 ranks of batch B equal one process of 2B, also with different batch sizes.
 
-        The call is one micro-batch of the window; ``items`` weights the loss as in ``backward``
-        (with ``gather=True``, by all ranks' count, as one process with every rank's batch). Buffers a
+        The call is one micro-batch of the window; ``items`` weights the loss as in ``backward``, and so
+        does ``count(batch)`` under ``reduction="mean"`` without ``items`` (with ``gather=True``, by all
+        ranks' count, as one process with every rank's batch). Buffers a
         forward writes (BatchNorm statistics, ...) move once per sample; the RNG ends where the whole
         batch's forward and loss leave it. Returns the loss, detached (with ``gather=True`` and
         ``loss_chunk_size``, the whole gathered loss: every rank's parts summed).
@@ -256,9 +274,9 @@ class Accumulator:
         block = self._block
         strategy = block.strategy
         world = collectives.world_size(strategy) if gather else 1
-        weight: int | float | Tensor | None = items
-        if items is not None and world > 1:  # every rank's rows are in the loss: weighted by every rank's count
-            weight = collectives.sum_over_ranks(strategy, [items])[0][0] / world
+        weight: int | float | Tensor | None = block.weight(items)
+        if weight is not None and world > 1:  # every rank's rows are in the loss: weighted by every rank's count
+            weight = collectives.sum_over_ranks(strategy, [weight])[0][0] / world
         empty = False if weight is None else gradients.no_items(weight)
 
         def loss_backward(loss: Tensor) -> None:
@@ -273,9 +291,7 @@ class Accumulator:
         def reps_backward(reps: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
             # (FSDP, FSDP2: every chunk of the window's last batch syncs, since each module
             # reduce-scatters in its own backward and two towers end at different chunks)
-            if empty is not False:  # (no items: the cached gradient may be NaN, and adds nothing)
-                grads = [g.masked_fill(empty, 0) if isinstance(empty, Tensor) else torch.zeros_like(g) for g in grads]
-            block.trunk_backward(reps, grads)
+            block.trunk_backward(reps, gradients.zero_where(grads, empty))  # (no items: it may be NaN, adds nothing)
 
         def gather_rows(reps: Sequence[Tensor]) -> tuple[list[Tensor], int]:
             return collectives.gather_rows(strategy, reps)
@@ -292,7 +308,6 @@ class Accumulator:
             loss_chunk_size=None if loss_chunk_size is None else int(loss_chunk_size),
         )
         block.record_loss(loss if weight is None else weigh(loss, weight))
-        block.add_items(items)
         return loss
 
     def backward_heads(
@@ -308,11 +323,12 @@ class Accumulator:
         trunk's graph plus the largest head's. Returns the detached per-head losses; each head's
         window loss is logged as ``accum/loss/<name>`` (``names``, default ``task0``, ...)."""
         self._check_open()
+        backward, empty = self._passes()
 
-        def trunk_backward(features: Tensor, grad: Tensor) -> None:
-            self._block.trunk_backward(features, grad)
+        def trunk_backward(features: Tensor, grad: Tensor) -> None:  # (no items: the heads' NaN adds nothing)
+            self._block.trunk_backward(features, gradients.zero_where([grad], empty)[0])
 
-        losses = multitask.backward_heads(self._backward, features, heads, weights, trunk_backward=trunk_backward)
+        losses = multitask.backward_heads(backward, features, heads, weights, trunk_backward=trunk_backward)
         self._record_tasks(losses, names)
         return losses
 

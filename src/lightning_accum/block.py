@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning_accum import gradients, multitask, sync
 from lightning_accum.engine import WindowEngine
 from lightning_accum.guards import MixinGuards
-from lightning_accum.window import Window, microbatch_items
+from lightning_accum.window import Window, check_count, microbatch_items, pass_items
 from lightning_accum.windows import GroupKey, MixinWindows
 
 
@@ -44,7 +44,7 @@ class Block:
         self.window, self.last, self.redoing = window, last, redoing
         self._samples, self._counted = counts  # (counted before the block's code ran)
         self._items: int | Tensor | None = None  # what `items=` declared
-        self._declared = self._loss_passes = 0  # passes that declared `items=`, and loss passes
+        self._implicit = False  # a call declared no `items=` (`count(batch)` counts the micro-batch's, once)
         self._plan, self._guards = plan, guards
         self.passes = 0
 
@@ -72,7 +72,6 @@ class Block:
         """``manual_backward(loss)`` into the window (``nothing``: the pass adds nothing to any gradient,
         NaN included, as a redone micro-batch's; a 0-d bool tensor: the same where it holds)."""
         self.passes += 1
-        self._loss_passes += 1
         nothing = True if self.redoing else nothing
         handles = [] if nothing is False else gradients.add_nothing_if(self.windows.params(), nothing)
         try:
@@ -88,20 +87,31 @@ class Block:
         with self._no_sync():
             multitask._autograd_backward(features, grad)
 
-    def count_pass(self) -> None:
-        """A micro-batch without items that made no backward pass still went in."""
-        self.passes += 1
-
     def record_loss(self, loss: Tensor, name: str = "loss") -> None:
         """A pass's loss (before the window's division), or a task's, for the logged window loss."""
         if not self.redoing:
             self.engine.metrics.add_loss(loss, name)
 
-    def add_items(self, items: int | Tensor | None) -> None:
-        """A pass declared its items (``items=``)."""
-        if items is not None:
+    def weight(self, items: int | Tensor | None) -> int | Tensor | None:
+        """A backward call of the block (``acc.backward``, ``backward_each``, ...) declares its items, and gets what
+        its losses are weighted by (``window.pass_items``): its ``items=`` (a mean over them, added to the
+        micro-batch's); else ``count(batch)`` under ``reduction="mean"`` (checked now, before any gradient is
+        weighted by it); else ``None`` (a sum)."""
+        if items is None:
+            self._implicit = True
+        else:
             self._items = items if self._items is None else self._items + items
-            self._declared += 1
+        mean = self.windows.config.mean_items
+        counted = self._counted
+        if mean and items is None:
+            counted = check_count(counted)
+        return pass_items(items, mean, counted)
+
+    def part_weight(self, part: Any) -> int | Tensor:
+        """``count(part)`` of a part of the micro-batch (``backward_microbatches``, ``reduction="mean"``), checked."""
+        count = self.windows.config.count
+        assert count is not None, "reduction='mean' comes with `count`"
+        return check_count(count(part), "`count(part)` of `backward_microbatches`")
 
     # ------------------------------------------------------------------ the block's end
     def finish(self, loss_scale: Callable[[], float]) -> None:
@@ -122,5 +132,4 @@ class Block:
                 "`normalize='items'` needs the micro-batch's item count: give `count=` to "
                 "`configure_accumulation`, or call `acc.backward(loss, items=n)`."
             )
-        implicit = self._loss_passes > self._declared  # (a pass that declared nothing: `count(batch)` counts it)
-        return microbatch_items(self._items, implicit, self._counted, self._samples)
+        return microbatch_items(self._items, self._implicit, self._counted, self._samples)

@@ -32,7 +32,7 @@ from lightning_accum.checkpoint import PartialWindow, check_world
 from lightning_accum.engine import WindowEngine
 from lightning_accum.fabric_guards import WindowGuard, check_same_owner, check_set_up, sync_plan
 from lightning_accum.lr import LRMultiplier
-from lightning_accum.metrics import weigh
+from lightning_accum.metrics import weighted
 from lightning_accum.multitask import check_loss
 from lightning_accum.options import (
     Count,
@@ -48,7 +48,7 @@ from lightning_accum.reporting import WindowReport, metric_values, report
 from lightning_accum.samples import sample_count
 from lightning_accum.schedules import Progress, Schedule
 from lightning_accum.sync import SyncMode
-from lightning_accum.window import Normalize, check_count, microbatch_items
+from lightning_accum.window import Normalize, check_count, microbatch_items, pass_items
 
 
 class _Ranks:
@@ -170,7 +170,7 @@ class FabricAccumulator:
     ) -> None:
         check_set_up(fabric, model, optimizer)
         self.schedule = check_common("FabricAccumulator", schedule, normalize, count, lr_scaling, sync, lr_schedule)
-        self.reduction = check_callback_items(normalize, count, reduction)
+        self.reduction = check_callback_items(normalize, count, reduction, "`step.backward(loss)` gets")
         check_clip(gradient_clip_val, gradient_clip_algorithm)
         self.log = check_flag("log", log)
         self._plan = sync_plan(fabric, model, sync)
@@ -372,13 +372,9 @@ class FabricAccumulator:
             step._declared = items if step._declared is None else step._declared + items
         else:
             step._implicit += 1
-            if self.reduction == "mean":  # a mean over the micro-batch's items (counted once, however many passes)
-                items = step._counted
         step.passes += 1
-        nothing: bool | Tensor = False  # (a mean over no items, NaN, adds nothing)
-        if items is not None:
-            nothing = gradients.no_items(items)
-            loss = weigh(loss, items)
+        # a mean over the micro-batch's items, counted once however many passes; a mean over no items (NaN) adds nothing
+        loss, nothing = weighted(loss, pass_items(items, self.reduction == "mean", step._counted))
         self._engine.metrics.add_loss(loss)
         handles = gradients.add_nothing_if(self.params, nothing)
         try:

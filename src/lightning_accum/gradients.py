@@ -114,6 +114,16 @@ def add_nothing_if(params: Iterable[Tensor], empty: bool | Tensor) -> list[Remov
     ]
 
 
+def zero_where(grads: Sequence[Tensor], empty: bool | Tensor) -> list[Tensor]:
+    """``grads`` with nothing in them where ``empty`` holds (as ``no_items`` gives it): a gradient that a
+    pass of no items sends on by hand (a shared trunk's, cached representations'), its NaN included."""
+    if empty is False:
+        return list(grads)
+    if isinstance(empty, Tensor):
+        return [g.masked_fill(empty.to(g.device), 0) for g in grads]
+    return [torch.zeros_like(g) for g in grads]
+
+
 def add_nothing(params: Iterable[Tensor]) -> list[RemovableHandle]:
     """Make the next backward pass add nothing to these parameters' gradients, NaN included (a mean
     over no items, ``sum / 0``, has a NaN gradient that no factor on the loss can cancel): each

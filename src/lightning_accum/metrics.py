@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_accum.gradients import squared_norm
+from lightning_accum.gradients import no_items, squared_norm
 
 
 def weigh(loss: Tensor, items: float | Tensor) -> Tensor:
@@ -33,6 +33,22 @@ def weigh(loss: Tensor, items: float | Tensor) -> Tensor:
         items = torch.zeros((), dtype=torch.int64, device=weighted.device)
     # (the graph is kept, so that the pass still runs: its gradient is kept out by `gradients.add_nothing_if`)
     return torch.where(items != 0, weighted, torch.zeros_like(weighted))
+
+
+def weighted(loss: Tensor, items: int | Tensor | None) -> tuple[Tensor, bool | Tensor]:
+    """A backward pass's loss as it goes in, and whether the pass must add nothing (for
+    ``gradients.add_nothing_if``): a sum (``items`` is ``None``) as it is; a mean over ``items``
+    weighed by them (``weigh``), adding nothing where they are 0 (its NaN gradient included).
+
+    Example:
+
+        >>> loss, nothing = weighted(torch.tensor(2.0), 3)
+        >>> loss.item(), nothing, weighted(torch.tensor(2.0), None)[1]
+        (6.0, False, False)
+    """
+    if items is None:
+        return loss, False
+    return weigh(loss, items), no_items(items)
 
 
 class WindowMetrics:

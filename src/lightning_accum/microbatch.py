@@ -118,22 +118,24 @@ class AutoSize:
 
     def __init__(self) -> None:
         self.size: int | None = None  # samples per micro-batch, once an out-of-memory error set it
-        self._replay: dict[tuple[int, ...], list[tuple[Any, Any]]] = {}  # window group -> its (batch, loss_fn)
+        self._replay: dict[tuple[int, ...], list[tuple[Any, Any, Any]]] = {}  # group -> its (batch, loss_fn, weight)
 
     def size_for(self, batch: Any) -> int:
         """The size to split ``batch`` with: the size found, or the whole batch."""
         return self.size or batch_length(batch)
 
-    def replay(self, key: tuple[int, ...]) -> list[tuple[Any, Any]]:
-        """The window's auto-sized passes so far, in order."""
+    def replay(self, key: tuple[int, ...]) -> list[tuple[Any, Any, Any]]:
+        """The window's auto-sized passes so far, in order: ``(batch, loss_fn, weight)``."""
         return list(self._replay.get(key, ()))
 
     def passes(self, key: tuple[int, ...]) -> int:
         """How many auto-sized passes the window holds."""
         return len(self._replay.get(key, ()))
 
-    def remember(self, key: tuple[int, ...], batch: Any, loss_fn: Any) -> None:
-        self._replay.setdefault(key, []).append((batch, loss_fn))
+    def remember(self, key: tuple[int, ...], batch: Any, loss_fn: Any, weight: Any = None) -> None:
+        """An auto-sized pass, to be redone after out-of-memory (``weight``: what the whole batch's loss is
+        weighted by, as its block counted it)."""
+        self._replay.setdefault(key, []).append((batch, loss_fn, weight))
 
     def halve(self, size: int) -> None:
         """After out-of-memory at ``size``."""

@@ -20,7 +20,7 @@ from lightning_accum._lightning import Callback, pl
 from lightning_accum.accumulator import Accumulator
 from lightning_accum.driver import MixinDriver
 from lightning_accum.lr import LRMultiplier
-from lightning_accum.options import AccumulationConfig, Reset
+from lightning_accum.options import AccumulationConfig, Reduction, Reset
 from lightning_accum.schedules import Progress, Schedule, as_schedule
 from lightning_accum.sync import SyncMode
 from lightning_accum.window import Normalize
@@ -80,6 +80,7 @@ class AccumulationMixin(_ModuleBase):
         *,
         normalize: Normalize = "mean",
         count: Callable[[Any], int | Tensor] | None = None,
+        reduction: Reduction | None = None,
         reset: Reset = "zero",
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: Literal["norm", "value"] = "norm",
@@ -95,8 +96,14 @@ class AccumulationMixin(_ModuleBase):
             schedule: a ``Schedule``, an ``int`` or an epoch-keyed ``dict``.
             normalize: ``"mean"`` (mean of the window's micro-batch gradients over ranks) or
                 ``"items"`` (losses are sums over items; divide by the global item count).
-            count: ``count(batch)`` items in a micro-batch; for ``"items"`` either this or
-                ``acc.backward(loss, items=n)``.
+            count: ``count(batch)`` items in a micro-batch (taken when its block opens); for ``"items"``
+                either this or ``acc.backward(loss, items=n)`` on every pass.
+            reduction: with ``"items"`` and ``count``: what ``acc.backward(loss)`` gets over the
+                micro-batch's items, ``"sum"``, or ``"mean"`` (a Hugging Face ``outputs.loss``), then
+                weighted by ``count(batch)``: the micro-batch's items, counted once however many passes it
+                makes (``backward_each``, ``backward_heads``, ``backward_cached``; ``backward_microbatches``
+                weighs each part by ``count(part)``). Required there, as on the callback; refused
+                otherwise. A pass with ``items=n`` is a mean weighted by ``n`` under either.
             reset: after each step, ``"zero"`` the gradients (keep the buffers), set them to ``None``,
                 or decay them with a ``GradientDecay``.
             gradient_clip_val: clip the normalised window gradient to this norm (or value).
@@ -123,6 +130,15 @@ class AccumulationMixin(_ModuleBase):
                 after the model's ``on_train_epoch_end``); the configurations that loop refuses are
                 refused at the fit's start, and a step the model takes itself is refused before any
                 optimizer step uses it.
+
+        Example:
+
+            # a Hugging Face causal LM: `outputs.loss` is the mean over the batch's predicted tokens
+            self.configure_accumulation(Ramp(1, 16, over=2_000_000, unit="items"), normalize="items",
+                                        count=causal_lm_tokens, reduction="mean")
+            ...
+            with self.accumulate(batch) as acc:
+                acc.backward(self.model(**batch).loss)  # weighted by causal_lm_tokens(batch)
         """
         self._accumulation.configure(
             AccumulationConfig(
@@ -137,6 +153,7 @@ class AccumulationMixin(_ModuleBase):
                 sync,
                 lr_schedule,
                 step_schedulers,
+                reduction,
             )
         )
 

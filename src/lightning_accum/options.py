@@ -119,22 +119,77 @@ Reduction = Literal["sum", "mean"]
 their ``"mean"`` (weighted by ``count(batch)``)."""
 
 
-def check_callback_items(normalize: object, count: object, reduction: object) -> Reduction:
+# near misses of a reduction, and what they meant
+_NEAR_REDUCTIONS = dict(avg="mean", average="mean", means="mean", token_mean="mean", sums="sum", total="sum")
+
+
+def check_reduction(reduction: object) -> Reduction | None:
+    """``reduction``: ``None``, ``"sum"`` or ``"mean"``, or an error naming it and the fix (a near miss hinted)."""
+    if reduction is None or (isinstance(reduction, str) and reduction in ("sum", "mean")):
+        return reduction  # type: ignore[return-value]
+    fix = (
+        "give 'mean' for a mean over the micro-batch's items (a Hugging Face `outputs.loss`, `F.cross_entropy(...)`), "
+        "which is weighted by `count(batch)`, or 'sum' for a sum over them"
+    )
+    if not isinstance(reduction, str):
+        what = "a bool" if isinstance(reduction, bool) else f"a {type(reduction).__name__}"
+        raise TypeError(
+            f"`reduction` must be the string 'sum' or 'mean' (the loss over a micro-batch's items); got {reduction!r} "
+            f"({what}): {fix}."
+        )
+    word = reduction.strip().lower()
+    if word in ("sum", "mean"):
+        hint = f" (lower case, no spaces: {word!r})"
+    elif word in _NEAR_REDUCTIONS:
+        hint = f" (did you mean {_NEAR_REDUCTIONS[word]!r}?)"
+    elif word == "none":
+        hint = " (a loss per item, `reduction='none'` in torch, is not taken: reduce it to its sum or mean first)"
+    else:
+        hint = ""
+    raise ValueError(
+        f"`reduction` must be 'sum' or 'mean' (the loss over a micro-batch's items); got {reduction!r}{hint}: {fix}."
+    )
+
+
+def check_callback_items(
+    normalize: object, count: object, reduction: object, loss: str = "`training_step` returns"
+) -> Reduction:
     """The callback's ``normalize="items"`` needs ``count`` and an explicit ``reduction`` (whether
     ``training_step`` returns a sum or a mean over the micro-batch's items: a mean taken for a sum
-    would be divided by the item count twice, silently). Returns the reduction in force."""
-    if reduction not in ("sum", "mean", None):
-        raise ValueError(
-            f"`reduction` must be 'sum' or 'mean' (the loss over a micro-batch's items); got {reduction!r}."
-        )
+    would be divided by the item count twice, silently). Returns the reduction in force. ``loss``: what
+    the adapter's loss is, for the messages."""
+    reduction = check_reduction(reduction)
     if normalize == "items" and count is None:
         raise ValueError(
             "`normalize='items'` needs `count`: a function giving each micro-batch's number of items, "
             "e.g. `count=lambda batch: int(batch['mask'].sum())` or `lightning_accum.count.causal_lm_tokens`."
         )
+    _check_reduction_given(normalize, reduction, loss)
+    return "mean" if reduction == "mean" else "sum"
+
+
+def check_mixin_items(normalize: object, count: object, reduction: object) -> Reduction:
+    """``configure_accumulation``'s ``reduction``, as the callback's, but for the mixin's passes that declare their
+    own items: ``normalize="items"`` without ``count`` (each pass then gives ``acc.backward(loss, items=n)``) takes
+    no ``reduction``, since it reads ``count(batch)``. Returns the reduction in force (``"sum"`` without ``count``)."""
+    reduction = check_reduction(reduction)
+    if normalize == "items" and count is None and reduction is not None:
+        raise ValueError(
+            f"`reduction={reduction!r}` says what `acc.backward(loss)` is over the micro-batch's items, as "
+            "`count(batch)` counts them, but no `count` was given: give `count=` (e.g. "
+            "`lightning_accum.count.causal_lm_tokens`), or leave `reduction` out and give each pass its items, "
+            "`acc.backward(mean_loss, items=n)`."
+        )
+    if count is not None or reduction is not None:
+        _check_reduction_given(normalize, reduction, "`acc.backward(loss)` gets")
+    return "mean" if reduction == "mean" else "sum"
+
+
+def _check_reduction_given(normalize: object, reduction: Reduction | None, loss: str) -> None:
+    """``reduction`` given exactly where ``normalize="items"`` reads it."""
     if normalize == "items" and reduction is None:
         raise ValueError(
-            "`normalize='items'` needs `reduction`: what `training_step` returns over a micro-batch's items. "
+            f"`normalize='items'` needs `reduction`: what {loss} over a micro-batch's items. "
             "Give `reduction='mean'` for a mean (a Hugging Face `outputs.loss`, `F.cross_entropy(...)`), which is "
             "weighted by `count(batch)`, or `reduction='sum'` for a sum (`reduction='sum'` in the loss)."
         )
@@ -144,7 +199,6 @@ def check_callback_items(normalize: object, count: object, reduction: object) ->
             "`normalize='items'` (with `count`) uses; with `normalize='mean'` each micro-batch counts once, whatever "
             "its loss: leave `reduction` out, or give `normalize='items'`."
         )
-    return "mean" if reduction == "mean" else "sum"
 
 
 def check_clip(value: object, algorithm: object) -> None:
@@ -182,16 +236,24 @@ class AccumulationConfig:
     sync: SyncMode = "auto"
     lr_schedule: LRMultiplier | None = None
     step_schedulers: bool | None = None
+    reduction: Reduction | None = None
 
     def __post_init__(self) -> None:
         args = (self.schedule, self.normalize, self.count, self.lr_scaling, self.sync, self.lr_schedule)
         check_common("configure_accumulation", *args)
+        check_mixin_items(self.normalize, self.count, self.reduction)
         check_flag("log", self.log)
         check_mode(self.step_schedulers)
         reset = self.reset
         if not (isinstance(reset, ResidualDecay) or reset in ("zero", "none")):
             raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")
         check_clip(self.gradient_clip_val, self.gradient_clip_algorithm)
+
+    @property
+    def mean_items(self) -> bool:
+        """Whether ``acc.backward(loss)`` gets a mean over the micro-batch's items (``reduction="mean"``), weighted
+        by ``count(batch)``."""
+        return self.normalize == "items" and self.reduction == "mean"
 
     @property
     def decay(self) -> ResidualDecay | None:

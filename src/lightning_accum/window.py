@@ -177,6 +177,21 @@ def microbatch_items(
     return declared + counted if implicit and counted is not None else declared
 
 
+def pass_items(declared: int | Tensor | None, mean: bool, counted: int | Tensor | None) -> int | Tensor | None:
+    """The item count a backward pass's loss is weighted by: the ``items=`` the pass declared (its loss a mean over
+    them); else, for a mean loss (``reduction="mean"``, ``mean``), the micro-batch's ``count(batch)``: each such pass
+    is a mean over the micro-batch's items, which ``microbatch_items`` counts once; else ``None`` (a sum, as it is).
+
+    Example:
+
+        >>> pass_items(3, True, 12), pass_items(None, True, 12), pass_items(None, False, 12)
+        (3, 12, None)
+    """
+    if declared is not None:
+        return declared
+    return counted if mean else None
+
+
 def lr_factor(lr_scaling: str | None, k: int, first_k: int | None) -> float:
     """The learning-rate multiplier for a window of ``k``: ``k / first_k`` (``"linear"``), its
     square root (``"sqrt"``), or 1."""

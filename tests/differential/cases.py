@@ -189,6 +189,21 @@ CASES: dict[str, dict[str, Any]] = {
         "lr": 0.01, "callbacks": ["ema"], "interruptions": [["on_before_backward", 0, 3]]},
     "pieces_swa": {"n": 20, "batch_size": 4, "epochs": 3, "microbatch_size": 3, "swa": [0.05, 2],
                    "schedule": {"family": "constant", "k": 2}},
+    # issue 35, 6: the mixin's `reduction="mean"`: token means weighted by `count(batch)` on every path, batches
+    # without tokens (NaN) adding nothing: through a shared trunk (its gradient sent on by hand), a failure inside
+    # a backward resumed; the cached loss in blocks of rows; parts of `backward_microbatches` by `count(part)`
+    "mixin_reduction_mean_heads": {
+        **_ITEMS, "adapter": "mixin", "mode": "heads", "reduction": "mean", "mean_by": "reduction",
+        "empty_batches": [1, 4], "schedule": {"family": "constant", "k": 3},
+        "interruptions": [["on_after_backward", 0, 4]]},
+    "mixin_reduction_mean_cached_blocks": {
+        **_ITEMS, "adapter": "mixin", "mode": "cached", "reduction": "mean", "mean_by": "reduction", "loss_chunk": 2,
+        "chunks": [2, 3], "empty_batches": [2], "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60,
+        "unit": "items"}},
+    "mixin_reduction_mean_microbatches": {
+        **_ITEMS, "adapter": "mixin", "mode": "microbatches", "reduction": "mean", "mean_by": "reduction", "n": 23,
+        "batch_size": 3, "empty_batches": [0, 3], "schedule": {"family": "constant", "k": 2}, "optimizer": "adam",
+        "lr": 0.01},
 }  # fmt: skip
 
 

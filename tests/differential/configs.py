@@ -50,6 +50,10 @@ class Config:
     schedule: dict[str, Any] = dataclasses.field(default_factory=lambda: {"family": "constant", "k": 2})
     normalize: str = "mean"
     reduction: str = "sum"  # with normalize="items": what the loss is over a micro-batch's items
+    # the mixin with reduction="mean" (issue 35): a mean's weight given by "items" (`acc.backward(mean, items=n)`,
+    # the modes "backward" and "items_int"), or by the mixin's `reduction="mean"` ("reduction": every mode passes
+    # mean losses, weighted by `count(batch)`, or `count(part)` in "microbatches"); the reference is the same sum
+    mean_by: str = "items"
     count: bool = False  # whether `count=` is given (always with "items")
     empty_batches: list[int] = dataclasses.field(default_factory=list)  # batch indices whose samples hold no item
     optimizer: str = "sgd"  # "sgd" | "momentum" | "adam"
@@ -217,7 +221,26 @@ def generate(rng: random.Random) -> Config:
         c = fabric_config(c, rng)
     if c.adapter == "callback" and not c.plain:  # (`microbatch_size` is the package callback's)
         _microbatches(c)
+    if c.adapter == "mixin":
+        _mean_by(c)
     return c
+
+
+def _mean_by(c: Config) -> None:
+    """The mixin's ``reduction="mean"`` (issue 35) for a token mean, in any mode, drawn from a generator of the
+    configuration's own (the other configurations' draws stay as they were)."""
+    rng = random.Random(f"mean_by/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if c.normalize != "items" or c.reduction != "mean" or rng.random() >= 0.6:
+        return
+    c.mean_by = "reduction"
+    if c.windows == "each":  # (a window per optimizer: one pass of each)
+        c.mode = "backward"
+        return
+    modes = ["backward", "each", "microbatches", "cached"] + (["heads"] if c.optimizers == 1 else [])
+    c.mode = rng.choice(modes)
+    if c.mode == "cached":
+        c.chunks = [rng.randint(1, 3), rng.randint(1, 5)]
+        _cached_options(c, random.Random(c.seed * 1009 + 32))
 
 
 def _contracts(rng: random.Random, c: Config, batches: int) -> None:
@@ -286,6 +309,7 @@ def fabric_config(c: Config, rng: random.Random) -> Config:
     what only it has: two backward passes per micro-batch, checkpoints saved again right after their
     load, and loops that give no `epoch=` (refused first where a schedule is keyed on epochs)."""
     c.adapter, c.mode, c.optimizers, c.shared, c.chunks = "fabric", "backward", 1, False, [2, 2]
+    c.mean_by = "items"  # (the mixin's)
     c.scheduler = c.decay = c.val_every = c.swa = None
     c.callbacks, c.monitor = [], "probe"
     c.interruptions = [i for i in c.interruptions if i[0] == "save"]

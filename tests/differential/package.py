@@ -147,6 +147,7 @@ class Manual(la.AccumulationMixin, _Base):
             schedule(c.schedule),
             normalize=c.normalize,  # type: ignore[arg-type]
             count=count_tokens if c.count else None,
+            reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
             reset=decay(c) or "zero",
             gradient_clip_val=None if c.clip is None else c.clip[0],
             gradient_clip_algorithm="norm" if c.clip is None else c.clip[1],
@@ -174,7 +175,13 @@ class Manual(la.AccumulationMixin, _Base):
         parts = [err[:, :2].sum(), err[:, 2:].sum()]
         if self.c.normalize == "mean":
             return [x / err.numel() for x in parts]
+        if self._by_reduction():  # each a part of the micro-batch's token mean (NaN without tokens)
+            return [x / batch["mask"].sum() for x in parts]
         return parts
+
+    def _by_reduction(self) -> bool:
+        """The mixin's ``reduction="mean"`` weighs the losses: each is a mean over the micro-batch's tokens."""
+        return self.c.normalize == "items" and self.c.reduction == "mean" and self.c.mean_by == "reduction"
 
     def encode(self, tokens: Tensor, attention_mask: Tensor | None = None, width: int = 0) -> dict[str, Tensor]:
         """A keyword-argument encoder returning an output object, as a transformers model does (a chunk whose
@@ -187,6 +194,8 @@ class Manual(la.AccumulationMixin, _Base):
     def _whole(self, batch: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         """The micro-batch's loss as `training_step` of the callback's model returns it (not `mean` over items)."""
         err = errors(self.net(batch["x"]) if out is None else out, batch)
+        if self._by_reduction():  # the part's own token mean, weighted by `count(part)`
+            return err.sum() / batch["mask"].sum()
         return err.sum() / err.numel() if self.c.normalize == "mean" else err.sum()
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -216,6 +225,8 @@ class Manual(la.AccumulationMixin, _Base):
             total, _, positions = micro_loss(self.net, batch)
             if c.normalize == "mean":
                 acc.backward(total / positions)
+            elif self._by_reduction():
+                acc.backward(total / n)
             elif mean_items:
                 acc.backward(total / n, items=int(n) if c.mode == "items_int" else n)
             else:
@@ -236,6 +247,8 @@ class Manual(la.AccumulationMixin, _Base):
                 err = errors(out[some], {"y": batch["y"][some], "mask": mask[some]})
                 if g is not None:
                     err = err * guide_weights(g)[some]
+                if self._by_reduction():  # (its rows' part of the batch's token mean)
+                    return err.sum() / mask.sum()
                 return err.sum() / (len(x) * out.shape[1]) if c.normalize == "mean" else err.sum()
 
             encoders: list[Any] = [partial(self.encode, width=2), partial(self.encode, width=1)]

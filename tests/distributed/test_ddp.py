@@ -158,27 +158,34 @@ def counting_explicit(flat: torch.Tensor, original: Any = collectives._all_reduc
 
 
 def run_ddp_mixin(
-    tmp_path: Path, schedule: Schedule, normalize: str, mode: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    schedule: Schedule,
+    normalize: str,
+    mode: str,
+    monkeypatch: pytest.MonkeyPatch,
+    reduction: str | None = None,
 ) -> list[dict[str, Any]]:
+    """``reduction``: what the loss is over a micro-batch's tokens (and the mixin's, with ``"items"``)."""
     monkeypatch.setattr(collectives, "_all_reduce_sum", counting_explicit)  # before the fork: the ranks inherit it
-    reduction = "sum" if normalize == "items" else "mean"
+    reduction = reduction or ("sum" if normalize == "items" else "mean")
     model = ManualTokenModel(mode=mode, reduction=reduction, schedule=schedule, normalize=normalize, count=count_tokens)
     return fit_ddp(tmp_path, model, find_unused_parameters=False)
 
 
 @pytest.mark.parametrize(
-    ("mode", "normalize"),
+    ("mode", "normalize", "reduction"),
     [
-        ("backward", "mean"),  # one pass per micro-batch
-        ("each", "items"),  # two passes, overlapping parameters
-        ("heads", "mean"),  # head passes reach the last layer only, then the trunk pass
+        ("backward", "mean", None),  # one pass per micro-batch
+        ("each", "items", None),  # two passes, overlapping parameters
+        ("heads", "mean", None),  # head passes reach the last layer only, then the trunk pass
+        ("heads", "items", "mean"),  # token means weighted by count(batch), the ranks' token counts differing
     ],
 )
 def test_ddp_mixin_one_allreduce_per_step(
-    tmp_path: Path, mode: str, normalize: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, mode: str, normalize: str, reduction: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     schedule = Piecewise({0: 3, 3: 2}, unit="step")
-    reports = run_ddp_mixin(tmp_path, schedule, normalize, mode, monkeypatch)
+    reports = run_ddp_mixin(tmp_path, schedule, normalize, mode, monkeypatch, reduction)
     expected, sizes = Reference(schedule, normalize=normalize).run([rank_batches(TokenData(64), 4, world=WORLD)] * 2)
     for report in reports:
         params = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
