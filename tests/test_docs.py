@@ -1,12 +1,22 @@
 """The README and the docs: every Python snippet parses and its ``lightning_accum`` imports
 resolve (a renamed or removed name fails here), every page is in the site's navigation, and
-every public name has a reference page. ``.ci/run`` also builds the site with warnings as errors."""
+every public name has a reference page. ``.ci/run`` also builds the site with warnings as errors.
+
+Every Python block of the docs pages runs as written, unless the line right before its fence is
+``<!-- fragment -->`` (a method body, a line of a larger program: invisible on the site). The blocks
+run in one subprocess, each with ``exec`` in a fresh namespace and a fresh temporary folder; a
+failing one is reported by its page and line (the README's blocks: ``test_readme.py``)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -14,14 +24,41 @@ import lightning_accum
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
-SNIPPETS = [
-    pytest.param(code, id=f"{page.relative_to(ROOT)}:{i}")
-    for page in PAGES
-    for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL))
-]
+FRAGMENT = "<!-- fragment -->"
+# (packages of the [test] extra some blocks import; a block that needs a missing one is skipped)
+OPTIONAL = {"transformers", "sentence_transformers", "deepspeed"}
 
 
-@pytest.mark.parametrize("code", SNIPPETS)
+class Block(NamedTuple):
+    page: Path
+    line: int  # the line of the block's first line of code in its page, from 1
+    code: str
+    fragment: bool
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def python_blocks(page: Path) -> list[Block]:
+    """The page's fenced ``python`` blocks, with where they start and whether they are marked fragments."""
+    lines = page.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if re.fullmatch(r"```python\s*", lines[i]):
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            fragment = i > 0 and lines[i - 1].strip() == FRAGMENT
+            blocks.append(Block(page, i + 2, "\n".join(lines[i + 1 : end]) + "\n", fragment))
+            i = end
+        i += 1
+    return blocks
+
+
+BLOCKS = [block for page in PAGES for block in python_blocks(page)]
+DOCS_BLOCKS = [b for b in BLOCKS if b.page.name != "README.md" and not b.fragment]
+
+
+@pytest.mark.parametrize("code", [pytest.param(b.code, id=b.where) for b in BLOCKS])
 def test_snippet_parses_and_its_imports_resolve(code: str) -> None:
     tree = ast.parse(code)
     for node in ast.walk(tree):
@@ -39,3 +76,81 @@ def test_every_page_is_in_the_navigation_and_every_public_name_in_the_reference(
     for name in lightning_accum.__all__:
         if name != "__version__":
             assert f"lightning_accum.{name}" in reference, f"{name} has no API reference entry"
+
+
+def test_fragment_marks_sit_right_before_a_python_fence() -> None:
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() == FRAGMENT:
+                assert i + 1 < len(lines) and lines[i + 1].startswith("```python"), (
+                    f"{page.relative_to(ROOT)}:{i + 1}: {FRAGMENT} must be the line right before a ```python fence"
+                )
+
+
+# Each block: exec'd in a fresh namespace (as a script: __name__ == "__main__"), from a fresh temporary
+# folder removed after it, with the seed reset; compiled under its page's path and padded with blank lines,
+# so that a traceback names the page and the line. The results go to a file (the blocks print).
+RUNNER = """
+import json, os, sys, tempfile, traceback
+import torch
+blocks, results = json.load(open(sys.argv[1])), {}
+for block in blocks:
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as where:
+        os.chdir(where)
+        try:
+            exec(compile("\\n" * (block["line"] - 1) + block["code"], block["path"], "exec"), {"__name__": "__main__"})
+            results[block["where"]] = None
+        except (Exception, SystemExit):
+            results[block["where"]] = traceback.format_exc()
+        finally:
+            os.chdir(sys.argv[3])
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def missing_packages(block: Block) -> list[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(block.code)):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+    return sorted(name for name in roots & OPTIONAL if importlib.util.find_spec(name) is None)
+
+
+@pytest.fixture(scope="module")
+def block_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """Runs the blocks the session selected (all of them, or those ``-k`` picked) in one subprocess."""
+    chosen = {
+        item.callspec.id
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_docs_block_runs" and hasattr(item, "callspec")
+    }
+    blocks = [
+        {"where": b.where, "path": str(b.page), "line": b.line, "code": b.code}
+        for b in DOCS_BLOCKS
+        if b.where in chosen and not missing_packages(b)
+    ]
+    folder = tmp_path_factory.mktemp("docs_blocks")
+    (folder / "blocks.json").write_text(json.dumps(blocks))
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(folder / "blocks.json"), str(folder / "results.json"), str(folder)],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results: dict[str, str | None] = json.loads((folder / "results.json").read_text())
+    return results
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.where) for b in DOCS_BLOCKS])
+def test_docs_block_runs(block: Block, block_results: dict[str, str | None]) -> None:
+    missing = missing_packages(block)
+    if missing:
+        pytest.skip(f"{block.where} needs {', '.join(missing)} (in the [test] extra)")
+    error = block_results[block.where]
+    if error is not None:
+        pytest.fail(f"the Python block at {block.where} failed (or mark it {FRAGMENT}):\n{error}", pytrace=False)

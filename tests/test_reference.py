@@ -92,3 +92,21 @@ def test_no_private_base_or_internal_constructor_is_shown(site: Path, page: str)
         for alias in ("Normalize", "Reduction", "Count", "LRScaling", "Reset", "SyncMode", "Unit", "Factor", "GetRep",
                       "MicrobatchSize"):
             assert re.search(rf"{alias} = \S", text), alias
+
+
+def test_signatures_and_attribute_tables_render_cleanly(site: Path) -> None:
+    for page in (DOCS / "reference").glob("*.md"):
+        html = (site / "reference" / page.stem / "index.html").read_text()
+        text = re.sub(r"<[^>]+>", "", html)
+        lambda_default = re.search(r"=\s*\(lambda", text)
+        assert not lambda_default, f"a default shown as a lambda on the {page.stem} page (name its factory)"
+        # (a Google-style entry ``a, b: ...`` is parsed as one attribute named "a,")
+        assert not re.search(r'title="lightning_accum\.[\w.]*,"', html), f"a name with a comma on the {page.stem} page"
+
+
+@pytest.mark.parametrize("module", [multitask])
+def test_a_module_with_all_renders_exactly_its_all(site: Path, module: Any) -> None:
+    page = next(p for p in (DOCS / "reference").glob("*.md") if f"::: {module.__name__}\n" in p.read_text())
+    html = (site / "reference" / page.stem / "index.html").read_text()
+    shown = set(re.findall(rf'id="{re.escape(module.__name__)}\.(\w+)"', html))
+    assert shown == set(module.__all__), f"rendered {sorted(shown)}, __all__ {sorted(module.__all__)}"

@@ -22,7 +22,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+__all__ = ["Backward", "GraphMemory", "backward_each", "backward_heads", "measure_graph_memory"]
+
 Backward = Callable[[Tensor], None]
+"""``backward(loss)``: what ``backward_each`` and ``backward_heads`` call on each (weighted) task loss,
+e.g. ``lambda loss: loss.backward()``; the mixin passes its own, which divides by the window's divisor
+and skips DDP's gradient sync inside a window."""
 
 
 def _weights(weights: Sequence[float] | None, n: int, what: str) -> list[float]:

@@ -30,6 +30,11 @@ from lightning_accum.schedules import Progress
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
+def empty() -> Mapping[str, Any]:
+    """An empty read-only mapping: ``WindowReport``'s default ``task_losses`` and ``lr``."""
+    return _EMPTY
+
+
 @dataclass(frozen=True)
 class WindowReport:
     """A window whose optimizer step has just been taken, as callbacks' ``on_window_end`` get it.
@@ -40,7 +45,9 @@ class WindowReport:
             shared by several optimizers counts once, where ``trainer.global_step`` counts each one's step).
         epoch: the epoch the step was taken in.
         k: micro-batches the schedule gave the window (an epoch's last window may hold fewer).
-        microbatches, samples, items: what went in, over all ranks.
+        microbatches: the micro-batches that went in, over all ranks.
+        samples: the samples that went in, over all ranks.
+        items: the items (``count``'s, e.g. tokens) that went in, over all ranks; the samples without ``count``.
         loss: the window's loss over all ranks, normalised as its gradient was (``None`` with ``log=False``).
         task_losses: each task's window loss, by ``"loss/<task>"`` (the mixin's ``backward_each``/``backward_heads``).
         grad_norm: the norm of the window's normalised gradient before clipping (``None`` where it is not
@@ -71,9 +78,9 @@ class WindowReport:
     items: int
     loss: float | None
     progress: Progress
-    task_losses: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+    task_losses: Mapping[str, float] = field(default_factory=empty)
     grad_norm: float | Tensor | None = None
-    lr: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    lr: Mapping[str, Any] = field(default_factory=empty)
     noise_scale: float | None = None
     optimizers: tuple[int, ...] = (0,)
     microbatch_size: int | None = None
