@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_accum.cached import backward_cached
+from lightning_accum._core.cached import backward_cached
 from lightning_accum.multitask import measure_graph_memory
 
 HERE = Path(__file__).resolve().parent

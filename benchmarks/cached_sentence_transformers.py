@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 from cached_memory import heap_peak
 from torch import Tensor, nn
 
-from lightning_accum import cached, collectives
+from lightning_accum._core import cached, collectives
 
 HERE = Path(__file__).resolve().parent
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(1000)]

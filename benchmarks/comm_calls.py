@@ -30,7 +30,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accum import AccumulationMixin, AccumulationScheduler, collectives, sync
+from lightning_accum import AccumulationMixin, AccumulationScheduler
+from lightning_accum._core import collectives, sync
 
 K, MICROBATCHES, BATCH = 4, 16, 8
 GRADIENT_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.pieces import Pieces
+from lightning_accum._trainer.pieces import Pieces
 
 BATCH, K = 64, 4
 

@@ -23,9 +23,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler, Constant, NoiseScale, Schedule
-from lightning_accum.gradients import squared_norm
-from lightning_accum.probe import NoiseProbe, measured
-from lightning_accum.window import Window
+from lightning_accum._core.gradients import squared_norm
+from lightning_accum._core.probe import NoiseProbe, measured
+from lightning_accum._core.window import Window
 
 
 class MLP(pl.LightningModule):

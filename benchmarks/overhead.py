@@ -9,7 +9,7 @@ Only the training loop is timed (setup excluded). Lightning's ``self.log``
 has a per-batch cost for every logged key, hence the two callback rows; and Lightning's
 dispatch of callback hooks has a cost of its own, measured by the empty-callback row.
 With no logger, no progress bar and no monitor nobody reads the window numbers, and ``log=True`` computes
-none of them (``lightning_accum.reporting.Readers``); the ``monitor`` rows add a callback monitoring
+none of them (``lightning_accum._trainer.reporting.Readers``); the ``monitor`` rows add a callback monitoring
 ``accum/loss`` (as ``EarlyStopping`` or ``ModelCheckpoint`` does, or the progress bar reads), so that every
 window's loss is read and published, as in most training runs.
 

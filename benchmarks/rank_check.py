@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_accum import Lambda, collectives
+from lightning_accum import Lambda
+from lightning_accum._core import collectives
 
 
 class GlooStrategy:

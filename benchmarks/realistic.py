@@ -146,7 +146,7 @@ class Windows(pl.Callback):
     the other callbacks' hooks: it comes last, so that a window holds the step before it, its micro-batches and
     its close); and the optimizer steps the fit took. It has no ``on_train_batch_start`` or
     ``on_train_batch_end`` of its own: such a callback is taken to read ``callback_metrics`` after any batch
-    (``lightning_accum.reporting.Readers``) and would be handed every number every window, which no
+    (``lightning_accum._trainer.reporting.Readers``) and would be handed every number every window, which no
     baseline pays for."""
 
     def on_train_start(self, *args: Any) -> None:

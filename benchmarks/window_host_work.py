@@ -2,7 +2,7 @@
 
 One short fit of a tiny MLP (16-32-1, batches of 8, k = 4, one CPU thread, no logger, no progress bar)
 runs as ``overhead.py``'s does, with one of these readers of the windows' numbers
-(``lightning_accum.reporting.Readers``: the callback computes only what someone reads):
+(``lightning_accum._trainer.reporting.Readers``: the callback computes only what someone reads):
 
 * ``every number``: a user's callback with its own ``on_train_batch_end``, taken to read
   ``callback_metrics`` after any batch: the loss and the gradient's norm measured, read and published every
@@ -20,7 +20,7 @@ micro-batches replayed through the callback's own hooks before each timed call):
 * ``close``: the window's close as the callback makes it (``WindowEngine.close`` with the window's
   gradients: the counts, the losses and the gradient norm in its one host read);
 * ``grad_norm``: within ``close`` where the norm is read, the gradient's norm (``gradients.norms``, not read);
-* ``report``: building the ``WindowReport`` (``lightning_accum.reporting.report``);
+* ``report``: building the ``WindowReport`` (``lightning_accum._trainer.reporting.report``);
 * ``publish``: putting it in ``trainer.callback_metrics`` and the progress bar
   (``reporting.Reported.publish``; the loggers are written every ``log_every_n_steps`` steps, not here);
 * ``window_end``: the whole of ``on_before_optimizer_step`` and the window's last ``on_train_batch_end``:
@@ -64,7 +64,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_accum
-from lightning_accum import AccumulationScheduler, gradients, reporting
+from lightning_accum import AccumulationScheduler
+from lightning_accum._core import gradients
+from lightning_accum._trainer import reporting
 
 K = 4
 AT = 4 * K - 1  # the window end measured at: the fourth window's last batch (the fit has six windows)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_accum import AccumulationScheduler, Constant, NoiseScale, Piecewise, Ramp
+from lightning_accum._core.options import AccumulationConfig
 from lightning_accum.lr import WarmupCosine
-from lightning_accum.options import AccumulationConfig
 
 from helpers import ManualTokenModel, TokenData, count_tokens, loader, token_losses, trainer
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_accum import AccumulationMixin, Piecewise, Schedule
-from lightning_accum.cached import backward_cached
+from lightning_accum._core.cached import backward_cached
 from lightning_accum.multitask import measure_graph_memory
 
 from helpers import trainer
@@ -48,7 +48,7 @@ def data(n: int, seed: int = 1) -> tuple[Tensor, Tensor]:
 
 def chunked(encoder: Callable[[Any], Any], x: Any, size: int) -> Any:
     """The reference forward: the encoder on the same chunks in the same order, with a graph."""
-    from lightning_accum.microbatch import split
+    from lightning_accum._core.microbatch import split
 
     outs = [encoder(**part) if isinstance(part, dict) else encoder(part) for part in split(x, size)]
     if isinstance(outs[0], tuple):
@@ -612,7 +612,7 @@ def test_an_encoder_taking_the_dict_whole_gets_it_and_non_tensors_pass_through()
         return net(features["x"]) * features["w"][:, None]
 
     torch.manual_seed(1)
-    from lightning_accum.microbatch import split
+    from lightning_accum._core.microbatch import split
 
     ref = [torch.cat([reference(p) for p in split({"x": x["x"], "w": x["w"]}, 4)]) for x in inputs]
     info_nce_rows(*ref).backward()
@@ -703,7 +703,7 @@ def passages_twice(one_pass: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def test_token_budget_with_a_row_cap_and_a_long_sample_alone() -> None:
-    from lightning_accum.cached import plan
+    from lightning_accum._core.cached import plan
 
     passages = padded([9, 1, 1, 1, 1, 2], 10, seed=0)
     towers = plan([bert()], [passages], info_nce_rows, 3, chunk_tokens=4)

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_accum import Constant, Lambda, Piecewise, Progress, sync
-from lightning_accum.engine import WindowEngine, window_id
-from lightning_accum.window import lightning_divisor
+from lightning_accum import Constant, Lambda, Piecewise, Progress
+from lightning_accum._core import sync
+from lightning_accum._core.engine import WindowEngine, window_id
+from lightning_accum._core.window import lightning_divisor
 
-ENGINE = Path(__file__).parents[1] / "src" / "lightning_accum" / "engine.py"
+ENGINE = Path(__file__).parents[1] / "src" / "lightning_accum" / "_core" / "engine.py"
 
 
 class FakeStrategy:

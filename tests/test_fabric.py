@@ -14,7 +14,8 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from lightning_accum import Constant, Piecewise, Ramp, Schedule, collectives
+from lightning_accum import Constant, Piecewise, Ramp, Schedule
+from lightning_accum._core import collectives
 from lightning_accum.fabric import FabricAccumulator
 
 from helpers import (

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_accum import AccumulationScheduler, Piecewise
+from lightning_accum._core.window import lightning_divisor
 from lightning_accum._seam import (
     DROPPED_SCHEDULER_KEYS,
     SCHEDULER_KEYS,
@@ -39,7 +40,6 @@ from lightning_accum._seam import (
     zero_grad_like_lightning,
     zeroes_after_training_step,
 )
-from lightning_accum.window import lightning_divisor
 
 from helpers import ManualTokenModel, TokenData, TokenModel, loader, trainer
 

@@ -204,8 +204,8 @@ def test_bad_multiplier_is_named() -> None:
 def test_adascale_gain_closed_form_through_the_engine() -> None:
     """Known |G|^2 and tr(Sigma) fed to the engine's estimator: each step's gain, LR factor and
     Progress.scaled_steps equal the closed form."""
-    from lightning_accum.engine import WindowEngine
-    from lightning_accum.probe import NoiseProbe
+    from lightning_accum._core.engine import WindowEngine
+    from lightning_accum._core.probe import NoiseProbe
 
     engine = WindowEngine(Piecewise({0: 2, 1: 4, 2: 8}, unit="step"), lr_scaling="adascale")
     assert isinstance(engine.probe, NoiseProbe)
@@ -280,8 +280,9 @@ def test_adascale_same_in_the_mixin_and_keyed_schedules() -> None:
 
 
 def test_adascale_is_refused_where_the_noise_cannot_be_measured() -> None:
-    from lightning_accum import Constant, sync
-    from lightning_accum.probe import check_noise_under
+    from lightning_accum import Constant
+    from lightning_accum._core import sync
+    from lightning_accum._core.probe import check_noise_under
 
     with pytest.raises(RuntimeError, match="`lr_scaling='adascale'` cannot measure the gradient noise under FSDP2"):
         check_noise_under(sync.SyncPlan("fsdp2", skip=True), Constant(2), "adascale")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_accum import Piecewise
-from lightning_accum.microbatch import OOM_ERRORS, batch_length, is_oom, split
+from lightning_accum._core.microbatch import OOM_ERRORS, batch_length, is_oom, split
 
 from helpers import (
     ManualTokenModel,

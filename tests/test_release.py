@@ -42,3 +42,16 @@ def test_public_api_is_exported_and_typed() -> None:
     assert (ROOT / "src" / "lightning_accum" / "py.typed").exists()
     for name in lightning_accum.__all__:
         assert hasattr(lightning_accum, name)
+
+
+def test_help_shows_the_public_modules_only() -> None:
+    """``help(lightning_accum)`` lists the package's modules: the public ones are the API; every internal
+    module lives under a private package (``_core``, ``_trainer``, ``_fabric``) or has a leading underscore."""
+    import pkgutil
+
+    modules = {m.name for m in pkgutil.iter_modules(lightning_accum.__path__)}
+    public = {name for name in modules if not name.startswith("_")}
+    assert public == {"callbacks", "count", "fabric", "lr", "mixin", "multitask", "noise", "schedules", "types"}
+    assert {name for name in modules if name.startswith("_")} == {"_core", "_fabric", "_lightning", "_seam", "_trainer"}
+    shown = [name for name in dir(lightning_accum) if not name.startswith("_")]
+    assert set(shown) <= set(lightning_accum.__all__) | public, set(shown) - set(lightning_accum.__all__) - public

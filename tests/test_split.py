@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch import Tensor
 
 from lightning_accum import AccumulationScheduler, Constant, GradientDecay, Piecewise, WindowReport
-from lightning_accum.pieces import Pieces
+from lightning_accum._trainer.pieces import Pieces
 
 from helpers import (
     Float32TokenModel,
@@ -628,7 +628,8 @@ class _Strategy:
     ],
 )
 def test_strategies_refused_at_fit_start(family: str, size: Any, match: str) -> None:
-    from lightning_accum import fit_checks, sync
+    from lightning_accum._core import sync
+    from lightning_accum._trainer import fit_checks
 
     strategy = _Strategy(world_size=2, _ddp_comm_hook=print)
     trainer_ = _Strategy(strategy=strategy)
@@ -638,7 +639,8 @@ def test_strategies_refused_at_fit_start(family: str, size: Any, match: str) -> 
 
 
 def test_sync_batchnorm_with_auto_on_several_ranks_is_refused() -> None:
-    from lightning_accum import fit_checks, sync
+    from lightning_accum._core import sync
+    from lightning_accum._trainer import fit_checks
 
     model = TokenModel()
     model.norm = torch.nn.SyncBatchNorm(3)

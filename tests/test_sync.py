@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from lightning_accum import AccumulationScheduler, NoiseScale, Piecewise, sync
-from lightning_accum.window import Window
+from lightning_accum import AccumulationScheduler, NoiseScale, Piecewise
+from lightning_accum._core import sync
+from lightning_accum._core.window import Window
 
 from helpers import ManualTokenModel, Reference, TokenData, TokenModel, loader, max_diff, params_of, trainer
 

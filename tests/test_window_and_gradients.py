@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_accum import gradients
-from lightning_accum.window import Window
+from lightning_accum._core import gradients
+from lightning_accum._core.window import Window
 
 
 @given(

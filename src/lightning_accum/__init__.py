@@ -8,12 +8,12 @@ Example:
 """
 
 from lightning_accum import lr
+from lightning_accum._trainer.reporting import WindowReport
+from lightning_accum._trainer.steps import estimated_stepping_batches
 from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
 from lightning_accum.mixin import AccumulationMixin, Accumulator
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
-from lightning_accum.reporting import WindowReport
 from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
-from lightning_accum.steps import estimated_stepping_batches
 
 __version__ = "0.2.0.dev0"
 

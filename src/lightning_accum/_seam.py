@@ -4,7 +4,7 @@ Lightning 2.x (read off 2.6) steps the optimizer after the batch where
 ``(batch_idx + 1) % trainer.accumulate_grad_batches == 0`` (or the epoch's last batch), zeroes
 gradients before the backward of the batch where ``batch_idx % trainer.accumulate_grad_batches
 == 0`` and divides every loss by ``trainer.accumulate_grad_batches``. Setting that attribute
-at a window's first batch, to ``lightning_accum.window.lightning_divisor``, makes the loop
+at a window's first batch, to ``lightning_accum._core.window.lightning_divisor``, makes the loop
 close the window exactly where the schedule says. It also reads the loop's batch progress
 (which part of a batch had run when an exception came), calls the loop's zero-grad path and
 writes the metrics its logger connector keeps (progress bar, callbacks', logged). Around the

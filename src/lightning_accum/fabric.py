@@ -26,15 +26,11 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_accum import gradients
-from lightning_accum._lightning import rank_zero_warn
-from lightning_accum.checkpoint import PartialWindow, check_world
-from lightning_accum.engine import WindowEngine
-from lightning_accum.fabric_guards import WindowGuard, check_same_owner, check_set_up, sync_plan
-from lightning_accum.lr import LRMultiplier
-from lightning_accum.metrics import weighted
-from lightning_accum.multitask import check_loss
-from lightning_accum.options import (
+from lightning_accum._core import gradients
+from lightning_accum._core.checkpoint import PartialWindow, check_world
+from lightning_accum._core.engine import WindowEngine
+from lightning_accum._core.metrics import weighted
+from lightning_accum._core.options import (
     Count,
     LRScaling,
     Reduction,
@@ -43,12 +39,16 @@ from lightning_accum.options import (
     check_common,
     check_flag,
 )
-from lightning_accum.probe import check_noise_under
-from lightning_accum.reporting import WindowReport, metric_values, report
-from lightning_accum.samples import sample_count
+from lightning_accum._core.probe import check_noise_under
+from lightning_accum._core.samples import sample_count
+from lightning_accum._core.sync import SyncMode
+from lightning_accum._core.window import Normalize, check_count, microbatch_items, pass_items
+from lightning_accum._fabric.guards import WindowGuard, check_same_owner, check_set_up, sync_plan
+from lightning_accum._lightning import rank_zero_warn
+from lightning_accum._trainer.reporting import WindowReport, metric_values, report
+from lightning_accum.lr import LRMultiplier
+from lightning_accum.multitask import check_loss
 from lightning_accum.schedules import Progress, Schedule
-from lightning_accum.sync import SyncMode
-from lightning_accum.window import Normalize, check_count, microbatch_items, pass_items
 
 
 class _Ranks:

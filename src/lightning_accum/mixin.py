@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_accum import microbatch
+from lightning_accum._core import microbatch
+from lightning_accum._core.options import AccumulationConfig, Reduction, Reset
+from lightning_accum._core.sync import SyncMode
+from lightning_accum._core.window import Normalize
 from lightning_accum._lightning import Callback, pl
-from lightning_accum.accumulator import Accumulator
-from lightning_accum.driver import MixinDriver
+from lightning_accum._trainer.accumulator import Accumulator
+from lightning_accum._trainer.driver import MixinDriver
 from lightning_accum.lr import LRMultiplier
-from lightning_accum.options import AccumulationConfig, Reduction, Reset
 from lightning_accum.schedules import Progress, Schedule, as_schedule
-from lightning_accum.sync import SyncMode
-from lightning_accum.window import Normalize
 
 if TYPE_CHECKING:  # the mixin is only ever used in front of a LightningModule
     _ModuleBase = pl.LightningModule

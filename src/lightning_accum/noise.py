@@ -6,7 +6,7 @@ gradient covariance. The squared norm of a gradient averaged over ``B`` samples 
 expectation ``|G|^2 + tr(Sigma)/B``, so gradients at several batch sizes
 give unbiased estimates of both by linear regression.
 
-A window offers one measurement per micro-batch for free (``lightning_accum.probe``);
+A window offers one measurement per micro-batch for free (``lightning_accum._core.probe``);
 ``fit_prefixes`` fits them, and windows are averaged before dividing, so that the ratio's
 bias (second order in its denominator's relative error) stays negligible.
 """

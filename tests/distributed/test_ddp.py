@@ -18,7 +18,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule, collectives
+from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule
+from lightning_accum._core import collectives
 
 from helpers import (
     KRecorder,

@@ -15,7 +15,8 @@ import pytest
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_accum import AccumulationScheduler, Lambda, collectives
+from lightning_accum import AccumulationScheduler, Lambda
+from lightning_accum._core import collectives
 
 from helpers import ManualTokenModel, TokenData, TokenModel, loader, trainer
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from test_ddp import WORLD, counting_explicit, fit_ddp
 
-from lightning_accum import AccumulationScheduler, Piecewise, collectives
+from lightning_accum import AccumulationScheduler, Piecewise
+from lightning_accum._core import collectives
 
 from helpers import Reference, TokenData, TokenModel, count_tokens, max_diff, rank_batches
 

@@ -11,15 +11,12 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_accum import _seam, fit_checks, gradients, recovery, reporting, steps, sync
-from lightning_accum._lightning import Callback, grad_scaler, loss_scale, pl, rank_zero_warn
-from lightning_accum._seam import set_divisor, zero_grad_like_lightning
-from lightning_accum.callbacks.decay import GradientDecay
-from lightning_accum.checkpoint import PartialWindow
-from lightning_accum.engine import WindowEngine
-from lightning_accum.lr import LRMultiplier
-from lightning_accum.metrics import weigh
-from lightning_accum.options import (
+from lightning_accum import _seam
+from lightning_accum._core import gradients, sync
+from lightning_accum._core.checkpoint import PartialWindow
+from lightning_accum._core.engine import WindowEngine
+from lightning_accum._core.metrics import weigh
+from lightning_accum._core.options import (
     Count,
     LRScaling,
     MicrobatchSize,
@@ -29,12 +26,17 @@ from lightning_accum.options import (
     check_flag,
     check_microbatch_size,
 )
-from lightning_accum.pieces import Fit, Pieces
-from lightning_accum.probe import check_noise_under
-from lightning_accum.samples import sample_count
+from lightning_accum._core.probe import check_noise_under
+from lightning_accum._core.samples import sample_count
+from lightning_accum._core.sync import SyncMode, SyncPlan
+from lightning_accum._core.window import Normalize, lightning_divisor
+from lightning_accum._lightning import Callback, grad_scaler, loss_scale, pl, rank_zero_warn
+from lightning_accum._seam import set_divisor, zero_grad_like_lightning
+from lightning_accum._trainer import fit_checks, recovery, reporting, steps
+from lightning_accum._trainer.pieces import Fit, Pieces
+from lightning_accum.callbacks.decay import GradientDecay
+from lightning_accum.lr import LRMultiplier
 from lightning_accum.schedules import Progress, Schedule
-from lightning_accum.sync import SyncMode, SyncPlan
-from lightning_accum.window import Normalize, lightning_divisor
 
 
 class AccumulationScheduler(Callback):

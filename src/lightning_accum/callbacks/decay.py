@@ -7,9 +7,10 @@ from typing import Any
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum import _seam, sync
+from lightning_accum import _seam
+from lightning_accum._core import sync
+from lightning_accum._core.decay import ResidualDecay
 from lightning_accum._lightning import Callback, pl
-from lightning_accum.decay import ResidualDecay
 
 
 class GradientDecay(Callback, ResidualDecay):

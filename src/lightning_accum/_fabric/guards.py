@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from lightning_accum.sync import SyncMode, SyncPlan, fsdp2_modules, plan_for, refuse_unsharded
+from lightning_accum._core.sync import SyncMode, SyncPlan, fsdp2_modules, plan_for, refuse_unsharded
 
 
 def _classes(obj: Any) -> set[str]:

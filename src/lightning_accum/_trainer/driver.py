@@ -17,16 +17,18 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accum import _seam, recovery, schedulers, steps, sync, window_step
+from lightning_accum import _seam
+from lightning_accum._core import sync
+from lightning_accum._core.checkpoint import PartialWindow
+from lightning_accum._core.microbatch import AutoSize
+from lightning_accum._core.options import AccumulationConfig
+from lightning_accum._core.probe import check_noise_under
+from lightning_accum._core.samples import sample_count
 from lightning_accum._lightning import Callback, loss_scale, pl
-from lightning_accum.block import Block
-from lightning_accum.checkpoint import PartialWindow
-from lightning_accum.guards import MixinGuards
-from lightning_accum.microbatch import AutoSize
-from lightning_accum.options import AccumulationConfig
-from lightning_accum.probe import check_noise_under
-from lightning_accum.samples import sample_count
-from lightning_accum.windows import GroupKey, MixinWindows
+from lightning_accum._trainer import recovery, schedulers, steps, window_step
+from lightning_accum._trainer.block import Block
+from lightning_accum._trainer.guards import MixinGuards
+from lightning_accum._trainer.windows import GroupKey, MixinWindows
 
 
 class MixinDriver(Callback):

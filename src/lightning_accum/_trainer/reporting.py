@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_accum import _seam
-from lightning_accum.engine import Closing, WindowEngine
+from lightning_accum._core.engine import Closing, WindowEngine
 from lightning_accum.schedules import Progress
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum import gradients, microbatch, sync
-from lightning_accum.metrics import weigh
-from lightning_accum.options import Count, MicrobatchSize
+from lightning_accum._core import gradients, microbatch, sync
+from lightning_accum._core.metrics import weigh
+from lightning_accum._core.options import Count, MicrobatchSize
 
 Grads = list[Tensor | None]
 

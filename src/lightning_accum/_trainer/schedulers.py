@@ -226,7 +226,7 @@ class MixinSchedulers:
                             f"`{type(scheduler).__name__}` monitors {keys.monitor!r}, which is not in "
                             f"`trainer.callback_metrics` where it is stepped ({when}, as in Lightning's automatic "
                             f"loop); logged: {sorted(trainer.callback_metrics)}. Log it with `self.log(...)` before "
-                            "then, give one of these as the scheduler config's `monitor`, or `\"strict\": False` to "
+                            'then, give one of these as the scheduler config\'s `monitor`, or `"strict": False` to '
                             "skip the step while it is missing."
                         )
                     rank_zero_warn(

@@ -2,7 +2,7 @@
 
 A window opens with the ``k`` its schedule gave and counts, on this rank, the micro-batches
 that were back-propagated, their samples and their items (tokens, ...). At its end the counts
-are summed over ranks (``lightning_accum.sync``) and ``Window.gradient_scale`` gives
+are summed over ranks (``lightning_accum._core.sync``) and ``Window.gradient_scale`` gives
 the factor that turns the accumulated gradient into the window's mean.
 """
 

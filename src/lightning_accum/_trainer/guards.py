@@ -121,8 +121,13 @@ class MixinGuards:
                 "(or `acc.backward_each` / `acc.backward_heads`)."
             )
 
-    def block_opened(self, key: tuple[int, ...], own: Callable[[], Sequence[Tensor]], every: Sequence[Tensor],
-                     names: Callable[[], Mapping[int, str]]) -> None:
+    def block_opened(
+        self,
+        key: tuple[int, ...],
+        own: Callable[[], Sequence[Tensor]],
+        every: Sequence[Tensor],
+        names: Callable[[], Mapping[int, str]],
+    ) -> None:
         """An ``accumulate`` block of window group ``key`` opens: for a window of some of the optimizers (``own``:
         their parameters; ``every``: all the optimizers' parameters, empty where not watched), its backward passes
         must reach no other optimizer's parameter (``names``: id -> name), whose window would take the gradient."""

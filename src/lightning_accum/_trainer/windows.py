@@ -9,9 +9,10 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_accum import _seam, gradients, sync
-from lightning_accum.engine import WindowEngine, samples_needed_by
-from lightning_accum.options import AccumulationConfig
+from lightning_accum import _seam
+from lightning_accum._core import gradients, sync
+from lightning_accum._core.engine import WindowEngine, samples_needed_by
+from lightning_accum._core.options import AccumulationConfig
 from lightning_accum.schedules import as_schedule
 
 GroupKey = tuple[int, ...]

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_accum import gradients
+from lightning_accum._core import gradients
 
 Factor = float | Callable[[int], float]
 """``GradientDecay``'s factor: a number in [0, 1), or ``factor(step) -> float`` for a factor that changes

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_accum.gradients import no_items, squared_norm
+from lightning_accum._core.gradients import no_items, squared_norm
 
 
 def weigh(loss: Tensor, items: float | Tensor) -> Tensor:

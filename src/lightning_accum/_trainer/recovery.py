@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 from lightning_accum import _seam
-from lightning_accum.engine import WindowEngine
+from lightning_accum._core.engine import WindowEngine
 
 
 def where(trainer: Any, exception: BaseException) -> tuple[bool, bool]:

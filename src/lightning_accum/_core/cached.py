@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_accum import microbatch
+from lightning_accum._core import microbatch
 
 Reps = Tensor | tuple[Tensor, ...]
 """What an encoder (or ``get_rep``) gives for a chunk: one tensor, or a tuple, each with a row per sample."""

@@ -16,14 +16,15 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum import collectives, gradients, reporting
+from lightning_accum._core import collectives, gradients
+from lightning_accum._core.engine import WindowEngine
+from lightning_accum._core.microbatch import AutoSize
+from lightning_accum._core.options import AccumulationConfig
+from lightning_accum._core.sync import SyncPlan
 from lightning_accum._lightning import loss_scale
-from lightning_accum.engine import WindowEngine
-from lightning_accum.guards import MixinGuards
-from lightning_accum.microbatch import AutoSize
-from lightning_accum.options import AccumulationConfig
-from lightning_accum.schedulers import MixinSchedulers
-from lightning_accum.sync import SyncPlan
+from lightning_accum._trainer import reporting
+from lightning_accum._trainer.guards import MixinGuards
+from lightning_accum._trainer.schedulers import MixinSchedulers
 
 
 class WindowStep:

@@ -23,7 +23,7 @@ gradient collective; ``skip_sync`` picks it from a ``SyncPlan``:
 * Single device: nothing to skip.
 
 The collectives that make gradients and counts global at a window's end are in
-``lightning_accum.collectives``.
+``lightning_accum._core.collectives``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
+from lightning_accum._core.collectives import world_size
 from lightning_accum._lightning import rank_zero_warn
-from lightning_accum.collectives import world_size
 
 Family = Literal["single", "ddp", "fsdp", "fsdp2", "deepspeed"]
 SyncMode = Literal["auto", "skip", "every"]

@@ -13,11 +13,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_accum import cached, collectives, gradients, microbatch, multitask
-from lightning_accum.block import Block
-from lightning_accum.metrics import weigh, weighted
-from lightning_accum.microbatch import AutoSize
-from lightning_accum.options import check_flag
+from lightning_accum import multitask
+from lightning_accum._core import cached, collectives, gradients, microbatch
+from lightning_accum._core.metrics import weigh, weighted
+from lightning_accum._core.microbatch import AutoSize
+from lightning_accum._core.options import check_flag
+from lightning_accum._trainer.block import Block
 
 
 class Accumulator:

@@ -7,7 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_accum import _seam, collectives, sync
+from lightning_accum import _seam
+from lightning_accum._core import collectives, sync
 from lightning_accum._lightning import gradient_accumulation_schedulers
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum import collectives, sync
-from lightning_accum.gradients import squared_norm
+from lightning_accum._core import collectives, sync
+from lightning_accum._core.gradients import squared_norm
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator, PrefixChain
 from lightning_accum.schedules import Schedule
 

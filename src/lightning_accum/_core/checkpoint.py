@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_accum import collectives, gradients
+from lightning_accum._core import collectives, gradients
 
 Partial = list[Tensor | None]
 

@@ -9,11 +9,12 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_accum import gradients, multitask, sync
-from lightning_accum.engine import WindowEngine
-from lightning_accum.guards import MixinGuards
-from lightning_accum.window import Window, check_count, microbatch_items, pass_items
-from lightning_accum.windows import GroupKey, MixinWindows
+from lightning_accum import multitask
+from lightning_accum._core import gradients, sync
+from lightning_accum._core.engine import WindowEngine
+from lightning_accum._core.window import Window, check_count, microbatch_items, pass_items
+from lightning_accum._trainer.guards import MixinGuards
+from lightning_accum._trainer.windows import GroupKey, MixinWindows
 
 
 class Block:

@@ -19,14 +19,14 @@ from typing import Any, NamedTuple
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum import collectives, sync
-from lightning_accum.gradients import norms, squared_norm
+from lightning_accum._core import collectives, sync
+from lightning_accum._core.gradients import norms, squared_norm
+from lightning_accum._core.metrics import WindowMetrics
+from lightning_accum._core.probe import NoiseProbe, measured
+from lightning_accum._core.window import Window, lr_factor
 from lightning_accum.lr import LRMultiplier, adascale_gain, check_multiplier
-from lightning_accum.metrics import WindowMetrics
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
-from lightning_accum.probe import NoiseProbe, measured
 from lightning_accum.schedules import Progress, Schedule
-from lightning_accum.window import Window, lr_factor
 
 
 class Closing(NamedTuple):
@@ -338,7 +338,7 @@ class WindowEngine:
     def settle(
         self, batch: tuple[int, int], *, processed: bool, in_backward: bool, open_pass: bool, rescaled: bool
     ) -> str | None:
-        """After an exception: the state a checkpoint written now must hold (``lightning_accum.recovery``).
+        """After an exception: the state a checkpoint written now must hold (``lightning_accum._trainer.recovery``).
         ``batch``: (epoch, index) of the batch under way; ``processed``: Lightning will not train it again;
         ``open_pass``: a backward pass ran in a block that did not finish (the mixin); ``rescaled``: a closing
         window's gradient was changed in place for its step. Returns what a checkpoint written now loses,

@@ -10,12 +10,12 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from lightning_accum.decay import ResidualDecay
+from lightning_accum._core.decay import ResidualDecay
+from lightning_accum._core.sync import SyncMode, check_sync_mode
+from lightning_accum._core.window import NORMALIZE
+from lightning_accum._trainer.schedulers import check_mode
 from lightning_accum.lr import LRMultiplier, LRSchedule, check_multiplier
-from lightning_accum.schedulers import check_mode
 from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
-from lightning_accum.sync import SyncMode, check_sync_mode
-from lightning_accum.window import NORMALIZE
 
 LRScaling = Literal["linear", "sqrt", "adascale"]
 """How the learning rate follows k: ``"linear"`` (k / first k), ``"sqrt"``, or ``"adascale"`` (AdaScale's
