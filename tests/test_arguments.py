@@ -88,7 +88,7 @@ def _encode(model: Any) -> Callable[[Any], torch.Tensor]:
         (lambda m, acc, b: acc.backward_cached([lambda x, **_: m.net(x).sum()], [b], lambda r: r.sum(), chunk_size=2),
          ValueError, r"returned a 0-d tensor; it must return one row per sample"),
         (lambda m, acc, b: acc.backward(_loss(m, b), items=3), ValueError,
-         r"`acc.backward\(loss, items=n\)` weights a mean loss .* needs `normalize='items'`"),
+         r"`acc.backward\(loss, items=n\)` weights the loss .* needs `normalize='items'`"),
     ],
 )  # fmt: skip
 def test_mixin_arguments_are_named_with_the_fix(what: Any, error: type, match: str) -> None:

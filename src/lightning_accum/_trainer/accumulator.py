@@ -45,6 +45,17 @@ class Accumulator:
         """The block exited: no more passes into this micro-batch (called by the mixin)."""
         self._open = False
 
+    def _check_declared(self, items: Any, call: str) -> None:
+        """Refuse ``items=`` where it weighs nothing (``normalize="mean"``) or is no count."""
+        if items is None:
+            return
+        if self._block.windows.config.normalize != "items":
+            raise ValueError(
+                f"`{call}` weights the loss by its item count, which needs `normalize='items'`; with "
+                "`normalize='mean'` every micro-batch counts once: leave `items` out."
+            )
+        _check_items(items)
+
     def _check_open(self, auto: bool = False) -> None:
         """The block is open, and its passes do not mix ``backward_microbatches(size="auto")`` with other
         passes in one window: after an out-of-memory error only the former can be redone."""
@@ -85,13 +96,7 @@ class Accumulator:
         """
         self._check_open()
         loss = multitask.check_loss(loss, "the loss passed to `acc.backward`")
-        if items is not None:
-            if self._block.windows.config.normalize != "items":
-                raise ValueError(
-                    "`acc.backward(loss, items=n)` weights a mean loss by its item count, which needs "
-                    "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
-                )
-            _check_items(items)
+        self._check_declared(items, "acc.backward(loss, items=n)")
         self._weighted(loss, self._block.weight(items))
 
     def _weighted(self, loss: Tensor, items: int | Tensor | None) -> None:
@@ -261,13 +266,7 @@ class Accumulator:
         """
         self._check_open()
         check_flag("gather", gather)
-        if items is not None:
-            if self._block.windows.config.normalize != "items":
-                raise ValueError(
-                    "`acc.backward_cached(..., items=n)` weights the loss by its item count, which needs "
-                    "`normalize='items'`; with `normalize='mean'` every micro-batch counts once: leave `items` out."
-                )
-            _check_items(items)
+        self._check_declared(items, "acc.backward_cached(..., items=n)")
         towers = cached.plan(
             encoders, inputs, loss_fn, chunk_size, get_rep=get_rep, chunk_tokens=chunk_tokens, no_grad=no_grad,
             loss_chunk_size=loss_chunk_size,
