@@ -46,11 +46,13 @@ def fit(tmp_path: Path, stage: int, callbacks: list[Any]) -> FileReport:
     return report
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+PIECEWISE, RAMP = Piecewise({0: 3, 4: 2}, unit="step"), Ramp(1, 4, over=60, unit="samples")
+
+
 @pytest.mark.parametrize(
-    "schedule",
-    [Piecewise({0: 3, 4: 2}, unit="step"), Ramp(1, 4, over=60, unit="samples")],
-    ids=["step-piecewise", "samples-ramp"],
+    ("stage", "schedule"),
+    [(0, PIECEWISE), (1, RAMP), (2, PIECEWISE), (3, RAMP)],  # every stage, each schedule on two (a fit is ~10 s)
+    ids=["0-step-piecewise", "1-samples-ramp", "2-step-piecewise", "3-samples-ramp"],
 )
 def test_matches_reference(tmp_path: Path, stage: int, schedule: Schedule) -> None:
     report = fit(tmp_path, stage, [AccumulationScheduler(schedule)])
