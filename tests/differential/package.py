@@ -141,8 +141,8 @@ class Manual(la.AccumulationMixin, _Base):
     def __init__(self, c: Config, data: Data) -> None:
         super().__init__(c, data)
         self.guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
-        if c.guide == "frozen":
-            self.guide.requires_grad_(False)  # type: ignore[union-attr]
+        if c.guide == "frozen" and self.guide is not None:
+            self.guide.requires_grad_(False)
         self.configure_accumulation(
             schedule(c.schedule),
             normalize=c.normalize,  # type: ignore[arg-type]
