@@ -27,6 +27,17 @@ from lightning_accum import AccumulationMixin, Progress, Schedule
 Batch = dict[str, Tensor]
 
 
+HOST_READS = {  # the Tensor methods that read a value to the host (a device sync on a GPU)
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.numpy,
+}
+
+
 class TokenData(Dataset[Batch]):
     """Variable-length sequences of ``d``-dim tokens with per-token targets, padded to ``T``."""
 

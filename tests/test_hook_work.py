@@ -33,24 +33,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from torch.overrides import TorchFunctionMode
 
 import lightning_accum
 from lightning_accum import AccumulationScheduler
 
-from helpers import TokenData, TokenModel, count_tokens, loader, trainer
+from helpers import HOST_READS, TokenData, TokenModel, count_tokens, loader, trainer
 
 PACKAGE = str(Path(lightning_accum.__file__).resolve().parent)
-READS = {  # (as test_host_reads.py counts them)
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.__bool__,
-    torch.Tensor.__float__,
-    torch.Tensor.__int__,
-    torch.Tensor.__index__,
-    torch.Tensor.numpy,
-}
 HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
          "on_train_batch_end")  # fmt: skip
 # the bytecodes that make a new container, closure or string (or add to one a comprehension builds)
@@ -79,7 +69,7 @@ class TensorWork(TorchFunctionMode):
         self.batch = batch
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in READS:
+        if func in HOST_READS:
             self.batch.reads += 1
         elif getattr(func, "__name__", "") != "__get__":  # (an attribute read: `.grad`, `.requires_grad`)
             self.batch.tensor_ops.append(getattr(func, "__name__", repr(func)))

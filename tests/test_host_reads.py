@@ -19,17 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale
 
-from helpers import ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
+from helpers import HOST_READS, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
 
-READS = {
-    torch.Tensor.item,
-    torch.Tensor.tolist,
-    torch.Tensor.__bool__,
-    torch.Tensor.__float__,
-    torch.Tensor.__int__,
-    torch.Tensor.__index__,
-    torch.Tensor.numpy,
-}
 DATA = TokenData(64, seed=3)  # 64 micro-batches of 1: 16 windows of k = 4
 
 
@@ -41,7 +32,7 @@ class HostReads(TorchFunctionMode):
         self.count = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func in READS
+        self.count += func in HOST_READS
         return func(*args, **(kwargs or {}))
 
 
