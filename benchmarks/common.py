@@ -21,20 +21,20 @@ class LoopTimer(pl.Callback):
 
 
 def timed_epoch(model: pl.LightningModule, data: Any, callbacks: list[pl.Callback], **trainer_kwargs: Any) -> float:
-    """One epoch on the CPU with nothing but ``callbacks``; returns the loop's CPU seconds."""
+    """One epoch on the CPU with nothing but ``callbacks`` (no logger or progress bar unless ``trainer_kwargs`` give
+    them); returns the loop's CPU seconds."""
     gc.collect()
     torch.manual_seed(0)
     timer = LoopTimer()
+    options: dict[str, Any] = {"logger": False, "enable_progress_bar": False, **trainer_kwargs}
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=1,
         callbacks=[*callbacks, timer],
-        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
         enable_model_summary=False,
-        **trainer_kwargs,
+        **options,
     )
     trainer.fit(model, data)
     return timer.seconds

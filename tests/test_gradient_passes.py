@@ -2,8 +2,8 @@
 ``TorchDispatchMode`` around its hooks: an operator on the gradient's storage is a pass over (part of)
 it. Lightning's built-in accumulation makes none (its division is on the loss); the callback makes only
 what the maths or a reader asks for: nothing for ``normalize="mean"`` where the gradient's norm is not
-read, one fused norm where it is (a logger's step, an ``on_window_end`` hook), one fused rescale for
-``"items"`` (its divisor, the global item count, is known only at the window's end)."""
+read, one fused norm where it is (a logger's step, an ``on_window_end`` hook, a monitor naming it), one
+fused rescale for ``"items"`` (its divisor, the global item count, is known only at the window's end)."""
 
 from __future__ import annotations
 
@@ -66,14 +66,22 @@ class Hook(pl.Callback):
 
 
 class BatchReader(pl.Callback):
-    """A user's callback that may read ``trainer.callback_metrics`` after any batch: given every number."""
+    """A user's callback that may read ``trainer.callback_metrics`` after any batch: given every number every
+    window but the gradient's norm, measured where it is asked for."""
 
     def __init__(self) -> None:
+        self.losses: list[float] = []
         self.norms: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.callback_metrics.get("accum/k") is not None and len(self.norms) < trainer.global_step:
-            self.norms.append(float(trainer.callback_metrics["accum/grad_norm"]))
+        if trainer.callback_metrics.get("accum/k") is not None and len(self.losses) < trainer.global_step:
+            self.losses.append(float(trainer.callback_metrics["accum/loss"]))
+            if "accum/grad_norm" in trainer.callback_metrics:
+                self.norms.append(float(trainer.callback_metrics["accum/grad_norm"]))
+
+
+class NormMonitor(pl.Callback):
+    monitor = "accum/grad_norm"
 
 
 @pytest.mark.parametrize(
@@ -84,7 +92,8 @@ class BatchReader(pl.Callback):
         ("mean", True, "bar", 0),  # the progress bar shows k and the loss, not the norm
         ("mean", True, "logger", 1),  # the loggers write the norm at every step: one fused norm
         ("mean", True, "hook", 1),  # an `on_window_end` hook is handed the whole report
-        ("mean", True, "batch reader", 1),  # a user's `on_train_batch_end` may read any number
+        ("mean", True, "batch reader", 0),  # a user's `on_train_batch_end`: every number but the norm
+        ("mean", True, "norm monitor", 1),  # a monitor of `accum/grad_norm`
         ("items", False, None, 1),  # the rescale by the global item count
         ("items", True, "logger", 2),  # the rescale and the norm
     ],
@@ -104,9 +113,12 @@ def test_passes_over_the_gradient_per_window(
         callbacks.append(Hook())
     elif reader == "batch reader":
         callbacks.append(BatchReader())
+    elif reader == "norm monitor":
+        callbacks.extend([BatchReader(), NormMonitor()])
     t = trainer(callbacks=callbacks, max_epochs=1, **options)
     t.fit(TokenModel(reduction="sum" if normalize == "items" else "mean"), loader(DATA, 4))
     assert t.global_step == 4
     assert Counted.ops == per_window * t.global_step
-    if reader == "batch reader":
-        assert len(set(callbacks[1].norms)) == t.global_step  # a fresh norm at every step
+    if reader in ("batch reader", "norm monitor"):
+        assert len(set(callbacks[1].losses)) == t.global_step  # a fresh loss at every step
+        assert len(set(callbacks[1].norms)) == (t.global_step if reader == "norm monitor" else 0)

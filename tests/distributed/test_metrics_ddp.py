@@ -21,6 +21,8 @@ SCHEDULE = Piecewise({0: 3, 3: 2}, unit="step")  # 8 batches of 4 per rank: shor
 
 
 class Report(pl.Callback):
+    monitor = "accum/grad_norm"  # (a monitor of the norm: it is measured every window, and read here)
+
     def __init__(self, out: Path) -> None:
         self.out, self.rows = out, []  # type: ignore[var-annotated]
 

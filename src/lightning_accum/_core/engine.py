@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -217,17 +218,22 @@ class WindowEngine:
         read_losses = losses and self.metrics.tracking
         measure = grads is not None and ((norm and self.metrics.tracking) or self.probe is not None)
         ident: list[int] = []
-        parts: list[tuple[str, list[Tensor | float], float, float]] = []
-        if world == 1 and not (window.pending_items or read_losses or measure or self.probe is not None):
+        sums: dict[str, float] = {}  # the losses' sums over ranks, by name, where read
+        if world == 1 and not (window.pending_items or self.probe is not None):
+            # one device, host counts: the losses and the gradient's norms (where read) in one stack, one read
             counts = [window.microbatches, window.samples, window.items, *extra]
-            totals: list[float] = []
-            grad_norms: Any = []
+            grad_norms: Any = norms(grads) if measure else []  # type: ignore[arg-type]
+            if read_losses:
+                sums, grad_norms = self.metrics.read(grad_norms)
+            elif grad_norms:
+                grad_norms = torch.stack(grad_norms).tolist()
         else:
             pending = list(window.pending_items)
-            parts = self.metrics.parts() if read_losses else []
+            parts = self.metrics.parts() if read_losses and world == 1 else []
             # on a single device each micro-batch's loss is read as it is (summed on the host); under DDP each
             # rank's sum joins the counts' all-reduce
-            sums: list[collectives.Value] = (
+            names = [name for name, _, _, _ in parts] if world == 1 else self.metrics.names() if read_losses else []
+            losses_summed: list[collectives.Value] = (
                 [p for _, p, _, _ in parts] if world == 1 else [*self.metrics.sums()] if read_losses else []
             )
             local: list[collectives.Value] = [pending, norms(grads) if measure else []]  # type: ignore[arg-type]
@@ -235,11 +241,15 @@ class WindowEngine:
             # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran
             # out first, an exception one rank caught) fail together rather than mix their windows
             ident = [] if world == 1 else window_id(self.progress.epoch, window.start)
-            summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *sums]
-            totals, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)  # type: ignore[assignment]
-            counts = [round(v) for v in totals[: 3 + len(extra)]]
+            summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *losses_summed]
+            read, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)  # type: ignore[assignment]
+            counts = [round(v) for v in read[: 3 + len(extra)]]
+            totals = read[3 + len(extra) + len(ident) :]  # the losses' sums
+            sums = dict(zip(names, totals, strict=True))
+            for name, _, f, offset in parts:  # (one device: each sum as `WindowMetrics.read` gives it)
+                sums[name] = sums[name] * f + offset
             if ident:
-                collectives.check_same_window(strategy, *totals[3 + len(extra) : 5 + len(extra)])
+                collectives.check_same_window(strategy, *read[3 + len(extra) : 5 + len(extra)])
             window.settle_items(items)  # type: ignore[arg-type]
             if self.probe is not None:
                 self.probe.settle(prefixes)  # type: ignore[arg-type]
@@ -261,15 +271,9 @@ class WindowEngine:
             factor *= self._multiplier() if self._lr_multiplier is None else self._lr_multiplier
         empty = not counts[0] or (self.normalize == "items" and not counts[2])
         denominator = counts[0] if self.normalize == "mean" else counts[2]
-        window_losses = None
-        if read_losses and denominator:
-            totals = totals[3 + len(extra) + len(ident) :]
-            names = [(name, f, offset) for name, _, f, offset in parts] if world == 1 else [
-                (name, 1.0, 0.0) for name in self.metrics.names()
-            ]  # fmt: skip
-            window_losses = {
-                name: (total * f + offset) / denominator for (name, f, offset), total in zip(names, totals, strict=True)
-            }
+        window_losses = (
+            {name: total / denominator for name, total in sums.items()} if read_losses and denominator else None
+        )
         self.closing = Closing(
             window.k,
             counts[0],

@@ -34,9 +34,9 @@ def optimizer_grads(optimizer: Optimizer) -> list[Tensor]:
 def norms(grads: Sequence[Tensor]) -> list[Tensor]:
     """Each gradient's L2 norm, as device scalars (no host sync), a tensor two optimizers share counted
     once: the window's gradient norm is the root of their squares' sum, taken where they are read."""
-    seen: set[int] = set()
-    unique = [g for g in grads if not (id(g) in seen or seen.add(id(g)))]  # type: ignore[func-returns-value]
-    return [n for group in _groups(unique) for n in torch._foreach_norm(group)]
+    if len(set(map(id, grads))) < len(grads):
+        grads = list({id(g): g for g in grads}.values())
+    return [n for group in _groups(grads) for n in torch._foreach_norm(group)]
 
 
 def _groups(tensors: Sequence[Tensor]) -> list[list[Tensor]]:

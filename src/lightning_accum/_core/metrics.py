@@ -9,6 +9,7 @@ gradient had, so the reported loss is exactly the quantity whose gradient was st
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -104,20 +105,40 @@ class WindowMetrics:
         tensors): what the window's count all-reduce adds over ranks, and what a checkpoint keeps."""
         return [_sum(self._losses[name]) for name in self.names()]
 
-    def parts(self) -> list[tuple[str, list[Tensor | float], float, float]]:
+    def parts(self) -> list[tuple[str, list[Tensor], float, float]]:
         """This rank's committed losses in ``names()`` order, to be read and summed on the host: for each,
         ``(name, parts, factor, offset)``, the sum being ``factor * sum(parts) + offset``."""
-        out: list[tuple[str, list[Tensor | float], float, float]] = []
-        for name in self.names():
-            entries = self._losses[name]
-            tensors = [(v, f) for v, f in entries if isinstance(v, Tensor)]
-            offset = float(sum(v * f for v, f in entries if not isinstance(v, Tensor)))
-            factors = {f for _, f in tensors}
+        out: list[tuple[str, list[Tensor], float, float]] = []
+        for name in sorted(self._losses):
+            tensors: list[Tensor] = []
+            factors: set[float] = set()
+            offset = 0.0
+            for value, factor in self._losses[name]:
+                if isinstance(value, Tensor):
+                    tensors.append(value)
+                    factors.add(factor)
+                else:
+                    offset += value * factor
             if len(factors) > 1:  # (not within one window: each adapter's factor is the window's)
-                out.append((name, [_sum(tensors)], 1.0, offset))
+                summed = _sum([e for e in self._losses[name] if isinstance(e[0], Tensor)])
+                out.append((name, [summed], 1.0, offset))  # type: ignore[list-item]  # (a tensor)
             else:
-                out.append((name, [v for v, _ in tensors], factors.pop() if factors else 1.0, offset))
+                out.append((name, tensors, factors.pop() if factors else 1.0, offset))
         return out
+
+    def read(self, extra: Sequence[Tensor] = ()) -> tuple[dict[str, float], list[float]]:
+        """This rank's committed sums on the host, by name, each micro-batch's loss read as it is and summed
+        exactly (``math.fsum``), and ``extra`` (device scalars: the gradient's norms) read with them: one stack,
+        one host read."""
+        layout = self.parts()
+        tensors = [t for _, parts, _, _ in layout for t in parts]
+        values = torch.stack([*tensors, *extra]).tolist() if tensors or extra else []
+        sums, start = {}, 0
+        for name, parts, factor, offset in layout:
+            end = start + len(parts)
+            sums[name] = math.fsum(values[start:end]) * factor + offset
+            start = end
+        return sums, values[start:]
 
     def load_sums(self, names: Sequence[str], values: Sequence[float]) -> None:
         """Put back sums a checkpoint held (this rank's)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -98,28 +99,20 @@ def report(
     """The report of the window ``engine`` has just advanced past (``closing``, stepped); ``optimizers`` and
     ``schedulers``: the fit's (``trainer.optimizers``, ``trainer.lr_scheduler_configs``), which name the
     learning rates."""
-    losses = dict(closing.losses or {})
-    loss = losses.pop("loss", None)
+    losses = closing.losses or _EMPTY
+    loss = losses.get("loss")
+    tasks = {name: value for name, value in losses.items() if name != "loss"}
     if closing.norm_sq is not None:
         grad_norm: float | Tensor | None = math.sqrt(closing.norm_sq)
     else:
         grad_norm = engine.metrics.grad_norm_on_device()
+    progress = engine.progress
+    lrs = MappingProxyType(lr_names(optimizers, engine.used_lrs, schedulers))
     return WindowReport(
-        step=engine.progress.step,
-        epoch=engine.progress.epoch,
-        k=closing.k,
-        microbatches=closing.microbatches,
-        samples=closing.samples,
-        items=closing.items,
-        loss=loss,
-        progress=engine.progress,
-        task_losses=MappingProxyType(losses),
-        grad_norm=grad_norm,
-        lr=MappingProxyType(lr_names(optimizers, engine.used_lrs, schedulers)),
-        noise_scale=engine.noise_scale,
-        optimizers=group,
-        microbatch_size=microbatch_size,
-    )
+        progress.step, progress.epoch, closing.k, closing.microbatches, closing.samples, closing.items, loss,
+        progress, MappingProxyType(tasks) if tasks else _EMPTY, grad_norm, lrs, engine.noise_scale, group,
+        microbatch_size,
+    )  # fmt: skip
 
 
 def lr_names(
@@ -129,9 +122,9 @@ def lr_names(
     among the fit's ``optimizers`` and LR ``schedulers`` (``trainer.lr_scheduler_configs``: a config's ``name``,
     else ``lr-<Optimizer>`` with ``-1``, ``-2`` for more of a type, the optimizers with schedulers first; a
     group's ``name``, or ``pg<i>`` among several) ("lr" alone for one optimizer of one group)."""
-    raw = [getattr(o, "optimizer", o) for o in optimizers]
-    if len(raw) == 1 and len(used) == 1 and len(used[0][1]) == 1:
+    if len(optimizers) == 1 and len(used) == 1 and len(used[0][1]) == 1:
         return {"lr": used[0][1][0]}
+    raw = [getattr(o, "optimizer", o) for o in optimizers]
     counted: dict[type, int] = {}  # optimizers of each type named `lr-<type>` so far
     names: dict[int, str] = {}
     for optimizer, name, scheduled in [
@@ -184,6 +177,8 @@ class Wants(NamedTuple):
     losses: bool  # its loss is read
     norm: bool  # its gradient's norm is measured
     hooks: bool  # the `on_window_end` hooks are handed its report
+    bar: bool = False  # its `k` and loss go to the progress bar (where they are not published)
+    keys: frozenset[str] | None = None  # the `callback_metrics` keys it is published under (None: all)
 
 
 NOTHING = Wants(False, False, False, False, False)
@@ -195,24 +190,32 @@ class Readers:
 
     * the loggers: every ``accum/*`` key at the steps they write (every ``Trainer(log_every_n_steps)``
       optimizer steps), also into ``trainer.logged_metrics``;
-    * the ``on_window_end`` hooks: the whole ``WindowReport``, every window;
+    * the ``on_window_end`` hooks: the whole ``WindowReport``, every window (and every number in
+      ``callback_metrics``, where a hook may look);
     * a monitor, a callback with a ``monitor`` attribute (``EarlyStopping``, ``ModelCheckpoint``, ...) or an
-      LR scheduler config's ``monitor`` naming an ``accum/`` key, and the progress bar: ``callback_metrics``;
+      LR scheduler config's ``monitor`` naming an ``accum/`` key (or a ``ModelCheckpoint`` filename naming one):
+      those keys in ``callback_metrics``, every window;
+    * the progress bar: ``accum/k`` and ``accum/loss``, every window;
     * a callback or a LightningModule with its own ``on_train_batch_start`` or ``on_train_batch_end`` (one
       from neither Lightning nor this package): it may read ``callback_metrics`` at any batch, so it is
-      given every number, the gradient's norm included, every window.
+      given every number every window (the gradient's norm as below).
 
-    Where any of them is there, every window's numbers go to ``callback_metrics`` and the progress bar; the
-    gradient's norm (``accum/grad_norm``) is measured only where it is read: the loggers' steps, the hooks,
-    a monitor naming it (between, ``callback_metrics`` keeps the last measured). Where none is (no logger, no
-    progress bar, no monitor, no hook), only each epoch's last window and the fit's last step are published,
-    so that ``callback_metrics`` still holds the latest numbers when the epoch or the fit ends.
+    Where a hook or a batch reader is there, every window's numbers go to ``callback_metrics``; otherwise
+    every number goes there at the loggers' steps and in each epoch's and the fit's last window (so that
+    ``callback_metrics`` holds the latest numbers when the epoch or the fit ends), and between them only what
+    a monitor names, the progress bar being given every window's ``k`` and loss. The gradient's norm
+    (``accum/grad_norm``), a pass over the whole gradient, is measured only where it is asked for: the
+    loggers' steps, the hooks, a monitor naming it (between, ``callback_metrics`` keeps the last measured; a
+    batch hook that wants every window's norm reads ``on_window_end``'s).
 
     Example:
 
-        >>> readers = Readers(log=True, loggers=True, every=50, bar=False, hooks=[], watched={"accum/loss"})
+        >>> readers = Readers(log=True, loggers=True, every=50, bar=True, hooks=[], watched={"accum/loss"})
         >>> readers.wants(step=3).norm, readers.wants(step=50).logs
         (False, True)
+        >>> readers = Readers(log=True, loggers=True, every=50, bar=True, hooks=[], watched=())
+        >>> readers.wants(step=3).publish, readers.wants(step=3).bar, readers.wants(step=50).publish
+        (False, True, True)
     """
 
     def __init__(
@@ -230,8 +233,15 @@ class Readers:
         self.loggers, self.every = log and loggers, every
         watched = frozenset(key for key in watched if key.startswith("accum/")) if log else frozenset()
         unknown = log and unknown
+        #: whether anyone reads a window's numbers at all (its losses are then kept as it fills)
         self.any = bool(self.loggers or (log and bar) or watched or hooks or unknown)
-        self._norm_watched = unknown or any(key.endswith("grad_norm") for key in watched)
+        #: whether someone may read any `callback_metrics` key after any window (a hook, a batch reader); else
+        #: every number is published at the loggers' steps and in each epoch's and the fit's last window only
+        self.any_key = bool(hooks) or unknown
+        self.bar = log and bar
+        self._watched = watched
+        self._norm_watched = any(key.endswith("grad_norm") for key in watched)
+        self._between = self._wants(logs=False, last=False)  # a window neither the loggers' nor the last
 
     @classmethod
     def of(
@@ -241,9 +251,11 @@ class Readers:
         ``own``: the adapter's own callback, no reader)."""
         keys = set(watched)
         for config in (*trainer.callbacks, *trainer.lr_scheduler_configs):
-            monitor = getattr(config, "monitor", None)
+            monitor, filename = getattr(config, "monitor", None), getattr(config, "filename", None)
             if isinstance(monitor, str):
                 keys.add(monitor)
+            if isinstance(filename, str):  # (`ModelCheckpoint(filename="{epoch}-{accum/loss:.2f}")`)
+                keys.update(re.findall(r"{([^{}:]+)", filename))
         bar = trainer.progress_bar_callback is not None
         others = [callback for callback in trainer.callbacks if callback is not own]
         unknown = any(map(_reads_batches, [*others, trainer.lightning_module]))
@@ -258,12 +270,19 @@ class Readers:
     def wants(self, step: int, last: bool = False) -> Wants:
         """What the window that makes optimizer step ``step`` must compute (``last``: the epoch's or the fit's
         last window), and where it goes."""
-        hooks = bool(self.hooks)
         logs = self.loggers and bool(self.every) and step % self.every == 0
-        publish = self.log and (self.any or last)
-        if not (publish or hooks):
+        if logs or last:
+            return self._wants(logs, last)
+        return self._between
+
+    def _wants(self, logs: bool, last: bool) -> Wants:
+        hooks = bool(self.hooks)
+        keys = None if logs or last or self.any_key else self._watched  # (None: every key)
+        publish = self.log and (keys is None or bool(keys))
+        if not (publish or hooks or self.bar):
             return NOTHING
-        return Wants(publish, logs, True, logs or hooks or self._norm_watched, hooks)
+        norm = logs or hooks or self._norm_watched
+        return Wants(publish, logs, True, norm, hooks, self.bar and (not publish or keys is not None), keys)
 
 
 _KNOWN = ("lightning.", "pytorch_lightning.", "lightning_accum.")  # whose reads of `callback_metrics` are known
@@ -279,36 +298,21 @@ def _reads_batches(obj: Any) -> bool:
     return False
 
 
-def publish(trainer: Any, window: WindowReport, prefix: str = "accum/", wants: Wants | None = None) -> dict[str, Any]:
-    """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar, and, every
-    ``log_every_n_steps`` optimizer steps (or where ``wants.logs``, ``Readers.wants``), write them to the
-    loggers. Host numbers only, but for a device gradient norm or learning rate (read with the rest, once,
-    when written to the loggers). Returns what it put in ``callback_metrics``."""
-    values = metric_values(window)
-    names = [prefix + name for name in values]
-    metrics: dict[str, Any] = {}
-    if values:
-        on_host = [float(v) for v in values.values() if not isinstance(v, Tensor)]
-        as_tensors = iter(torch.tensor(on_host, dtype=torch.get_default_dtype()).unbind() if on_host else ())
-        pairs = zip(names, values.values(), strict=True)
-        metrics = {n: v if isinstance(v, Tensor) else next(as_tensors) for n, v in pairs}
-        _seam.put_callback_metrics(trainer, metrics)
-    _seam.show_in_progress_bar(trainer, f"{prefix}k", float(window.k))
-    if window.loss is not None:
-        _seam.show_in_progress_bar(trainer, f"{prefix}loss", window.loss)
-    every = trainer.log_every_n_steps
-    if (wants.logs if wants is not None else every and window.step % every == 0) and trainer.loggers:
-        devices = [v.detach().reshape(()).to(torch.float64) for v in values.values() if isinstance(v, Tensor)]
-        read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
-        scalars = [next(read) if isinstance(v, Tensor) else float(v) for v in values.values()]
-        _seam.write_to_loggers(trainer, dict(zip(names, scalars, strict=True)), metrics)
-    return metrics
+def show(trainer: Any, k: int, loss: float | None, prefix: str = "accum/") -> None:
+    """Put a window's ``k`` and loss in the progress bar (as floats: the bar formats them)."""
+    _seam.show_in_progress_bar(trainer, f"{prefix}k", float(k))
+    if loss is not None:
+        _seam.show_in_progress_bar(trainer, f"{prefix}loss", loss)
 
 
 class Reported:
-    """The numbers the last stepped window put in ``trainer.callback_metrics``, kept in checkpoints:
-    Lightning keeps no logged value across a resume, so without them a monitor checked before the
-    resumed fit's first window ends (an epoch's end after a checkpoint inside its last window) would
+    """Puts each stepped window's numbers where they are read, and keeps the last: ``trainer.callback_metrics``
+    and the progress bar after the window, and, every ``Trainer(log_every_n_steps)`` optimizer steps (or where
+    ``Wants.logs`` says so), the loggers. ``callback_metrics`` holds tensors, as Lightning keeps what is logged
+    (in the default dtype): a number equal to the one already there keeps its tensor (``accum/k`` and the
+    learning rate rarely change), so that a window makes a tensor only for what changed. The last numbers are
+    kept in checkpoints: Lightning keeps no logged value across a resume, so without them a monitor checked
+    before the resumed fit's first window ends (an epoch's end after a checkpoint inside its last window) would
     see nothing where the uninterrupted run saw the last window.
 
     Example:
@@ -320,11 +324,36 @@ class Reported:
     """
 
     def __init__(self) -> None:
-        self._metrics: dict[str, Any] = {}
+        self._metrics: dict[str, Tensor] = {}  # what was put in `callback_metrics`, by key
+        self._numbers: dict[str, float] = {}  # ... and the host numbers they were made from
 
     def publish(self, trainer: Any, window: WindowReport, prefix: str = "accum/", wants: Wants | None = None) -> None:
-        """``publish`` the window, and keep what it put in ``callback_metrics``."""
-        self._metrics.update(publish(trainer, window, prefix, wants))
+        """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar and, at the loggers'
+        steps, write them to the loggers (a device gradient norm or learning rate read with the rest, once)."""
+        values = metric_values(window)
+        metrics, numbers, keys = self._metrics, self._numbers, None if wants is None else wants.keys
+        made: dict[float, Tensor] = {}
+        for name, value in values.items():
+            key = prefix + name
+            if keys is not None and key not in keys:
+                continue
+            if isinstance(value, Tensor):
+                metrics[key] = value
+                numbers.pop(key, None)
+            elif numbers.get(key) != value or not value:  # (kept where equal; not 0, whose tensor may hold -0.0)
+                tensor = made.get(value) if value else None  # (one tensor for equal numbers: samples and items)
+                if tensor is None:
+                    tensor = made[value] = torch.scalar_tensor(value)  # (in the default dtype, as Lightning logs)
+                metrics[key], numbers[key] = tensor, value
+        _seam.put_callback_metrics(trainer, metrics)
+        if keys is None or (wants is not None and wants.bar):
+            show(trainer, window.k, window.loss, prefix)
+        every = trainer.log_every_n_steps
+        if (wants.logs if wants is not None else every and window.step % every == 0) and trainer.loggers:
+            devices = [v.detach().reshape(()).to(torch.float64) for v in values.values() if isinstance(v, Tensor)]
+            read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
+            scalars = {prefix + n: next(read) if isinstance(v, Tensor) else float(v) for n, v in values.items()}
+            _seam.write_to_loggers(trainer, scalars, {key: metrics[key] for key in scalars})
 
     def restore(self, trainer: Any) -> None:
         """At a fit's train start: put back what a checkpoint held (nothing in a fresh fit)."""
@@ -337,6 +366,7 @@ class Reported:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         dtype = torch.get_default_dtype()
         self._metrics = {name: torch.tensor(value, dtype=dtype) for name, value in state.get("metrics", {}).items()}
+        self._numbers = {}
 
 
 def listeners(trainer: Any) -> list[Callable[[Any, Any, WindowReport], None]]:

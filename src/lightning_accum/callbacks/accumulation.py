@@ -399,21 +399,23 @@ class AccumulationScheduler(Callback):
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
-        grads = None if deepspeed else gradients.optimizer_grads(optimizer)  # (DeepSpeed holds its own)
         step = engine.progress.step + 1  # (the step this window makes: the fit's last at `max_steps`)
         # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
-        last = not self._readers.any and (trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer))
+        last = not self._readers.any_key and (trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer))
         self._wants = wants = self._readers.wants(step, last)
         if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
             assert engine.closing is not None
             closing = engine.closing
         else:  # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
-            grads_measured = None if self._sharded else grads  # (a shard's norm is not the window's)
-            closing = engine.close(trainer.strategy, grads=grads_measured, losses=wants.losses, norm=wants.norm)
+            # (where it is read; not DeepSpeed's, which holds its own, nor a shard's, whose norm is not the window's)
+            measured = (wants.norm or engine.probe is not None) and not (deepspeed or self._sharded)
+            grads = gradients.optimizer_grads(optimizer) if measured else None
+            closing = engine.close(trainer.strategy, grads=grads, losses=wants.losses, norm=wants.norm)
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
-        elif grads is not None and (closing.scale != 1.0 or engine.probe is not None or self._closed):
+        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or self._closed):
+            grads = gradients.optimizer_grads(optimizer)
             gradients.scale_(grads, closing.scale)
             engine.measure_window(trainer.strategy, grads)
             if self._closed and closing.norm_sq is None and wants.norm:
@@ -465,6 +467,8 @@ class AccumulationScheduler(Callback):
             if wants.publish:
                 self._reported.publish(trainer, window, wants=wants)
             reporting.announce(self._readers.hooks, trainer, pl_module, window)
+        elif wants.bar:
+            reporting.show(trainer, closing.k, None if closing.losses is None else closing.losses.get("loss"))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
