@@ -245,7 +245,7 @@ def main() -> None:
         "what": f"training-loop CPU time, {args.batches} batches, k={args.k}, tiny MLP, {args.repeats} rounds",
         "baseline": "Trainer(accumulate_grad_batches=k)",
         "rows": rows,
-        "target": 1.01,
+        "target": 1.03,  # (issue 34: as close to the empty callback's floor, 1.01-1.04 here, as can be)
         "machine": f"{platform.machine()} torch {torch.__version__} lightning {pl.__version__}",
     }
     best_us = min(baseline) / args.batches * 1e6

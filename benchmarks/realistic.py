@@ -46,6 +46,7 @@ import lightning.pytorch as pl
 import torch
 from common import timed_epoch
 from lightning.fabric import Fabric
+from overhead import TimedAccumulationScheduler, TimedEmptyCallback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -209,8 +210,24 @@ def fabric_loop(seq: int, vocab: int, data: DataLoader[Any], ours: bool) -> Timi
 Run = tuple[str, str, Callable[[], Timing]]
 
 
-def runs(args: argparse.Namespace) -> tuple[list[Run], dict[str, int]]:
-    """Every run, and the windows each run's fit has."""
+def hooks_in_place(train: Callable[[type[AccumulationScheduler]], Timing], windows: int) -> float:
+    """Microseconds per window inside the callback's own hooks, in place (``overhead.py``'s timing, the timing's
+    own cost taken off): in one more fit, untimed, with ``TimedAccumulationScheduler`` for the callback."""
+    TimedAccumulationScheduler.inside = TimedEmptyCallback.inside = 0.0
+    train(TimedAccumulationScheduler)
+    return TimedAccumulationScheduler.inside / windows * 1e6
+
+
+def timing_floor_per_window(windows: int, data: DataLoader[Any], module: Callable[[], pl.LightningModule]) -> float:
+    """Microseconds per window that the timing of the hooks adds by itself (around an empty callback's)."""
+    TimedEmptyCallback.inside = 0.0
+    fit(module(), data, [TimedEmptyCallback()], accumulate_grad_batches=K)
+    return TimedEmptyCallback.inside / windows * 1e6
+
+
+def runs(args: argparse.Namespace) -> tuple[list[Run], dict[str, int], dict[str, Callable[[], float]]]:
+    """Every run, the windows each run's fit has, and for the callback's runs the time inside its hooks in
+    place (us per window, ``hooks_in_place``)."""
     seq, vocab = args.seq, args.vocab
     g = torch.Generator().manual_seed(0)
     tokens = DataLoader(TensorDataset(torch.randint(0, vocab, (args.batches * 8, seq), generator=g)), batch_size=8)
@@ -218,38 +235,46 @@ def runs(args: argparse.Namespace) -> tuple[list[Run], dict[str, int]]:
     y = torch.randint(0, 10, (args.mlp_batches * 64,), generator=g)
     features = DataLoader(TensorDataset(x, y), batch_size=64)
 
-    def callback(make: Callable[[], pl.Callback]) -> Callable[[], Timing]:
-        # (made anew for each fit: a callback holds its progress)
-        return lambda: fit(GPTModule(seq, vocab), tokens, [make()])
+    inside: dict[str, Callable[[], float]] = {}
 
-    def mlp_callback(log: bool) -> Callable[[], Timing]:
-        return lambda: fit(MLP(), features, [AccumulationScheduler(K, log=log)])
+    def callback(name: str, make: Callable[[type[AccumulationScheduler]], pl.Callback]) -> Run:
+        # (made anew for each fit: a callback holds its progress)
+        def train(cls: type[AccumulationScheduler]) -> Timing:
+            return fit(GPTModule(seq, vocab), tokens, [make(cls)])
+
+        windows = args.batches // K
+        floor = lambda: timing_floor_per_window(windows, tokens, lambda: GPTModule(seq, vocab))  # noqa: E731
+        inside[name] = lambda: hooks_in_place(train, windows) - floor()
+        return name, BUILTIN, lambda: train(AccumulationScheduler)
+
+    def mlp_callback(name: str, log: bool) -> Run:
+        def train(cls: type[AccumulationScheduler]) -> Timing:
+            return fit(MLP(), features, [cls(K, log=log)])
+
+        windows = args.mlp_batches // K
+        inside[name] = lambda: hooks_in_place(train, windows) - timing_floor_per_window(windows, features, MLP)
+        return name, MLP_BUILTIN, lambda: train(AccumulationScheduler)
 
     table: list[Run] = [
         (BUILTIN, BUILTIN, lambda: fit(GPTModule(seq, vocab), tokens, [], accumulate_grad_batches=K)),
-        ("AccumulationScheduler(4), log=True", BUILTIN, callback(lambda: AccumulationScheduler(K))),
-        ("AccumulationScheduler(4), log=False", BUILTIN, callback(lambda: AccumulationScheduler(K, log=False))),
+        callback("AccumulationScheduler(4), log=True", lambda cls: cls(K)),
+        callback("AccumulationScheduler(4), log=False", lambda cls: cls(K, log=False)),
         # the noise measured in every window, k held at 4 by a warm-up longer than the run: the built-in's windows
-        (
+        callback(
             "AccumulationScheduler(NoiseScale(2, 8)), k held at 4",
-            BUILTIN,
-            callback(lambda: AccumulationScheduler(NoiseScale(2, 8, start=K, warmup=10**9))),
+            lambda cls: cls(NoiseScale(2, 8, start=K, warmup=10**9)),
         ),
-        (
-            "AccumulationScheduler(4, lr_scaling='adascale')",
-            BUILTIN,
-            callback(lambda: AccumulationScheduler(K, lr_scaling="adascale")),
-        ),
+        callback("AccumulationScheduler(4, lr_scaling='adascale')", lambda cls: cls(K, lr_scaling="adascale")),
         (MANUAL, MANUAL, lambda: fit(HandWrittenManual(seq, vocab), tokens, [])),
         ("AccumulationMixin, configure_accumulation(4)", MANUAL, lambda: fit(Mixin(seq, vocab), tokens, [])),
         (FABRIC, FABRIC, lambda: fabric_loop(seq, vocab, tokens, ours=False)),
         ("FabricAccumulator(fabric, model, optimizer, 4)", FABRIC, lambda: fabric_loop(seq, vocab, tokens, ours=True)),
         (MLP_BUILTIN, MLP_BUILTIN, lambda: fit(MLP(), features, [], accumulate_grad_batches=K)),
-        ("4 x 512 MLP: AccumulationScheduler(4), log=True", MLP_BUILTIN, mlp_callback(True)),
-        ("4 x 512 MLP: AccumulationScheduler(4), log=False", MLP_BUILTIN, mlp_callback(False)),
+        mlp_callback("4 x 512 MLP: AccumulationScheduler(4), log=True", True),
+        mlp_callback("4 x 512 MLP: AccumulationScheduler(4), log=False", False),
     ]
     windows = {name: (args.mlp_batches if name.startswith("4 x 512") else args.batches) // K for name, _, _ in table}
-    return table, windows
+    return table, windows, inside
 
 
 def main() -> None:
@@ -269,7 +294,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*(LeafSpec|does not have many workers|GPU available).*")
     torch.set_num_threads(1)
 
-    table, counts = runs(args)
+    table, counts, inside = runs(args)
     times: dict[str, list[float]] = {name: [] for name, _, _ in table}
     windows: dict[str, list[float]] = {name: [] for name, _, _ in table}
     steps: dict[str, int] = {}
@@ -286,7 +311,7 @@ def main() -> None:
     rows = []
     print(
         f"{'run':<56}{'baseline ms/window':>19}{'ms/window':>11}{'ratio of best':>15}{'median pair':>13}"
-        f"{'best window':>13}{'median window':>15}"
+        f"{'best window':>13}{'median window':>15}{'hooks us/window':>17}{'implied':>9}"
     )
     for name, baseline, _ in table:
         if name == baseline:
@@ -309,11 +334,16 @@ def main() -> None:
             "baseline_best_s": min(theirs),
             "steps": steps[name],
         }
+        if name in inside:  # the callback's own work in place, and the ratio it alone would make
+            us = min(inside[name]() for _ in range(3))
+            row["hooks_us_per_window"] = us
+            row["ratio_implied"] = 1 + us / (row["baseline_ms_per_window"] * 1e3)
         rows.append(row)
+        hooks = f"{row['hooks_us_per_window']:>17.1f}{row['ratio_implied']:>9.4f}" if name in inside else ""
         print(
             f"{name:<56}{row['baseline_ms_per_window']:>19.2f}{row['ms_per_window']:>11.2f}"
             f"{row['ratio_best']:>15.4f}{row['ratio_median_pair']:>13.4f}"
-            f"{row['ratio_best_window']:>13.4f}{row['ratio_median_window']:>15.4f}"
+            f"{row['ratio_best_window']:>13.4f}{row['ratio_median_window']:>15.4f}{hooks}"
         )
     result = {
         "benchmark": "realistic",

@@ -17,7 +17,8 @@ or a user's callback with its own ``on_train_batch_end`` (every number every win
 figures of the hooks as they are (the memory blocks, an average that the allocator moves by a fraction,
 rounded up): lower them when the hooks shed work; a change that raises one adds work to every
 micro-batch, and says why. A window's end (its one host read, its report) is counted apart: one read per
-window where someone reads its loss or a tensor count must be read, none otherwise, none elsewhere.
+window where someone reads its loss or a tensor count must be read, none otherwise, none elsewhere; its
+tensor operations and builds bounded as they are (``benchmarks/window_host_work.py`` times them).
 """
 
 from __future__ import annotations
@@ -193,6 +194,7 @@ class Config:
     builds: int
     held: int
     reads_per_window: int  # at its end: the counts, the losses and the gradient norm in one transfer
+    end_work: tuple[int, int]  # a window's end in the middle of its epoch: (tensor operations, builds), as it is
     readers: Callable[[], list[pl.Callback]] = list  # who reads the windows' numbers (no logger, no progress bar)
     model: Callable[[], pl.LightningModule] = TokenModel
 
@@ -204,7 +206,9 @@ def items(k: int) -> AccumulationScheduler:
 CONFIGS = {
     # nobody reads a window's numbers: no loss kept, nothing read (the fit's last numbers are published from the
     # host counts)
-    "log, nobody reads": Config(AccumulationScheduler, tensor_ops=0, builds=5, held=0, reads_per_window=0),
+    "log, nobody reads": Config(
+        AccumulationScheduler, tensor_ops=0, builds=5, held=0, reads_per_window=0, end_work=(0, 12)
+    ),
     # a monitor of the loss: each micro-batch's loss kept (a device tensor), read with the counts at the window's end
     "log, monitor": Config(
         AccumulationScheduler,
@@ -212,11 +216,18 @@ CONFIGS = {
         builds=9,
         held=1,
         reads_per_window=1,
+        end_work=(4, 49),
         readers=lambda: [Monitor("accum/loss")],
     ),
     # a callback of the user's that may read any number: the loss and the gradient's norm, every window
     "log, batch reader": Config(
-        AccumulationScheduler, tensor_ops=1, builds=9, held=1, reads_per_window=1, readers=lambda: [BatchReader()]
+        AccumulationScheduler,
+        tensor_ops=1,
+        builds=9,
+        held=1,
+        reads_per_window=1,
+        end_work=(6, 53),
+        readers=lambda: [BatchReader()],
     ),
     "no log, batch reader": Config(
         lambda k: AccumulationScheduler(k, log=False),
@@ -224,11 +235,18 @@ CONFIGS = {
         builds=5,
         held=0,
         reads_per_window=0,
+        end_work=(0, 12),
         readers=lambda: [BatchReader()],
     ),
     # a copy of each micro-batch's count is kept on its device till the window's end
     "items, tensor count, nobody reads": Config(
-        items, tensor_ops=6, builds=5, held=2, reads_per_window=1, model=lambda: TokenModel(reduction="sum")
+        items,
+        tensor_ops=6,
+        builds=5,
+        held=2,
+        reads_per_window=1,
+        end_work=(9, 54),
+        model=lambda: TokenModel(reduction="sum"),
     ),
     "items, tensor count, batch reader": Config(
         items,
@@ -236,6 +254,7 @@ CONFIGS = {
         builds=9,
         held=3,
         reads_per_window=1,
+        end_work=(14, 89),
         model=lambda: TokenModel(reduction="sum"),
         readers=lambda: [BatchReader()],
     ),
@@ -265,3 +284,7 @@ def test_host_reads_only_at_window_ends(name: str) -> None:
     assert len(ends) == 4
     assert [b.reads for b in ends] == [config.reads_per_window] * 4
     assert [b.reads for b in counted.batches.values() if not b.ends_window] == [0] * 12
+    # the window ends in the middle of the epoch (the last publishes every number): their work, bounded
+    tensor_ops, builds = config.end_work
+    assert max(len(b.tensor_ops) for b in ends[:3]) <= tensor_ops, [b.tensor_ops for b in ends[:3]]
+    assert max(len(b.builds) for b in ends[:3]) <= builds, [b.builds for b in ends[:3]]

@@ -40,14 +40,7 @@ def sum_over_ranks(
         stacked = torch.stack([_device_sum(v, device) for v in values])
         values = list(strategy.reduce(stacked, reduce_op="sum").unbind())
     entries = [*values, *local]
-    tensors = [t for v in entries for t in _parts(v) if isinstance(t, Tensor)]
-    read: Iterator[float] = iter([])
-    if tensors:  # the one host read
-        device = tensors[0].device
-        if all(t.dim() == 0 and t.device == device for t in tensors):
-            read = iter(torch.stack(tensors).tolist())
-        else:
-            read = iter(torch.cat([t.reshape(-1).to(device) for t in tensors]).tolist())
+    read = iter(host_values([t for v in entries for t in _parts(v) if isinstance(t, Tensor)]))  # the one host read
     out: list[float | list[float]] = []
     for v in entries:
         numbers = [x for part in _parts(v) for x in _take(part, read)]
@@ -55,6 +48,18 @@ def sum_over_ranks(
         out.append(numbers[0] if single else numbers)
     totals = [math.fsum(n) if isinstance(n, list) else n for n in out[: len(values)]]
     return totals, out[len(values) :]
+
+
+def host_values(tensors: Sequence[Tensor]) -> list[float]:
+    """Every element of ``tensors``, in order, on the host: one stack (or, for tensors of several devices or
+    shapes, one concatenation on the first one's device) and one host read (none for no tensor)."""
+    if not tensors:
+        return []
+    try:
+        stacked = torch.stack(list(tensors))
+    except RuntimeError:  # (devices or shapes that differ)
+        stacked = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors])
+    return stacked.reshape(-1).tolist()  # type: ignore[no-any-return]
 
 
 def _parts(value: Value) -> Sequence[float | Tensor]:

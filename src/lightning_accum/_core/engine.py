@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -219,14 +218,16 @@ class WindowEngine:
         measure = grads is not None and ((norm and self.metrics.tracking) or self.probe is not None)
         ident: list[int] = []
         sums: dict[str, float] = {}  # the losses' sums over ranks, by name, where read
-        if world == 1 and not (window.pending_items or self.probe is not None):
-            # one device, host counts: the losses and the gradient's norms (where read) in one stack, one read
-            counts = [window.microbatches, window.samples, window.items, *extra]
+        if world == 1 and self.probe is None:
+            # one device: the losses, the gradient's norms (where read) and the tensor counts in one stack, one read
             grad_norms: Any = norms(grads) if measure else []  # type: ignore[arg-type]
-            if read_losses:
-                sums, grad_norms = self.metrics.read(grad_norms)
-            elif grad_norms:
-                grad_norms = torch.stack(grad_norms).tolist()
+            if read_losses or grad_norms or window.pending_items:  # (else nothing to read)
+                tensors = [*grad_norms, *window.pending_items]
+                sums, values = self.metrics.read(tensors) if read_losses else ({}, collectives.host_values(tensors))
+                grad_norms = values[: len(grad_norms)]
+                if window.pending_items:
+                    window.settle_items(values[len(grad_norms) :])
+            counts = [window.microbatches, window.samples, window.items, *extra]
         else:
             pending = list(window.pending_items)
             parts = self.metrics.parts() if read_losses and world == 1 else []
@@ -328,13 +329,14 @@ class WindowEngine:
         (not stepped) adds its samples and items but no step."""
         closing, window = self.closing, self.window
         assert closing is not None and window is not None
-        self.progress = Progress(
-            epoch=epoch,
-            step=self.progress.step + (not closing.empty),
-            samples=self.progress.samples + closing.samples,
-            items=self.progress.items + closing.items,
-            microbatches=self.progress.microbatches + window.microbatches,
-            scaled_steps=self.progress.scaled_steps + (0.0 if closing.empty else closing.gain),
+        progress = self.progress
+        self.progress = Progress(  # (epoch, step, samples, items, microbatches, scaled_steps)
+            epoch,
+            progress.step + (not closing.empty),
+            progress.samples + closing.samples,
+            progress.items + closing.items,
+            progress.microbatches + window.microbatches,
+            progress.scaled_steps + (0.0 if closing.empty else closing.gain),
         )
         self.window, self.closing = None, None
         return closing
@@ -388,15 +390,16 @@ class WindowEngine:
         return None if self.probe is None else self.probe.estimator.noise_scale
 
     # ------------------------------------------------------------------ learning rate
-    def scale_lr(self, optimizer: Optimizer) -> None:
+    def scale_lr(self, optimizer: Optimizer, keep: bool = True) -> None:
         """Multiply every group's learning rate by the closing window's factor, for its step only
-        (and keep the rates it steps with in ``used_lrs``)."""
+        (and, with ``keep``, keep the rates it steps with in ``used_lrs``, for its report)."""
         factor = 1.0 if self.closing is None else self.closing.lr_factor
         if factor != 1.0:
             for group in optimizer.param_groups:
                 self._scaled_lrs.append((group, group["lr"]))
                 group["lr"] = group["lr"] * factor
-        self.used_lrs.append((optimizer, [group["lr"] for group in optimizer.param_groups]))
+        if keep:
+            self.used_lrs.append((optimizer, [group["lr"] for group in optimizer.param_groups]))
 
     def restore_lr(self) -> None:
         """Put back the learning rates ``scale_lr`` changed."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_accum._core.collectives import host_values
 from lightning_accum._core.gradients import no_items, squared_norm
 
 
@@ -132,7 +133,7 @@ class WindowMetrics:
         one host read."""
         layout = self.parts()
         tensors = [t for _, parts, _, _ in layout for t in parts]
-        values = torch.stack([*tensors, *extra]).tolist() if tensors or extra else []
+        values = host_values([*tensors, *extra])
         sums, start = {}, 0
         for name, parts, factor, offset in layout:
             end = start + len(parts)

@@ -420,7 +420,7 @@ class AccumulationScheduler(Callback):
             engine.measure_window(trainer.strategy, grads)
             if self._closed and closing.norm_sq is None and wants.norm:
                 engine.metrics.add_grad_norm(grads)
-        engine.scale_lr(optimizer)
+        engine.scale_lr(optimizer, keep=wants.publish or wants.hooks)  # (the rates stepped with, where reported)
         self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
 
     def _release(self) -> None:
