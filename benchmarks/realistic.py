@@ -24,6 +24,12 @@ round; a shared 2-core machine adds +-15 % to single runs, and noise only adds t
 the ratio of the best (minimum) CPU times over the rounds, with the median of the per-round ratios
 beside it. Every run's optimizer steps are checked to be its baseline's. Target: each <= 1.01.
 
+The loop's ratio moves by a few per cent between runs on a shared machine; what the callback itself adds
+is measured apart, reliably: for each callback run, its own hooks timed in place in one more fit
+(``overhead.py``'s ``TimedAccumulationScheduler``, the timing's own cost, measured around an empty
+callback's hooks, taken off; best of three), in microseconds per window, and the ratio that work alone
+makes on the baseline's window (``hooks us/window``, ``implied``).
+
     python benchmarks/realistic.py [--batches 32] [--mlp-batches 400] [--rounds 7] [--seq 128]  # about 8 minutes
 """
 

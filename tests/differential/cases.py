@@ -167,6 +167,13 @@ CASES: dict[str, dict[str, Any]] = {
     "mixin_refit_windows_of_their_own": {
         "adapter": "mixin", "n": 30, "epochs": 2, "refit": [0, 4], "optimizers": 2, "windows": "each",
         "schedule": {"family": "constant", "k": 3}, "scheduler": {"kind": "step", "interval": "step", "step_size": 1}},
+    # issue 34: the readers of the window numbers change what a window computes (the loss read for a progress bar,
+    # for a monitor its key alone between the epochs' ends, every key at a logger's step), never the training:
+    # a bar, a plateau and early stopping on `accum/loss`, a logger, tensor counts, a failure and a resume
+    "readers_bar_monitor_logger": {
+        **_ITEMS, "reduction": "mean", "empty_batches": [3], "n": 30, "epochs": 2,
+        "schedule": {"family": "constant", "k": 3}, "scheduler": {"kind": "plateau"}, "monitor": "accum/loss",
+        "callbacks": ["progress_bar", "early_stopping", "lr_monitor"], "interruptions": [["on_after_backward", 0, 5]]},
     # every option at once, through two resumes
     "everything": {"adapter": "callback", "n": 27, "batch_size": 3, "epochs": 3, **_ITEMS, "reduction": "mean",
                    "schedule": {"family": "ramp", "start": 1, "end": 3, "over": 60, "unit": "items"},

@@ -67,7 +67,8 @@ class Config:
     decay: list[Any] | None = None  # [factor, "sum" | "ema", bias_correction]
     val_every: int | None = None  # validation every n training batches (inside windows)
     interruptions: list[list[Any]] = dataclasses.field(default_factory=list)  # [kind, epoch, batch]; "save" or a hook
-    # "model_checkpoint", "lr_monitor", "early_stopping", "ema" (a user's average of the parameters at window ends)
+    # "model_checkpoint", "lr_monitor", "early_stopping", "ema" (a user's average of the parameters at window ends),
+    # "progress_bar" (one that draws nothing)
     callbacks: list[str] = dataclasses.field(default_factory=list)
     monitor: str = "probe"  # what EarlyStopping and ReduceLROnPlateau watch: "probe" (logged) or "accum/loss"
     swa: list[float] | None = None  # StochasticWeightAveraging: [swa_lrs, swa_epoch_start (from 1: epoch 0)]
@@ -194,7 +195,7 @@ def generate(rng: random.Random) -> Config:
         c.decay = [rng.choice([0.0, 0.5, 0.9]), mode, mode == "ema" and rng.random() < 0.5]
     if rng.random() < 0.25:
         c.val_every = rng.randint(1, max(1, batches))
-    for name in ("model_checkpoint", "lr_monitor", "early_stopping", "ema"):
+    for name in ("model_checkpoint", "lr_monitor", "early_stopping", "ema", "progress_bar"):
         if rng.random() < 0.15:
             c.callbacks.append(name)
     if c.monitors() and rng.random() < 0.5:

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     OnExceptionCheckpoint,
+    ProgressBar,
     StochasticWeightAveraging,
 )
 from lightning.pytorch.loggers import CSVLogger
@@ -65,6 +66,14 @@ def lr_schedule(c: Config) -> Any:
 
 def decay(c: Config) -> la.GradientDecay | None:
     return None if c.decay is None else la.GradientDecay(c.decay[0], mode=c.decay[1], bias_correction=c.decay[2])
+
+
+class SilentBar(ProgressBar):
+    """A progress bar that draws nothing: a reader of every window's ``k`` and loss (``reporting.Readers``)."""
+
+    def disable(self) -> None: ...
+
+    def enable(self) -> None: ...
 
 
 def monitored(c: Config) -> str:
@@ -460,6 +469,8 @@ def _fit(
         )
     if "ema" in c.callbacks:
         callbacks.append(ema)
+    if "progress_bar" in c.callbacks:
+        callbacks.append(SilentBar())
     if c.swa is not None:
         callbacks.append(StochasticWeightAveraging(swa_lrs=c.swa[0], swa_epoch_start=int(c.swa[1])))
     callbacks += [saver, OnExceptionCheckpoint(tmp, "on_exception")]
@@ -479,7 +490,7 @@ def _fit(
         limit_val_batches=1 if c.val_every else 0,
         num_sanity_val_steps=0,
         logger=CSVLogger(tmp) if "lr_monitor" in c.callbacks else False,
-        enable_progress_bar=False,
+        enable_progress_bar="progress_bar" in c.callbacks,
         enable_model_summary=False,
         callbacks=callbacks,
         **clip,

@@ -59,7 +59,7 @@ def host_values(tensors: Sequence[Tensor]) -> list[float]:
         stacked = torch.stack(list(tensors))
     except RuntimeError:  # (devices or shapes that differ)
         stacked = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors])
-    return stacked.reshape(-1).tolist()  # type: ignore[no-any-return]
+    return (stacked if stacked.dim() == 1 else stacked.reshape(-1)).tolist()  # type: ignore[no-any-return]
 
 
 def _parts(value: Value) -> Sequence[float | Tensor]:

@@ -335,7 +335,7 @@ class Reported:
         made: dict[float, Tensor] = {}
         for name, value in values.items():
             key = prefix + name
-            if keys is not None and key not in keys:
+            if keys is not None and key not in keys:  # (a monitor's keys alone)
                 continue
             if isinstance(value, Tensor):
                 metrics[key] = value
