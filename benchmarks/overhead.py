@@ -71,57 +71,44 @@ class Monitor(pl.Callback):
     monitor = "accum/loss"
 
 
-class TimedAccumulationScheduler(AccumulationScheduler):
-    """Adds up the wall time spent inside the callback's own hooks (its logic, in place)."""
+class TimedHooks:
+    """Adds up, in the class's ``inside``, the wall time spent inside the hooks of the class it is mixed into
+    (the callback's logic, in place)."""
 
     inside = 0.0
 
     def _timed(self, hook: Any, *args: Any) -> Any:
         start = time.perf_counter()
         hook(*args)
-        TimedAccumulationScheduler.inside += time.perf_counter() - start
+        type(self).inside += time.perf_counter() - start
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self._timed(super().on_train_batch_start, *args)
+        self._timed(super().on_train_batch_start, *args)  # type: ignore[misc]
 
     def on_before_backward(self, *args: Any) -> None:
-        self._timed(super().on_before_backward, *args)
+        self._timed(super().on_before_backward, *args)  # type: ignore[misc]
 
     def on_after_backward(self, *args: Any) -> None:
-        self._timed(super().on_after_backward, *args)
+        self._timed(super().on_after_backward, *args)  # type: ignore[misc]
 
     def on_before_optimizer_step(self, *args: Any) -> None:
-        self._timed(super().on_before_optimizer_step, *args)
+        self._timed(super().on_before_optimizer_step, *args)  # type: ignore[misc]
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self._timed(super().on_train_batch_end, *args)
+        self._timed(super().on_train_batch_end, *args)  # type: ignore[misc]
 
 
-class TimedEmptyCallback(EmptyCallback):
-    """``EmptyCallback`` with the same timing around its hooks as ``TimedAccumulationScheduler``: what the timing
-    itself adds in place (the call through ``super()``, two clock reads), taken off the callback's figure."""
+class TimedAccumulationScheduler(TimedHooks, AccumulationScheduler):
+    """``AccumulationScheduler`` with the time inside its hooks added up."""
 
     inside = 0.0
 
-    def _timed(self, hook: Any, *args: Any) -> Any:
-        start = time.perf_counter()
-        hook(*args)
-        TimedEmptyCallback.inside += time.perf_counter() - start
 
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._timed(super().on_train_batch_start, *args)
+class TimedEmptyCallback(TimedHooks, EmptyCallback):
+    """``EmptyCallback`` with the same timing around its hooks: what the timing itself adds in place (the call
+    through ``super()``, two clock reads), taken off the callback's figure."""
 
-    def on_before_backward(self, *args: Any) -> None:
-        self._timed(super().on_before_backward, *args)
-
-    def on_after_backward(self, *args: Any) -> None:
-        self._timed(super().on_after_backward, *args)
-
-    def on_before_optimizer_step(self, *args: Any) -> None:
-        self._timed(super().on_before_optimizer_step, *args)
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self._timed(super().on_train_batch_end, *args)
+    inside = 0.0
 
 
 class ConnectorTimer:
