@@ -205,9 +205,9 @@ def items(k: int) -> AccumulationScheduler:
 
 CONFIGS = {
     # nobody reads a window's numbers: no loss kept, nothing read (the fit's last numbers are published from the
-    # host counts)
+    # host counts; each window keeps the learning rates it stepped with, in case the fit stops after it)
     "log, nobody reads": Config(
-        AccumulationScheduler, tensor_ops=0, builds=5, held=0, reads_per_window=0, end_work=(0, 12)
+        AccumulationScheduler, tensor_ops=0, builds=5, held=0, reads_per_window=0, end_work=(0, 16)
     ),
     # a monitor of the loss: each micro-batch's loss kept (a device tensor), read with the counts at the window's end
     "log, monitor": Config(
@@ -245,7 +245,7 @@ CONFIGS = {
         builds=5,
         held=2,
         reads_per_window=1,
-        end_work=(9, 54),
+        end_work=(9, 58),
         model=lambda: TokenModel(reduction="sum"),
     ),
     "items, tensor count, batch reader": Config(

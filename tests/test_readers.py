@@ -11,7 +11,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+import torch
+from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_accum import AccumulationScheduler
@@ -29,6 +30,12 @@ class Seen(AccumulationScheduler):
         super().__init__(4)
         self.metrics: list[dict[str, Any]] = []
         self.bar: list[dict[str, float]] = []
+        self.seen_lrs: list[float] = []  # `accum/lr` as it was when published
+        self.at_train_start: list[set[str]] = []  # the `accum/` keys in `callback_metrics` when a fit starts
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self.at_train_start.append({k for k in trainer.callback_metrics if k.startswith("accum/")})
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         super().on_train_batch_end(trainer, *args)
@@ -36,6 +43,8 @@ class Seen(AccumulationScheduler):
             accum = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("accum/")}
             self.metrics.append(accum)
             self.bar.append({k: v for k, v in trainer.progress_bar_metrics.items() if k.startswith("accum/")})
+            if "accum/lr" in accum:
+                self.seen_lrs.append(float(accum["accum/lr"]))
 
 
 class Monitor(pl.Callback):
@@ -103,3 +112,62 @@ def test_a_number_that_does_not_change_keeps_its_tensor() -> None:
     assert all(t is k[0] for t in k)  # k = 4 throughout: one tensor
     assert len({id(t) for t in samples}) == 6  # a new tensor for each new number
     assert metrics[0]["accum/samples"] is metrics[0]["accum/items"]  # equal numbers of one window share one
+
+
+def test_a_tensor_learning_rate_is_the_rate_each_step_used_and_stays_so() -> None:
+    class TensorLR(TokenModel):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=torch.tensor(0.1), foreach=False)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    callback = Seen()
+    trainer(callbacks=[callback, BatchReader()], max_epochs=1).fit(TensorLR(), loader(DATA, 4))
+    lrs = [m["accum/lr"] for m in callback.metrics]
+    assert callback.seen_lrs == pytest.approx([0.1, 0.05, 0.025])  # the rate each step used, as published
+    assert [float(t) for t in lrs] == callback.seen_lrs  # ... and after the fit (a scheduler steps it in place)
+
+
+def test_a_new_fit_without_a_checkpoint_shows_none_of_an_earlier_fits_numbers() -> None:
+    callback = Seen()
+    trainer(callbacks=[callback, Monitor("accum/loss")], max_epochs=1).fit(TokenModel(), loader(DATA, 4))
+    trainer(callbacks=[callback, Monitor("accum/loss")], max_epochs=1).fit(TokenModel(), loader(DATA, 4))
+    assert callback.at_train_start == [set(), set()]  # (a new Trainer: nothing of the first fit's)
+
+
+def test_a_fit_stopped_after_a_window_publishes_it_whole(tmp_path: Path) -> None:
+    class StopAfter(pl.Callback):  # (no batch hook of its own: no reader)
+        def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1:  # (the second window's step)
+                trainer.should_stop = True
+
+    callback = Seen()
+    t = trainer(callbacks=[callback, ProgressBar(), StopAfter()], enable_progress_bar=True, max_epochs=1)
+    t.fit(TokenModel(), loader(DATA, 4))
+    assert t.global_step == 2
+    metrics = t.callback_metrics
+    assert set(metrics) >= KEYS and float(metrics["accum/samples"]) == 32.0  # the second window, the fit's last
+    assert float(metrics["accum/loss"]) == float(torch.tensor(callback.bar[-1]["accum/loss"], dtype=torch.float32))
+
+
+def test_a_batch_reader_before_the_callback_is_warned_about() -> None:
+    with pytest.warns(UserWarning, match="BatchReader come.s. before AccumulationScheduler"):
+        trainer(callbacks=[BatchReader(), Seen()], max_epochs=1).fit(TokenModel(), loader(DATA, 4))
+
+
+def test_a_lambda_callbacks_batch_hook_is_a_reader() -> None:
+    callback = seen(callbacks=[LambdaCallback(on_train_batch_end=lambda *args: None)])
+    assert all(set(m) >= KEYS for m in callback.metrics)
+
+
+def test_a_callback_fit_again_by_a_new_trainer_logs_at_its_steps(tmp_path: Path) -> None:
+    callback, rows = AccumulationScheduler(4), []
+    for fit_ in range(2):
+        logger = CSVLogger(tmp_path, name=str(fit_))
+        t = trainer(callbacks=[callback], max_epochs=1, logger=logger, log_every_n_steps=2)
+        t.fit(TokenModel(), loader(DATA, 4))
+        lines = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+        header = lines[0].split(",")
+        rows.append([line.split(",")[header.index("step")] for line in lines[1:]
+                     if line.split(",")[header.index("accum/loss")]])  # fmt: skip
+    assert rows[1] == rows[0] == ["1"]  # the second window, Lightning's logging step (not the callback's 4th and 6th)

@@ -392,14 +392,16 @@ class WindowEngine:
     # ------------------------------------------------------------------ learning rate
     def scale_lr(self, optimizer: Optimizer, keep: bool = True) -> None:
         """Multiply every group's learning rate by the closing window's factor, for its step only
-        (and, with ``keep``, keep the rates it steps with in ``used_lrs``, for its report)."""
+        (and, with ``keep``, keep the rates it steps with in ``used_lrs``, for its report: a tensor rate copied,
+        as a scheduler changes it in place after the step)."""
         factor = 1.0 if self.closing is None else self.closing.lr_factor
         if factor != 1.0:
             for group in optimizer.param_groups:
                 self._scaled_lrs.append((group, group["lr"]))
                 group["lr"] = group["lr"] * factor
         if keep:
-            self.used_lrs.append((optimizer, [group["lr"] for group in optimizer.param_groups]))
+            lrs = [g["lr"].detach().clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in optimizer.param_groups]
+            self.used_lrs.append((optimizer, lrs))
 
     def restore_lr(self) -> None:
         """Put back the learning rates ``scale_lr`` changed."""

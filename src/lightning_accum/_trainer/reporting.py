@@ -288,14 +288,30 @@ class Readers:
 _KNOWN = ("lightning.", "pytorch_lightning.", "lightning_accum.")  # whose reads of `callback_metrics` are known
 
 
-def _reads_batches(obj: Any) -> bool:
-    """A callback or LightningModule with its own ``on_train_batch_start`` or ``on_train_batch_end``, where it
-    may read ``callback_metrics`` (one from neither Lightning nor this package)."""
-    for name in ("on_train_batch_start", "on_train_batch_end"):
+def _reads_batches(obj: Any, names: tuple[str, ...] = ("on_train_batch_start", "on_train_batch_end")) -> bool:
+    """A callback or LightningModule with its own ``on_train_batch_start`` or ``on_train_batch_end`` (of
+    ``names``), where it may read ``callback_metrics`` (one from neither Lightning nor this package, or one set
+    on the instance: a ``LambdaCallback``'s)."""
+    for name in names:
+        if name in getattr(obj, "__dict__", {}):
+            return True
         owner = next((base for base in type(obj).__mro__ if name in vars(base)), None)
         if owner is not None and not owner.__module__.startswith(_KNOWN):
             return True
     return False
+
+
+def readers_before(trainer: Any, own: object) -> list[str]:
+    """The callbacks listed before ``own`` in ``trainer.callbacks`` with an ``on_train_batch_end`` of their own:
+    Lightning calls them first, so that at a window's last batch they find the window before it in
+    ``callback_metrics``."""
+    names: list[str] = []
+    for callback in trainer.callbacks:
+        if callback is own:
+            return names
+        if _reads_batches(callback, ("on_train_batch_end",)):
+            names.append(type(callback).__name__)
+    return []
 
 
 def show(trainer: Any, k: int, loss: float | None, prefix: str = "accum/") -> None:
@@ -359,6 +375,10 @@ class Reported:
         """At a fit's train start: put back what a checkpoint held (nothing in a fresh fit)."""
         if self._metrics:
             _seam.put_callback_metrics(trainer, dict(self._metrics))
+
+    def clear(self) -> None:
+        """Forget the numbers kept (a fit not resumed from a checkpoint: an earlier fit's are not its own)."""
+        self._metrics, self._numbers = {}, {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"metrics": {name: float(value) for name, value in self._metrics.items()}}  # (a checkpoint's read)

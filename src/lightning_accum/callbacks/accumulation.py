@@ -74,7 +74,8 @@ class AccumulationScheduler(Callback):
             on the ``Progress`` its window opened with (shapes in ``lightning_accum.lr``).
         log: log ``accum/k`` and ``accum/loss`` (the window's loss; both in the progress bar),
             ``accum/grad_norm``, ``accum/effective_batch``, ``accum/samples``, ``accum/items`` every
-            ``Trainer(log_every_n_steps)`` optimizer steps (when the loggers write) and at the first.
+            ``Trainer(log_every_n_steps)`` optimizer steps (when the loggers write); each number is computed
+            only where something reads it (the guide's "Window metrics" says what is read by whom).
         sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
             window; FSDP: every micro-batch, as Lightning), ``"skip"`` (once per window; FSDP and
             FSDP2 then hold unsharded gradients until its end) or ``"every"``. DDP always syncs
@@ -143,6 +144,7 @@ class AccumulationScheduler(Callback):
         self._readers = reporting.Readers.of_nobody()  # who reads the windows' numbers (found at train start)
         self._wants = reporting.NOTHING  # what the closing window must compute for them
         self._reported = reporting.Reported()  # the last window's numbers, for monitors after a resume
+        self._behind: Any = None  # the last stepped window, where not all its numbers were published (a Closing)
         self._restored = False  # whether this fit's checkpoint restored the window
 
     @property
@@ -161,6 +163,7 @@ class AccumulationScheduler(Callback):
         self._plan = plan
         if not self._restored:  # a fit not resumed from a checkpoint continues no window an earlier fit left open
             self._engine.discard()  # (one that failed inside it; Lightning zeroes the gradients before training)
+            self._reported.clear()  # (nor shows an earlier fit's numbers)
             if self._split is not None:
                 self._split.fresh_fit()
         self._restored = False
@@ -180,6 +183,15 @@ class AccumulationScheduler(Callback):
         self._trained = False  # whether this fit trained a batch yet
         steps.warn_scheduler_horizons(trainer)
         self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
+        self._behind = None
+        early = reporting.readers_before(trainer, self) if self._log else []
+        if early:
+            rank_zero_warn(
+                f"{', '.join(early)} come(s) before AccumulationScheduler in `Trainer(callbacks=...)` and define(s) "
+                "`on_train_batch_end`: Lightning calls them first, so at a window's last batch they find the window "
+                "before it in `trainer.callback_metrics`. List AccumulationScheduler before them, or read each "
+                "window in `on_window_end(trainer, pl_module, window)`."
+            )
         self._engine.start_fit(self._plan, track=self._readers.any)  # (losses kept only where someone reads them)
         self._reported.restore(trainer)
         if self.lr_scaling is not None or self.lr_schedule is not None:
@@ -399,7 +411,7 @@ class AccumulationScheduler(Callback):
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
-        step = engine.progress.step + 1  # (the step this window makes: the fit's last at `max_steps`)
+        step = trainer.global_step + 1  # (the step this window makes, as the loggers and `max_steps` count it)
         # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
         last = not self._readers.any_key and (trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer))
         self._wants = wants = self._readers.wants(step, last)
@@ -420,7 +432,7 @@ class AccumulationScheduler(Callback):
             engine.measure_window(trainer.strategy, grads)
             if self._closed and closing.norm_sq is None and wants.norm:
                 engine.metrics.add_grad_norm(grads)
-        engine.scale_lr(optimizer, keep=wants.publish or wants.hooks)  # (the rates stepped with, where reported)
+        engine.scale_lr(optimizer, keep=self._log)  # (the rates stepped with, for a report: any window may be one)
         self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
 
     def _release(self) -> None:
@@ -460,15 +472,28 @@ class AccumulationScheduler(Callback):
         if closing.empty:
             return
         wants = self._wants
+        # (a window not published whole, kept till the next: if the fit stops after it, it is published then)
+        self._behind = None if (wants.publish and wants.keys is None) or not self._log else closing
         if wants.publish or wants.hooks:
-            size = None if self._split is None else self._split.used
-            configs = trainer.lr_scheduler_configs
-            window = reporting.report(trainer.optimizers, engine, closing, microbatch_size=size, schedulers=configs)
+            window = self._report(trainer, closing)
             if wants.publish:
                 self._reported.publish(trainer, window, wants=wants)
             reporting.announce(self._readers.hooks, trainer, pl_module, window)
         elif wants.bar:
             reporting.show(trainer, closing.k, None if closing.losses is None else closing.losses.get("loss"))
+
+    def _report(self, trainer: pl.Trainer, closing: Any) -> reporting.WindowReport:
+        size = None if self._split is None else self._split.used
+        configs = trainer.lr_scheduler_configs
+        return reporting.report(trainer.optimizers, self._engine, closing, microbatch_size=size, schedulers=configs)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a fit stopped after a window that was not published whole (`trainer.should_stop`, e.g. by `EarlyStopping`,
+        # between the loggers' steps): its numbers are the fit's latest
+        if self._behind is not None:
+            self._reported.publish(trainer, self._report(trainer, self._behind))
+            self._behind = None
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
