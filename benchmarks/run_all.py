@@ -2,6 +2,7 @@
 
 python benchmarks/run_all.py            # all of them (about 30 minutes on 2 CPU cores)
 python benchmarks/run_all.py --quick    # tiny budgets: checks that every benchmark runs
+python benchmarks/run_all.py --only overhead.py realistic.py  # these again; the others' last JSON as it is
 """
 
 from __future__ import annotations
@@ -164,16 +165,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--jobs", type=int, default=1, help="scripts run at once (--quick: their figures unread)")
+    parser.add_argument("--only", nargs="+", choices=list(QUICK), help="run these; read the others' last JSON")
     args = parser.parse_args()
     json_dir = args.out.parent
+    again = QUICK if args.only is None else {s: QUICK[s] for s in args.only}
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        done = {s: pool.submit(run, s, QUICK[s] if args.quick else [], json_dir) for s in QUICK}
+        done = {s: pool.submit(run, s, QUICK[s] if args.quick else [], json_dir) for s in again}
         results = {script: future.result() for script, future in done.items()}
+    for script in QUICK.keys() - again.keys():  # (as the last run wrote it)
+        results[script] = json.loads((json_dir / script.replace(".py", ".json")).read_text())
     machine = f"{platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+    command = "python benchmarks/run_all.py" + (" --quick" if args.quick else "")
+    command += f" --only {' '.join(args.only)}" if args.only else ""
+    kept = " The other scripts' rows are their JSON files' from an earlier run." if args.only else ""
     lines = [
         "# Benchmark results",
         "",
-        f"Written by `python benchmarks/run_all.py{' --quick' if args.quick else ''}` on {machine}.",
+        f"Written by `{command}` on {machine}.{kept}",
         "Ratios are against the baseline run in the same process; see each script's docstring. On a shared",
         "2-core machine, repeated runs of the same configuration differ by up to about 15 %: read small",
         "deviations from 1 as noise (the empty-callback and decay rows move the most).",

@@ -25,3 +25,10 @@ def test_every_benchmark_runs(tmp_path: Path) -> None:
             "window host work")
     for row in rows:
         assert row in table, row
+    # one script again, the others' rows from the JSON files the run above left beside the table
+    again = subprocess.run([*command, "--only", "comm_calls.py"], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    table = out.read_text()
+    assert "--only comm_calls.py" in table and "from an earlier run" in table
+    for row in rows:
+        assert row in table, row

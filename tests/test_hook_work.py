@@ -8,6 +8,9 @@ well inside it, in place in a real fit:
 * tensor operations (``TorchFunctionMode``; attribute reads such as ``.grad`` left out);
 * containers the package's own code builds (tuples, lists, dicts, sets, strings, closures, ``*args``:
   the bytecodes that build one, traced in the package's frames);
+* the package's Python functions called, and the bytecodes run in its frames: in place, between a
+  forward and a backward pass that leave the CPU's caches cold, each costs several times what it does
+  replayed, so the hooks take a short path for a plain micro-batch (``AccumulationScheduler._lean``);
 * Python memory blocks the hooks leave allocated (``sys.getallocatedblocks``): what a micro-batch keeps
   until its window's end.
 
@@ -61,6 +64,8 @@ class MicroBatch:
     reads: int = 0
     tensor_ops: list[str] = field(default_factory=list)
     builds: list[str] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)
+    bytecodes: int = 0
     held: int = 0
 
 
@@ -92,13 +97,16 @@ def traced_builds(batch: MicroBatch) -> Callable[..., Any]:
     """A trace function recording the building bytecodes run in the package's frames (by file and line)."""
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode" and _opname(frame) in BUILDS:
-            batch.builds.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {_opname(frame)}")
+        if event == "opcode":
+            batch.bytecodes += 1
+            if _opname(frame) in BUILDS:
+                batch.builds.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {_opname(frame)}")
         return local
 
     def call(frame: FrameType, event: str, arg: Any) -> Any:
         if not frame.f_code.co_filename.startswith(PACKAGE):
             return None
+        batch.calls.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
         frame.f_trace_opcodes = True
         return local
 
@@ -192,9 +200,12 @@ class Config:
     # the hooks' work per micro-batch inside a window, as it is
     tensor_ops: int
     builds: int
+    calls: int  # the package's Python functions called (the hooks included): each is host time in place
+    bytecodes: int  # the bytecodes run in the package's frames (the hooks' short path for a plain micro-batch)
     held: int
     reads_per_window: int  # at its end: the counts, the losses and the gradient norm in one transfer
-    end_work: tuple[int, int]  # a window's end in the middle of its epoch: (tensor operations, builds), as it is
+    # a window's end in the middle of its epoch: (tensor operations, builds, the package's functions called), as it is
+    end_work: tuple[int, int, int]
     readers: Callable[[], list[pl.Callback]] = list  # who reads the windows' numbers (no logger, no progress bar)
     model: Callable[[], pl.LightningModule] = TokenModel
 
@@ -207,54 +218,71 @@ CONFIGS = {
     # nobody reads a window's numbers: no loss kept, nothing read (the fit's last numbers are published from the
     # host counts; each window keeps the learning rates it stepped with, in case the fit stops after it)
     "log, nobody reads": Config(
-        AccumulationScheduler, tensor_ops=0, builds=5, held=0, reads_per_window=0, end_work=(0, 16)
+        AccumulationScheduler,
+        tensor_ops=0,
+        builds=2,
+        calls=9,
+        bytecodes=220,
+        held=0,
+        reads_per_window=0,
+        end_work=(0, 12, 21),
     ),
     # a monitor of the loss: each micro-batch's loss kept (a device tensor), read with the counts at the window's end
     "log, monitor": Config(
         AccumulationScheduler,
         tensor_ops=1,
-        builds=9,
+        builds=2,
+        calls=11,
+        bytecodes=275,
         held=1,
         reads_per_window=1,
-        end_work=(4, 49),
+        end_work=(4, 48, 39),
         readers=lambda: [Monitor("accum/loss")],
     ),
     # a callback of the user's that may read any number: the loss and the gradient's norm, every window
     "log, batch reader": Config(
         AccumulationScheduler,
         tensor_ops=1,
-        builds=9,
+        builds=2,
+        calls=11,
+        bytecodes=275,
         held=1,
         reads_per_window=1,
-        end_work=(6, 53),
+        end_work=(6, 52, 41),
         readers=lambda: [BatchReader()],
     ),
     "no log, batch reader": Config(
         lambda k: AccumulationScheduler(k, log=False),
         tensor_ops=0,
-        builds=5,
+        builds=2,
+        calls=9,
+        bytecodes=220,
         held=0,
         reads_per_window=0,
-        end_work=(0, 12),
+        end_work=(0, 8, 19),
         readers=lambda: [BatchReader()],
     ),
     # a copy of each micro-batch's count is kept on its device till the window's end
     "items, tensor count, nobody reads": Config(
         items,
         tensor_ops=6,
-        builds=5,
+        builds=2,
+        calls=10,
+        bytecodes=255,
         held=2,
         reads_per_window=1,
-        end_work=(9, 58),
+        end_work=(9, 54, 37),
         model=lambda: TokenModel(reduction="sum"),
     ),
     "items, tensor count, batch reader": Config(
         items,
         tensor_ops=7,
-        builds=9,
+        builds=2,
+        calls=12,
+        bytecodes=310,
         held=3,
         reads_per_window=1,
-        end_work=(14, 89),
+        end_work=(14, 88, 56),
         model=lambda: TokenModel(reduction="sum"),
         readers=lambda: [BatchReader()],
     ),
@@ -272,6 +300,9 @@ def test_no_host_read_and_bounded_work_per_microbatch(name: str) -> None:
     assert len(worst.tensor_ops) <= config.tensor_ops, f"tensor operations per micro-batch: {worst.tensor_ops}"
     worst = max(traced, key=lambda b: len(b.builds))
     assert len(worst.builds) <= config.builds, f"containers built per micro-batch: {worst.builds}"
+    worst = max(traced, key=lambda b: len(b.calls))
+    assert len(worst.calls) <= config.calls, f"the package's functions called per micro-batch: {worst.calls}"
+    assert max(b.bytecodes for b in traced) <= config.bytecodes, "bytecodes run per micro-batch"
     kept = sum(counted.batches[i].held for i in HELD) / len(HELD)
     assert kept <= config.held, f"{kept} Python memory blocks kept per micro-batch"
 
@@ -285,6 +316,7 @@ def test_host_reads_only_at_window_ends(name: str) -> None:
     assert [b.reads for b in ends] == [config.reads_per_window] * 4
     assert [b.reads for b in counted.batches.values() if not b.ends_window] == [0] * 12
     # the window ends in the middle of the epoch (the last publishes every number): their work, bounded
-    tensor_ops, builds = config.end_work
+    tensor_ops, builds, calls = config.end_work
     assert max(len(b.tensor_ops) for b in ends[:3]) <= tensor_ops, [b.tensor_ops for b in ends[:3]]
     assert max(len(b.builds) for b in ends[:3]) <= builds, [b.builds for b in ends[:3]]
+    assert max(len(b.calls) for b in ends[:3]) <= calls, [b.calls for b in ends[:3]]

@@ -32,6 +32,7 @@ from lightning_accum._seam import (
     set_divisor,
     set_up_training_loader,
     show_in_progress_bar,
+    step_counter,
     step_plateau_after_resume,
     steps_counted,
     suspend_clipping,
@@ -191,6 +192,37 @@ def test_step_and_epoch_end_seams() -> None:
     t.fit(RawLossModel(), loader(TokenData(12), 4))
     assert seams.steps == [0, 0, 0]  # all 3 batches ran though max_steps=2: Lightning reads the counter uncounted
     assert seams.ran_out == [False, False, True]
+
+
+class HeldStepCounter(pl.Callback):
+    """Holds the step counter from train start (as the callback does) and checks it is `global_step` after
+    every batch, through a resume from a checkpoint, and through a step taken back."""
+
+    def __init__(self) -> None:
+        self.checked, self.taken_back = 0, False
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.counter = step_counter(trainer)
+        assert self.counter.completed == trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        assert self.counter.completed == trainer.global_step > 0
+        if trainer.global_step == 3 and not self.taken_back:
+            uncount_step(trainer)
+            self.taken_back = True
+            assert self.counter.completed == trainer.global_step == 2
+        self.checked += 1
+
+
+def test_step_counter_seam(tmp_path: Any) -> None:
+    saves = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    first = HeldStepCounter()
+    t = trainer(callbacks=[first, saves], max_steps=4, enable_checkpointing=True)
+    t.fit(RawLossModel(), loader(TokenData(24), 4))
+    resumed = HeldStepCounter()
+    t = trainer(callbacks=[resumed], max_steps=6)
+    t.fit(RawLossModel(), loader(TokenData(24), 4), ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert (first.checked, resumed.checked, t.global_step) == (5, 5, 6)
 
 
 class ProgressSeams(pl.Callback):

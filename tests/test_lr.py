@@ -190,6 +190,15 @@ def test_stateful_lr_schedule_is_checkpointed() -> None:
     assert twin.lr_schedule.calls == 7  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("lr_schedule", [None, lambda progress: 1.0], ids=["none", "a function"])
+def test_a_checkpoints_lr_schedule_state_without_a_stateful_lr_schedule_is_warned_about(lr_schedule: Any) -> None:
+    state = AccumulationScheduler(2, lr_schedule=Countdown()).state_dict()
+    other = AccumulationScheduler(2, lr_schedule=lr_schedule)
+    with pytest.warns(UserWarning, match=r"holds the state of an `lr_schedule`.* goes on without it"):
+        other.load_state_dict(state)
+    assert other.progress == Progress()
+
+
 def test_bad_multiplier_is_named() -> None:
     with pytest.raises(ValueError, match=r"`lr_schedule` .* returned -1.0 .*multiplier >= 0"):
         AccumulationScheduler(2, lr_schedule=lambda progress: -1.0)  # (found at construction)

@@ -184,6 +184,14 @@ class SchedulerFrequencies:
         self.saved = []
 
 
+def step_counter(trainer: Any) -> Any:
+    """The counter whose ``completed`` is ``trainer.global_step`` under automatic optimization
+    (``_TrainingEpochLoop.global_step`` is ``automatic_optimization.optim_progress.optimizer_steps``, that is
+    ``optimizer.step.total.completed``). A checkpoint loads it in place, so a fit can hold it from train start
+    and read the step on every window without the property chain behind ``trainer.global_step``."""
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+
+
 def uncount_step(trainer: Any) -> None:
     """Take back the optimizer step Lightning's automatic loop counted for a window that moved
     nothing, so that ``trainer.global_step`` (and ``max_steps``, ``every_n_train_steps``) counts

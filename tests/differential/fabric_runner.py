@@ -55,9 +55,18 @@ class _Run:
             if self.state["accumulation"] is not self.acc:  # (FSDP2's sharded checkpoint hands the state back)
                 self.acc.load_state_dict(self.state["accumulation"])
                 self.state["accumulation"] = self.acc
-        # (after the load: under FSDP2 it steps the optimizer once with a learning rate of 0, to make its state)
-        record = lambda o, *_: lrs.__setitem__(self.acc.progress.step, [g["lr"] for g in o.param_groups])  # noqa: E731
+        # (after the load, and not while saving: under FSDP2 torch's checkpointing steps an optimizer without state
+        # once with a learning rate of 0, to make its state)
+        self.saving = False
+        record = lambda o, *_: self.saving or lrs.__setitem__(self.acc.progress.step, [g["lr"] for g in o.param_groups])  # noqa: E731
         raw.register_step_post_hook(record)
+
+    def save(self, path: Path) -> None:
+        self.saving = True
+        try:
+            self.fabric.save(path, self.state)
+        finally:
+            self.saving = False
 
     def params(self) -> list[torch.Tensor]:
         whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.model.parameters()]
@@ -78,7 +87,8 @@ def run(c: Config) -> Result:
 
 def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path] | None = None) -> Result:
     """The user's loop on this process (rank r of ``c.world`` takes the data's batches ``j * world + r``);
-    ``saved``: where the checkpoints written inside a window go (for the world-size check)."""
+    ``saved``: where the checkpoints written after a block that did not step go (for the world-size check: one
+    that holds an open window must be refused on another number of ranks)."""
     data, lrs = Data(c), {}  # type: ignore[var-annotated]
     saves = {(int(e), int(b)) for kind, e, b in c.interruptions if kind == "save"}
     fabric = make_fabric()
@@ -106,13 +116,13 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
             # there the sync skipped inside a window keeps its gradient where no checkpoint reaches it)
             if (epoch, j) in saves and (c.strategy != "fsdp2" or step.stepped):
                 path = tmp / f"{epoch}-{j}.ckpt"
-                fabric.save(path, run.state)
+                run.save(path)
                 if saved is not None and not step.stepped:
                     saved.append(path)
                 run = _Run(c, fabric, lrs, path)
                 if c.resave:  # saved again before the next block, then resumed from that
                     again = tmp / f"{epoch}-{j}-again.ckpt"
-                    fabric.save(again, run.state)
+                    run.save(again)
                     run = _Run(c, fabric, lrs, again)
         if done:
             break

@@ -73,6 +73,8 @@ class PartialWindow:
     def __init__(self) -> None:
         self._state: Mapping[str, Any] | None = None  # the checkpoint's state, until train start
         self._grads: Partial | None = None  # the partial gradient, until it is put back
+        #: whether a partial gradient waits to be put back (an attribute: read before every backward pass)
+        self.pending = False
 
     def save(self, strategy: Any, numbers: Sequence[float], params: Sequence[Tensor]) -> dict[str, Any]:
         """What a checkpoint holds of the open window (``numbers``: this rank's counts). Saved again before
@@ -83,16 +85,11 @@ class PartialWindow:
 
     def load(self, state: Mapping[str, Any]) -> None:
         self._state = state if "grads" in state else None
-        self._grads = None
+        self._grads, self.pending = None, False
 
     @property
     def loaded(self) -> bool:
         return self._state is not None
-
-    @property
-    def pending(self) -> bool:
-        """Whether a partial gradient waits to be put back."""
-        return self._grads is not None
 
     def numbers(self, strategy: Any, rank: int, checkpoint: object = None) -> list[float] | None:
         """At train start: this rank's numbers (``None`` without a partial window or in a one-process checkpoint);
@@ -100,7 +97,7 @@ class PartialWindow:
         if self._state is None:
             return None
         numbers, self._grads = load_partial(self._state, strategy, rank, checkpoint)
-        self._state = None
+        self._state, self.pending = None, self._grads is not None
         return numbers
 
     def put_back(self, params: Sequence[Tensor]) -> Partial | None:
@@ -108,5 +105,5 @@ class PartialWindow:
         grads = self._grads
         if grads is not None:
             gradients.restore(params, grads)
-            self._grads = None
+            self._grads, self.pending = None, False
         return grads

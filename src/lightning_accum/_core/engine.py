@@ -176,7 +176,8 @@ class WindowEngine:
     def backward_done(self) -> None:
         """The counted micro-batch's backward pass finished: its gradient (and loss) is in the window."""
         self.backward_finished = True
-        self.metrics.commit()
+        if self.metrics.tracking:  # (else nothing was added)
+            self.metrics.commit()
 
     def batch_done(self) -> None:
         """The batch is over (nothing of it can be trained again)."""
@@ -466,7 +467,15 @@ class WindowEngine:
         if "schedule" in state:
             self.schedule.load_state_dict(state["schedule"])
         if "lr_schedule" in state:
-            self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
+            if callable(getattr(self.lr_schedule, "load_state_dict", None)):
+                self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
+            else:  # (the run goes on without the checkpoint's multiplier: the user left it out, or swapped it)
+                warnings.warn(
+                    "The checkpoint holds the state of an `lr_schedule`, but this run's `lr_schedule` "
+                    f"({self.lr_schedule!r}) has no `load_state_dict` to take it: the run goes on without it. Pass "
+                    "the checkpoint's `lr_schedule` again to continue its multiplier.",
+                    stacklevel=3,
+                )
         window = state.get("window")
         self.window = None if window is None else Window.from_state_dict(window)
         self.first_k, self.first_units = state.get("first_k"), state.get("first_units")

@@ -72,56 +72,71 @@ class WindowMetrics:
 
     def __init__(self) -> None:
         self.tracking = False
-        self._losses: dict[str, list[tuple[Tensor | float, float]]] = {}  # name -> (loss, factor), committed
-        self._pending: list[tuple[str, Tensor, float]] = []
+        # each loss's name, value and factor in the order added (parallel lists: a micro-batch builds nothing and
+        # keeps only its detached loss); the first `_committed` are the window's, grouped by name when read
+        self._names: list[str] = []
+        self._values: list[Tensor | float] = []
+        self._factors: list[float] = []
+        self._committed = 0
         self._grad_sq: Tensor | None = None
 
     def clear(self) -> None:
         """Forget the window's losses (a new window, or one redone from its start)."""
-        self._losses, self._pending, self._grad_sq = {}, [], None
+        self._names, self._values, self._factors, self._committed, self._grad_sq = [], [], [], 0, None
 
     def add_loss(self, loss: Tensor, name: str = "loss", factor: float = 1.0) -> None:
         """A micro-batch's loss as it went into backward (before the window's division, times ``factor``),
         or a task's."""
         if self.tracking:
-            self._pending.append((name, loss.detach(), factor))
+            self._names.append(name)
+            self._values.append(loss.detach())
+            self._factors.append(factor)
 
     def commit(self) -> None:
         """The micro-batch's backward pass finished: its losses are the window's."""
-        if self._pending:
-            for name, loss, factor in self._pending:
-                self._losses.setdefault(name, []).append((loss, factor))
-            self._pending = []
+        self._committed = len(self._values)
 
     def drop(self) -> None:
         """The micro-batch under way is taken back (its gradient never reached the window)."""
-        self._pending = []
+        n = self._committed
+        del self._names[n:], self._values[n:], self._factors[n:]
+
+    def _losses(self) -> dict[str, list[tuple[Tensor | float, float]]]:
+        """The committed losses by name, sorted by name: ``(loss, factor)`` in the order added."""
+        losses: dict[str, list[tuple[Tensor | float, float]]] = {}
+        committed = self._names[: self._committed]  # (the values and factors may run on: one under way)
+        for name, value, factor in zip(committed, self._values, self._factors, strict=False):
+            group = losses.get(name)
+            if group is None:
+                group = losses[name] = []
+            group.append((value, factor))
+        return losses if len(losses) < 2 else dict(sorted(losses.items()))
 
     def names(self) -> list[str]:
         """The names of the committed losses, sorted (every rank logs the same names)."""
-        return sorted(self._losses)
+        return list(self._losses())
 
     def sums(self) -> list[Tensor | float]:
         """This rank's committed sums, in ``names()`` order, in float64 (on the device where they are
         tensors): what the window's count all-reduce adds over ranks, and what a checkpoint keeps."""
-        return [_sum(self._losses[name]) for name in self.names()]
+        return [_sum(entries) for entries in self._losses().values()]
 
     def parts(self) -> list[tuple[str, list[Tensor], float, float]]:
         """This rank's committed losses in ``names()`` order, to be read and summed on the host: for each,
         ``(name, parts, factor, offset)``, the sum being ``factor * sum(parts) + offset``."""
         out: list[tuple[str, list[Tensor], float, float]] = []
-        for name in sorted(self._losses):
+        for name, entries in self._losses().items():
             tensors: list[Tensor] = []
             factors: set[float] = set()
             offset = 0.0
-            for value, factor in self._losses[name]:
+            for value, factor in entries:
                 if isinstance(value, Tensor):
                     tensors.append(value)
                     factors.add(factor)
                 else:
                     offset += value * factor
             if len(factors) > 1:  # (not within one window: each adapter's factor is the window's)
-                summed = _sum([e for e in self._losses[name] if isinstance(e[0], Tensor)])
+                summed = _sum([e for e in entries if isinstance(e[0], Tensor)])
                 out.append((name, [summed], 1.0, offset))  # type: ignore[list-item]  # (a tensor)
             else:
                 out.append((name, tensors, factors.pop() if factors else 1.0, offset))
@@ -144,7 +159,11 @@ class WindowMetrics:
     def load_sums(self, names: Sequence[str], values: Sequence[float]) -> None:
         """Put back sums a checkpoint held (this rank's)."""
         self.clear()
-        self._losses = {name: [(float(v), 1.0)] for name, v in zip(names, values, strict=True)}
+        self._names, self._values = list(names), [float(v) for v in values]
+        self._factors = [1.0] * len(self._values)
+        self._committed = len(self._values)
+        if len(self._names) != self._committed:
+            raise ValueError(f"{len(self._names)} loss names for {self._committed} sums")
 
     def add_grad_norm(self, grads: Sequence[Tensor]) -> None:
         """Where the window's gradient is made global after its counts (the mixin under DDP): the

@@ -10,14 +10,17 @@ from torch import Tensor
 
 from lightning_accum._lightning import extract_batch_size
 
+_SEQUENCES = (list, tuple)  # (one tuple of types, not built again on every call)
 
-def batch_size(batch: Any) -> int | None:
+
+def sample_count(batch: Any, needed_by: str | None) -> int:
     """Samples in a micro-batch: dim 0 of its first tensor, depth first (fast path; in a retrieval
-    batch ``{"queries": {...}, "passages": {...}}``, the queries), else Lightning's search;
-    ``None`` where neither finds one (a batch class of the user's own)."""
+    batch ``{"queries": {...}, "passages": {...}}``, the queries), else Lightning's search; where neither
+    finds one (a batch class of the user's own), 0 if nothing needs it, else an error: ``needed_by`` names
+    what needs it (a schedule keyed on samples, the noise scale in samples)."""
     first = batch
     while True:  # the first tensor, depth first (a tuple of types: faster than a union on the hot path)
-        if isinstance(first, (list, tuple)) and first:
+        if isinstance(first, _SEQUENCES) and first:
             first = first[0]
         elif isinstance(first, dict) and first:
             first = next(iter(first.values()))
@@ -28,19 +31,10 @@ def batch_size(batch: Any) -> int | None:
     try:
         return extract_batch_size(batch)
     except Exception:  # Lightning's MisconfigurationException: no tensor it can read a size from
-        return None
-
-
-def sample_count(batch: Any, needed_by: str | None) -> int:
-    """``batch_size``, or 0 where it is unknown and nothing needs it; ``needed_by`` names
-    what needs it (a schedule keyed on samples, the noise scale in samples)."""
-    samples = batch_size(batch)
-    if samples is not None:
-        return samples
-    if needed_by is not None:
-        raise ValueError(
-            f"{needed_by} needs each micro-batch's number of samples, but a batch of type `{type(batch).__name__}` "
-            "holds no tensor to read it from. Give batches as tensors (or dicts, lists, tuples or dataclasses of "
-            "them), or key the schedule on 'step', 'epoch' or 'items' (items are given by `count=`)."
-        )
-    return 0
+        if needed_by is None:
+            return 0
+    raise ValueError(
+        f"{needed_by} needs each micro-batch's number of samples, but a batch of type `{type(batch).__name__}` "
+        "holds no tensor to read it from. Give batches as tensors (or dicts, lists, tuples or dataclasses of "
+        "them), or key the schedule on 'step', 'epoch' or 'items' (items are given by `count=`)."
+    )

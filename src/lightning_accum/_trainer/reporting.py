@@ -238,6 +238,8 @@ class Readers:
         #: whether someone may read any `callback_metrics` key after any window (a hook, a batch reader); else
         #: every number is published at the loggers' steps and in each epoch's and the fit's last window only
         self.any_key = bool(hooks) or unknown
+        #: whether a window must know if it is an epoch's or the fit's last (then it publishes every number)
+        self.asks_last = log and not self.any_key
         self.bar = log and bar
         self._watched = watched
         self._norm_watched = any(key.endswith("grad_norm") for key in watched)

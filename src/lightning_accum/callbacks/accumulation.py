@@ -123,6 +123,7 @@ class AccumulationScheduler(Callback):
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
         self._partial = PartialWindow()  # a resumed window's part a checkpoint held
         self._strategy: Any = None
+        self._steps: Any = None  # Lightning's optimizer-step counter, of the fit
         # per fit
         self._optimizer: Optimizer | None = None
         self._counts: tuple[int, int | Tensor] = (0, 0)  # the batch being trained: (samples, items)
@@ -146,6 +147,11 @@ class AccumulationScheduler(Callback):
         self._reported = reporting.Reported()  # the last window's numbers, for monitors after a resume
         self._behind: Any = None  # the last stepped window, where not all its numbers were published (a Closing)
         self._restored = False  # whether this fit's checkpoint restored the window
+        # the hot path: a fit whose micro-batches are counted and nothing else (no split, DeepSpeed, shards, mean
+        # weighting or noise probe), and whether the batch now under way is one such in a window whose losses
+        # reach backward as Lightning divides them (then the next batch of the window takes the short hooks)
+        self._plain = False
+        self._lean = False
 
     @property
     def progress(self) -> Progress:
@@ -176,11 +182,19 @@ class AccumulationScheduler(Callback):
         set_divisor(trainer, self._divisor)
         _seam.resume_after_finished_epoch(trainer)
         self._optimizer, self._strategy = trainer.optimizers[0], trainer.strategy
+        self._steps = _seam.step_counter(trainer)  # (its `completed` is `trainer.global_step`)
         numbers = self._partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
             self._engine.load_local_numbers(numbers)
         self._frequencies = _seam.SchedulerFrequencies(trainer)
         self._trained = False  # whether this fit trained a batch yet
+        self._lean = False
+        self._plain = (
+            self._split is None
+            and not (self._deepspeed or self._sharded)
+            and self.reduction != "mean"
+            and self._engine.probe is None
+        )
         steps.warn_scheduler_horizons(trainer)
         self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
         self._behind = None
@@ -260,7 +274,7 @@ class AccumulationScheduler(Callback):
     def _teardown(self, trainer: pl.Trainer) -> None:
         """Leave the Trainer, the model's sync flags and the LR scheduler configs as the user made them."""
         self._release()
-        self._closed = False
+        self._closed = self._lean = False
         if self._unroute is not None:
             self._unroute()
             self._unroute = None
@@ -282,6 +296,12 @@ class AccumulationScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         engine = self._engine
+        if self._lean and engine.window is not None:  # (a plain window's next batch: counted, nothing else)
+            samples = sample_count(batch, engine.samples_needed_by)
+            self._counts = (samples, samples if self.count is None else self.count(batch))
+            self._batch_idx = batch_idx
+            return
+        self._lean = False
         if not self._trained:  # (the first batch after a resume: where Lightning's counters go off)
             _seam.keep_progress_consistent(trainer)
             self._trained = True
@@ -294,9 +314,11 @@ class AccumulationScheduler(Callback):
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
         self._redoing = engine.redo is not None and engine.redo == (trainer.current_epoch, batch_idx)
         # counted now, before `training_step` can change the batch (e.g. `labels = batch.pop("labels")`)
-        samples = sample_count(batch, self._engine.samples_needed_by)
+        samples = sample_count(batch, engine.samples_needed_by)
         self._counts = (samples, samples if self.count is None else self.count(batch))
         self._batch_idx = batch_idx
+        # what the short hooks leave out: a resumed window's gradient to put back, a batch trained again, a factor
+        self._lean = self._plain and self._loss_factor == 1.0 and engine.redo is None and not self._partial.pending
         if self._deepspeed:
             sync.deepspeed_boundary(trainer.strategy, self._closes_window(trainer))
         if self._split is not None:
@@ -311,9 +333,11 @@ class AccumulationScheduler(Callback):
             )
 
     def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        window = self._engine.open(trainer.current_epoch, batch_idx, trainer.strategy)
-        self._divisor = lightning_divisor(batch_idx, window.k)
-        set_divisor(trainer, self._divisor)
+        window = self._engine.open(trainer.current_epoch, batch_idx, self._strategy)
+        divisor = lightning_divisor(batch_idx, window.k)
+        if divisor != self._divisor:  # (in force since train start, or set by an earlier window)
+            set_divisor(trainer, divisor)
+            self._divisor = divisor
         if batch_idx % self._divisor:  # Lightning will not zero this window's first batch: do it
             assert self._optimizer is not None
             zero_grad_like_lightning(trainer, batch_idx, self._optimizer)
@@ -329,6 +353,12 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._lean:  # (what the long path below comes to for a plain batch)
+            samples, items = self._counts
+            self._engine.count(samples, items)
+            if self._engine.metrics.tracking:
+                self._engine.metrics.add_loss(loss, factor=self._divisor)
+            return
         engine, window = self._engine, self._engine.window
         if window is None:
             return
@@ -377,7 +407,11 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._release()
+        if self._lean:
+            self._engine.backward_done()
+            return
+        if self._holding:
+            self._release()
         engine = self._engine
         if self._split is not None:
             self._split.release()  # (DDP's sync back on)
@@ -387,7 +421,7 @@ class AccumulationScheduler(Callback):
                 engine.close_and_reduce(trainer.strategy, gradients.optimizer_params(self._optimizer))
                 self._closed = True
         engine.backward_done()
-        if not engine.wants_prefix() or self._optimizer is None or self._redoing:
+        if engine.probe is None or not engine.wants_prefix() or self._optimizer is None or self._redoing:
             return
         if self._closes_window(trainer):
             return  # this micro-batch closes the window: its gradient is already the window's (and synced)
@@ -411,9 +445,9 @@ class AccumulationScheduler(Callback):
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
-        step = trainer.global_step + 1  # (the step this window makes, as the loggers and `max_steps` count it)
+        step = self._steps.completed + 1  # (the step this window makes, as the loggers and `max_steps` count it)
         # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
-        last = not self._readers.any_key and (trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer))
+        last = self._readers.asks_last and (trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer))
         self._wants = wants = self._readers.wants(step, last)
         if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
             assert engine.closing is not None
@@ -422,7 +456,7 @@ class AccumulationScheduler(Callback):
             # (where it is read; not DeepSpeed's, which holds its own, nor a shard's, whose norm is not the window's)
             measured = (wants.norm or engine.probe is not None) and not (deepspeed or self._sharded)
             grads = gradients.optimizer_grads(optimizer) if measured else None
-            closing = engine.close(trainer.strategy, grads=grads, losses=wants.losses, norm=wants.norm)
+            closing = engine.close(self._strategy, grads=grads, losses=wants.losses, norm=wants.norm)
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
@@ -455,7 +489,10 @@ class AccumulationScheduler(Callback):
     ) -> None:
         engine = self._engine
         engine.batch_done()
-        self._release()  # (after a step that moved nothing: clipping back on)
+        if self._lean and engine.closing is None:
+            return
+        if self._holding:  # (after a step that moved nothing: clipping back on)
+            self._release()
         if self._split is not None:
             self._split.release()  # (a batch whose `training_step` returned None had no backward)
             self._split.batch_done()
@@ -467,7 +504,8 @@ class AccumulationScheduler(Callback):
             return
         if self._split is not None:
             self._split.forget_window()  # (the batches kept to redo it after an out-of-memory error)
-        engine.restore_lr()  # normally done by the optimizer's post-step hook already
+        if self._lr_hook is not None:  # (else no rate was scaled)
+            engine.restore_lr()  # normally done by the optimizer's post-step hook already
         closing = engine.advance(trainer.current_epoch)
         if closing.empty:
             return
