@@ -17,12 +17,14 @@ from lightning_accum._core.window import lightning_divisor
 from lightning_accum._seam import (
     DROPPED_SCHEDULER_KEYS,
     SCHEDULER_KEYS,
+    LoopCounters,
     after_module_hook,
     at_plateau_point,
     backward_skipped,
     batch_processed,
     batches_ran_out,
     ddp_comm_hook,
+    epoch_ends_after_this_batch,
     guard_zero_grad,
     keep_progress_consistent,
     keep_scheduler_keys,
@@ -32,7 +34,6 @@ from lightning_accum._seam import (
     set_divisor,
     set_up_training_loader,
     show_in_progress_bar,
-    step_counter,
     step_plateau_after_resume,
     steps_counted,
     suspend_clipping,
@@ -194,35 +195,59 @@ def test_step_and_epoch_end_seams() -> None:
     assert seams.ran_out == [False, False, True]
 
 
-class HeldStepCounter(pl.Callback):
-    """Holds the step counter from train start (as the callback does) and checks it is `global_step` after
-    every batch, through a resume from a checkpoint, and through a step taken back."""
+class HeldCounters(pl.Callback):
+    """Holds the loop counters from train start (as the callback does) and checks them against the Trainer's
+    properties at every step and batch: through a resume from a checkpoint, a step taken back, `max_steps`,
+    `limit_train_batches` and an iterable dataset's last batch."""
 
     def __init__(self) -> None:
-        self.checked, self.taken_back = 0, False
+        self.checked, self.lasts, self.taken_back = 0, [], False
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.counter = step_counter(trainer)
-        assert self.counter.completed == trainer.global_step
+        self.counters = LoopCounters(trainer)
+        assert self.counters.steps.completed == trainer.global_step
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        step, batch_idx = trainer.global_step + 1, trainer.fit_loop.epoch_loop.batch_idx
+        last = self.counters.last_window(step, batch_idx)
+        assert last == (trainer.max_steps == step or epoch_ends_after_this_batch(trainer))
+        self.lasts.append(last)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        assert self.counter.completed == trainer.global_step > 0
+        assert self.counters.steps.completed == trainer.global_step > 0
         if trainer.global_step == 3 and not self.taken_back:
             uncount_step(trainer)
             self.taken_back = True
-            assert self.counter.completed == trainer.global_step == 2
+            assert self.counters.steps.completed == trainer.global_step == 2
         self.checked += 1
 
 
-def test_step_counter_seam(tmp_path: Any) -> None:
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """An iterable dataset of `n` token batches: the loop learns its last batch from the fetcher only."""
+
+    def __init__(self, n: int) -> None:
+        self.data = TokenData(n)
+
+    def __iter__(self) -> Any:
+        return iter(self.data[i] for i in range(len(self.data)))
+
+
+def test_loop_counters_seam(tmp_path: Any) -> None:
     saves = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
-    first = HeldStepCounter()
+    first = HeldCounters()
     t = trainer(callbacks=[first, saves], max_steps=4, enable_checkpointing=True)
     t.fit(RawLossModel(), loader(TokenData(24), 4))
-    resumed = HeldStepCounter()
+    resumed = HeldCounters()
     t = trainer(callbacks=[resumed], max_steps=6)
     t.fit(RawLossModel(), loader(TokenData(24), 4), ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
     assert (first.checked, resumed.checked, t.global_step) == (5, 5, 6)
+    assert first.lasts[-1] and resumed.lasts[-1] and resumed.lasts[3]  # (max_steps; the first epoch's end)
+    limited = HeldCounters()
+    trainer(callbacks=[limited], max_epochs=2, limit_train_batches=3).fit(RawLossModel(), loader(TokenData(24), 4))
+    assert limited.lasts == [False, False, True] * 2
+    streamed = HeldCounters()
+    trainer(callbacks=[streamed], max_epochs=1).fit(RawLossModel(), loader(Stream(12), 4))
+    assert streamed.lasts == [False, False, True]
 
 
 class ProgressSeams(pl.Callback):

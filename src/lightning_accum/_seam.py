@@ -184,12 +184,31 @@ class SchedulerFrequencies:
         self.saved = []
 
 
-def step_counter(trainer: Any) -> Any:
-    """The counter whose ``completed`` is ``trainer.global_step`` under automatic optimization
+class LoopCounters:
+    """Lightning's loop counters that a window's end reads, held from train start: plain attributes (a
+    checkpoint loads them in place), read without the property chains behind ``trainer.global_step``,
+    ``max_steps``, ``is_last_batch`` and ``num_training_batches``.
+
+    ``steps.completed`` is ``trainer.global_step`` under automatic optimization
     (``_TrainingEpochLoop.global_step`` is ``automatic_optimization.optim_progress.optimizer_steps``, that is
-    ``optimizer.step.total.completed``). A checkpoint loads it in place, so a fit can hold it from train start
-    and read the step on every window without the property chain behind ``trainer.global_step``."""
-    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    ``optimizer.step.total.completed``); ``trainer.max_steps`` is the epoch loop's ``max_steps``,
+    ``trainer.is_last_batch`` its batch progress's ``is_last_batch`` and ``trainer.num_training_batches`` the
+    fit loop's ``max_batches``."""
+
+    def __init__(self, trainer: Any) -> None:
+        fit_loop = trainer.fit_loop
+        self._fit_loop, self._epoch_loop = fit_loop, fit_loop.epoch_loop
+        self._batches = fit_loop.epoch_loop.batch_progress
+        self.steps = fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+
+    def last_window(self, step: int, batch_idx: int) -> bool:
+        """Whether the window that makes optimizer step ``step`` after batch ``batch_idx`` is the fit's last
+        (``max_steps``) or its epoch's (data exhausted or the batch limit: ``epoch_ends_after_this_batch``)."""
+        return (
+            step == self._epoch_loop.max_steps
+            or self._batches.is_last_batch
+            or batch_idx + 1 >= self._fit_loop.max_batches
+        )
 
 
 def uncount_step(trainer: Any) -> None:

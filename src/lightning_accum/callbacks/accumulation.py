@@ -123,7 +123,7 @@ class AccumulationScheduler(Callback):
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
         self._partial = PartialWindow()  # a resumed window's part a checkpoint held
         self._strategy: Any = None
-        self._steps: Any = None  # Lightning's optimizer-step counter, of the fit
+        self._counters: Any = None  # Lightning's loop counters, of the fit (`_seam.LoopCounters`)
         # per fit
         self._optimizer: Optimizer | None = None
         self._counts: tuple[int, int | Tensor] = (0, 0)  # the batch being trained: (samples, items)
@@ -182,7 +182,7 @@ class AccumulationScheduler(Callback):
         set_divisor(trainer, self._divisor)
         _seam.resume_after_finished_epoch(trainer)
         self._optimizer, self._strategy = trainer.optimizers[0], trainer.strategy
-        self._steps = _seam.step_counter(trainer)  # (its `completed` is `trainer.global_step`)
+        self._counters = _seam.LoopCounters(trainer)
         numbers = self._partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
             self._engine.load_local_numbers(numbers)
@@ -445,9 +445,9 @@ class AccumulationScheduler(Callback):
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
-        step = self._steps.completed + 1  # (the step this window makes, as the loggers and `max_steps` count it)
+        step = self._counters.steps.completed + 1  # (the step this window makes, as the loggers and `max_steps` count)
         # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
-        last = self._readers.asks_last and (trainer.max_steps == step or _seam.epoch_ends_after_this_batch(trainer))
+        last = self._readers.asks_last and self._counters.last_window(step, self._batch_idx)
         self._wants = wants = self._readers.wants(step, last)
         if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
             assert engine.closing is not None
