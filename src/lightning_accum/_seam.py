@@ -6,8 +6,9 @@ gradients before the backward of the batch where ``batch_idx % trainer.accumulat
 == 0`` and divides every loss by ``trainer.accumulate_grad_batches``. Setting that attribute
 at a window's first batch, to ``lightning_accum._core.window.lightning_divisor``, makes the loop
 close the window exactly where the schedule says. It also reads the loop's batch progress
-(which part of a batch had run when an exception came), calls the loop's zero-grad path and
-writes the metrics its logger connector keeps (progress bar, callbacks', logged). Around the
+(which part of a batch had run when an exception came) and holds its step and epoch-end counters for
+a window's end (``LoopCounters``), calls the loop's zero-grad path and writes the metrics its logger
+connector keeps (progress bar, callbacks', logged). Around the
 batches it accumulates the loop enters ``strategy.block_backward_sync()``, which calls
 ``strategy.model.no_sync()`` on any model that has one (a runtime protocol check,
 ``lightning.pytorch.utilities.types.DistributedDataParallel``): FSDP (1) roots included.
