@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import pytest
@@ -186,6 +186,10 @@ class BatchReader(pl.Callback):
     def on_train_batch_end(self, *args: Any) -> None: ...
 
 
+def batch_reader() -> list[pl.Callback]:
+    return [BatchReader()]
+
+
 def fit(config: Config, k: int, batches: int, held: range, traced: range) -> CountedHooks:
     callback = config.make(k)
     counted = CountedHooks(callback, held, traced)
@@ -194,18 +198,30 @@ def fit(config: Config, k: int, batches: int, held: range, traced: range) -> Cou
     return counted
 
 
-@dataclass
-class Config:
-    make: Callable[[int], AccumulationScheduler]  # the callback, of k
-    # the hooks' work per micro-batch inside a window, as it is
+class Work(NamedTuple):
+    """The hooks' work per micro-batch inside a window, as it is."""
+
     tensor_ops: int
     builds: int
     calls: int  # the package's Python functions called (the hooks included): each is host time in place
     bytecodes: int  # the bytecodes run in the package's frames (the hooks' short path for a plain micro-batch)
     held: int
-    reads_per_window: int  # at its end: the counts, the losses and the gradient norm in one transfer
-    # a window's end in the middle of its epoch: (tensor operations, builds, the package's functions called), as it is
-    end_work: tuple[int, int, int]
+
+
+class EndWork(NamedTuple):
+    """A window's end in the middle of its epoch, as it is."""
+
+    reads: int  # the counts, the losses and the gradient norm in one transfer
+    tensor_ops: int
+    builds: int
+    calls: int
+
+
+@dataclass
+class Config:
+    make: Callable[[int], AccumulationScheduler]  # the callback, of k
+    work: Work
+    end: EndWork
     readers: Callable[[], list[pl.Callback]] = list  # who reads the windows' numbers (no logger, no progress bar)
     model: Callable[[], pl.LightningModule] = TokenModel
 
@@ -214,77 +230,29 @@ def items(k: int) -> AccumulationScheduler:
     return AccumulationScheduler(k, normalize="items", reduction="sum", count=count_tokens)
 
 
+def no_log(k: int) -> AccumulationScheduler:
+    return AccumulationScheduler(k, log=False)
+
+
+def summed() -> pl.LightningModule:
+    return TokenModel(reduction="sum")
+
+
 CONFIGS = {
     # nobody reads a window's numbers: no loss kept, nothing read (the fit's last numbers are published from the
     # host counts; each window keeps the learning rates it stepped with, in case the fit stops after it)
-    "log, nobody reads": Config(
-        AccumulationScheduler,
-        tensor_ops=0,
-        builds=2,
-        calls=9,
-        bytecodes=220,
-        held=0,
-        reads_per_window=0,
-        end_work=(0, 12, 21),
-    ),
+    "log, nobody reads": Config(AccumulationScheduler, Work(0, 2, 9, 220, 0), EndWork(0, 0, 12, 21)),
     # a monitor of the loss: each micro-batch's loss kept (a device tensor), read with the counts at the window's end
     "log, monitor": Config(
-        AccumulationScheduler,
-        tensor_ops=1,
-        builds=2,
-        calls=11,
-        bytecodes=275,
-        held=1,
-        reads_per_window=1,
-        end_work=(4, 48, 39),
-        readers=lambda: [Monitor("accum/loss")],
+        AccumulationScheduler, Work(1, 2, 11, 275, 1), EndWork(1, 4, 48, 39), lambda: [Monitor("accum/loss")]
     ),
     # a callback of the user's that may read any number: the loss and the gradient's norm, every window
-    "log, batch reader": Config(
-        AccumulationScheduler,
-        tensor_ops=1,
-        builds=2,
-        calls=11,
-        bytecodes=275,
-        held=1,
-        reads_per_window=1,
-        end_work=(6, 52, 41),
-        readers=lambda: [BatchReader()],
-    ),
-    "no log, batch reader": Config(
-        lambda k: AccumulationScheduler(k, log=False),
-        tensor_ops=0,
-        builds=2,
-        calls=9,
-        bytecodes=220,
-        held=0,
-        reads_per_window=0,
-        end_work=(0, 8, 19),
-        readers=lambda: [BatchReader()],
-    ),
+    "log, batch reader": Config(AccumulationScheduler, Work(1, 2, 11, 275, 1), EndWork(1, 6, 52, 41), batch_reader),
+    "no log, batch reader": Config(no_log, Work(0, 2, 9, 220, 0), EndWork(0, 0, 8, 19), batch_reader),
     # a copy of each micro-batch's count is kept on its device till the window's end
-    "items, tensor count, nobody reads": Config(
-        items,
-        tensor_ops=6,
-        builds=2,
-        calls=10,
-        bytecodes=255,
-        held=2,
-        reads_per_window=1,
-        end_work=(9, 54, 37),
-        model=lambda: TokenModel(reduction="sum"),
-    ),
+    "items, tensor count, nobody reads": Config(items, Work(6, 2, 10, 255, 2), EndWork(1, 9, 54, 37), model=summed),
     "items, tensor count, batch reader": Config(
-        items,
-        tensor_ops=7,
-        builds=2,
-        calls=12,
-        bytecodes=310,
-        held=3,
-        reads_per_window=1,
-        end_work=(14, 88, 56),
-        model=lambda: TokenModel(reduction="sum"),
-        readers=lambda: [BatchReader()],
+        items, Work(7, 2, 12, 310, 3), EndWork(1, 14, 88, 56), batch_reader, summed
     ),
 }
 
@@ -297,14 +265,14 @@ def test_no_host_read_and_bounded_work_per_microbatch(name: str) -> None:
     traced = [counted.batches[i] for i in TRACED]
     assert [b.reads for b in traced] == [0] * len(traced), "a host read per micro-batch"
     worst = max(traced, key=lambda b: len(b.tensor_ops))
-    assert len(worst.tensor_ops) <= config.tensor_ops, f"tensor operations per micro-batch: {worst.tensor_ops}"
+    assert len(worst.tensor_ops) <= config.work.tensor_ops, f"tensor operations per micro-batch: {worst.tensor_ops}"
     worst = max(traced, key=lambda b: len(b.builds))
-    assert len(worst.builds) <= config.builds, f"containers built per micro-batch: {worst.builds}"
+    assert len(worst.builds) <= config.work.builds, f"containers built per micro-batch: {worst.builds}"
     worst = max(traced, key=lambda b: len(b.calls))
-    assert len(worst.calls) <= config.calls, f"the package's functions called per micro-batch: {worst.calls}"
-    assert max(b.bytecodes for b in traced) <= config.bytecodes, "bytecodes run per micro-batch"
+    assert len(worst.calls) <= config.work.calls, f"the package's functions called per micro-batch: {worst.calls}"
+    assert max(b.bytecodes for b in traced) <= config.work.bytecodes, "bytecodes run per micro-batch"
     kept = sum(counted.batches[i].held for i in HELD) / len(HELD)
-    assert kept <= config.held, f"{kept} Python memory blocks kept per micro-batch"
+    assert kept <= config.work.held, f"{kept} Python memory blocks kept per micro-batch"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -313,10 +281,10 @@ def test_host_reads_only_at_window_ends(name: str) -> None:
     counted = fit(config, 4, 16, range(0), range(16))
     ends = counted.window_ends
     assert len(ends) == 4
-    assert [b.reads for b in ends] == [config.reads_per_window] * 4
+    assert [b.reads for b in ends] == [config.end.reads] * 4
     assert [b.reads for b in counted.batches.values() if not b.ends_window] == [0] * 12
     # the window ends in the middle of the epoch (the last publishes every number): their work, bounded
-    tensor_ops, builds, calls = config.end_work
+    _, tensor_ops, builds, calls = config.end
     assert max(len(b.tensor_ops) for b in ends[:3]) <= tensor_ops, [b.tensor_ops for b in ends[:3]]
     assert max(len(b.builds) for b in ends[:3]) <= builds, [b.builds for b in ends[:3]]
     assert max(len(b.calls) for b in ends[:3]) <= calls, [b.calls for b in ends[:3]]
