@@ -205,7 +205,7 @@ class LoopCounters:
     def last_window(self, step: int, batch_idx: int) -> bool:
         """Whether the window that makes optimizer step ``step`` after batch ``batch_idx`` is the fit's last
         (``max_steps``) or its epoch's (data exhausted or the batch limit: ``epoch_ends_after_this_batch``)."""
-        return (
+        return bool(
             step == self._epoch_loop.max_steps
             or self._batches.is_last_batch
             or batch_idx + 1 >= self._fit_loop.max_batches
