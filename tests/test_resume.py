@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -64,3 +66,46 @@ def test_resume_equals_uninterrupted(tmp_path: Path, stop: int | str) -> None:
     assert max_diff(params_of(full), expected) <= 1e-12
     state = torch.load(path, weights_only=False)["callbacks"]["AccumulationScheduler"]
     assert state["progress"]["step"] == int(path.stem.split("step=")[1])
+
+
+class Skipping(TokenModel):
+    """Returns no loss at the batches of `skip` (Lightning then runs no backward pass), and ends the epoch at
+    `cut` (`on_train_batch_start` returning -1)."""
+
+    def __init__(self, skip: set[tuple[int, int]] = set(), cut: tuple[int, int] | None = None) -> None:  # noqa: B006
+        super().__init__()
+        self.skip, self.cut = skip, cut
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if (self.current_epoch, batch_idx) in self.skip else super().training_step(batch, batch_idx)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if (self.current_epoch, batch_idx) == self.cut else None
+
+
+class SaveAt(pl.Callback):
+    def __init__(self, at: tuple[int, int], path: Path) -> None:
+        self.at, self.path = at, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if (trainer.current_epoch, args[-1]) == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+# (saved at batch 4 of the window of batches 3-5, k = 3; the window's batches after it run no backward pass, or
+# the epoch is cut short at batch 5 and the window discarded: the resumed gradient is put back where the window
+# steps, or dropped with it, never into the next window)
+@pytest.mark.parametrize(
+    "skip, cut", [({(0, 5)}, None), ({(0, 4), (0, 5)}, None), (set(), (0, 5))], ids=["last", "both", "cut"]
+)
+def test_resume_inside_a_window_whose_batches_after_it_run_no_backward(
+    tmp_path: Path, skip: set[tuple[int, int]], cut: tuple[int, int] | None
+) -> None:
+    at = (0, 3) if (0, 4) in skip else (0, 4)
+    path = tmp_path / "inside.ckpt"
+    full, resumed = Skipping(skip, cut), Skipping(skip, cut)
+    t = trainer(callbacks=[AccumulationScheduler(3), SaveAt(at, path)], max_epochs=2)
+    t.fit(full, ResumableLoader(TokenData(40), 4))
+    t = trainer(callbacks=[AccumulationScheduler(3)], max_epochs=2)
+    t.fit(resumed, ResumableLoader(TokenData(40), 4), ckpt_path=path)
+    assert max_diff(params_of(resumed), params_of(full)) <= 1e-12

@@ -100,6 +100,10 @@ class PartialWindow:
         self._state, self.pending = None, self._grads is not None
         return numbers
 
+    def forget(self) -> None:
+        """Drop a partial gradient still waiting (its window was discarded: the loop stopped inside it)."""
+        self._grads, self.pending = None, False
+
     def put_back(self, params: Sequence[Tensor]) -> Partial | None:
         """Put the partial gradient back into ``params`` (once); returns it (``None`` if none waited)."""
         grads = self._grads

@@ -169,6 +169,7 @@ class AccumulationScheduler(Callback):
         self._plan = plan
         if not self._restored:  # a fit not resumed from a checkpoint continues no window an earlier fit left open
             self._engine.discard()  # (one that failed inside it; Lightning zeroes the gradients before training)
+            self._partial.forget()
             self._reported.clear()  # (nor shows an earlier fit's numbers)
             if self._split is not None:
                 self._split.fresh_fit()
@@ -445,6 +446,8 @@ class AccumulationScheduler(Callback):
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
+        if self._partial.pending:  # resumed inside a window whose batches since ran no backward pass (`None`
+            self._partial.put_back(gradients.optimizer_params(optimizer))  # losses): its gradient is the window's
         step = self._counters.steps.completed + 1  # (the step this window makes, as the loggers and `max_steps` count)
         # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
         last = self._readers.asks_last and self._counters.last_window(step, self._batch_idx)
@@ -540,6 +543,7 @@ class AccumulationScheduler(Callback):
         if self._engine.window is not None and self._engine.closing is None:
             # the loop was stopped inside a window (e.g. `trainer.should_stop`): nothing was stepped
             self._engine.discard()
+            self._partial.forget()  # (nor is a resumed part of it put back into the next window)
 
     # ------------------------------------------------------------------ checkpoints
     @override
