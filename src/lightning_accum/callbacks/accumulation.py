@@ -229,7 +229,7 @@ class AccumulationScheduler(Callback):
             normalize=self.normalize,
             mean_items=self.reduction == "mean",
             count=self.count,
-            put_back=lambda: self._partial.put_back(params) if self._partial.pending else None,
+            put_back=self._put_back,
         )
         self._split.attach(fit)
         self._unroute = _seam.route_training_step(pl_module, self._split.step)
@@ -366,8 +366,8 @@ class AccumulationScheduler(Callback):
         if self._split is not None and not self._split.whole:
             self._count_pieces(trainer, loss)
             return
-        if self._partial.pending and self._optimizer is not None:  # resumed inside a window: its gradient, after
-            self._partial.put_back(gradients.optimizer_params(self._optimizer))  # any zeroing of this batch
+        if self._partial.pending:  # (after any zeroing of this batch)
+            self._put_back()
         mean = self.reduction == "mean"  # a mean over the micro-batch's items: weighted by their count
         # in the window already, or a mean over no items (NaN): the pass adds nothing (for a tensor count,
         # decided on the device)
@@ -446,8 +446,8 @@ class AccumulationScheduler(Callback):
         deepspeed = self._deepspeed
         if deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
-        if self._partial.pending:  # resumed inside a window whose batches since ran no backward pass (`None`
-            self._partial.put_back(gradients.optimizer_params(optimizer))  # losses): its gradient is the window's
+        if self._partial.pending:  # (where the window's batches since the resume ran no backward: `None` losses)
+            self._put_back()
         step = self._counters.steps.completed + 1  # (the step this window makes, as the loggers and `max_steps` count)
         # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
         last = self._readers.asks_last and self._counters.last_window(step, self._batch_idx)
@@ -471,6 +471,13 @@ class AccumulationScheduler(Callback):
                 engine.metrics.add_grad_norm(grads)
         engine.scale_lr(optimizer, keep=self._log)  # (the rates stepped with, for a report: any window may be one)
         self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
+
+    def _put_back(self) -> list[Tensor | None] | None:
+        """Resumed inside a window: its partial gradient into `.grad`, once, at the first backward pass or step
+        after the resume (after any zeroing of its next batch); returns it (``None`` if nothing waited)."""
+        if not self._partial.pending or self._optimizer is None:
+            return None
+        return self._partial.put_back(gradients.optimizer_params(self._optimizer))
 
     def _release(self) -> None:
         """End what `_pass` holds."""
