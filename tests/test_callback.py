@@ -266,3 +266,19 @@ def test_bad_count_at_run_time(bad: Any) -> None:
     callback = AccumulationScheduler(2, normalize="items", reduction="sum", count=lambda batch: bad)
     with pytest.raises(ValueError, match=r"item count \((from|the window's tensor count 0, from) `count\(batch\)`"):
         trainer(callbacks=[callback], max_epochs=1).fit(TokenModel(reduction="sum"), loader(TokenData(8), 4))
+
+
+def test_a_callback_reused_for_another_fit_goes_on_from_its_progress() -> None:
+    """A new Trainer, no checkpoint: the callback keeps its progress (as Lightning's callbacks keep their state
+    across fits, and the mixin's model its `accumulation_progress`), so a schedule by steps goes on."""
+    schedule = Piecewise({0: 1, 4: 3}, unit="step")
+    accumulation, recorder, model = AccumulationScheduler(schedule), KRecorder(), TokenModel(optimizer="plain-sgd")
+    for _ in range(2):  # (each fit makes its optimizer afresh: one without state)
+        trainer(callbacks=[accumulation, recorder], max_epochs=1).fit(model, loader(TokenData(32), 4))
+    expected, sizes = Reference(schedule, optimizer="plain-sgd").run([rank_batches(TokenData(32), 4)] * 2)
+    assert recorder.windows == sizes == [1, 1, 1, 1, 3, 1, 3, 3, 2]
+    assert max_diff(params_of(model), expected) <= TOL
+    assert (accumulation.progress.step, accumulation.progress.samples) == (len(sizes), 64)
+    fresh, recorder = AccumulationScheduler(schedule), KRecorder()  # a new callback starts afresh
+    trainer(callbacks=[fresh, recorder], max_epochs=1).fit(TokenModel(), loader(TokenData(32), 4))
+    assert recorder.windows == sizes[:6] and fresh.progress.step == 6

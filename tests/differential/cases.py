@@ -211,6 +211,13 @@ CASES: dict[str, dict[str, Any]] = {
         **_ITEMS, "adapter": "mixin", "mode": "microbatches", "reduction": "mean", "mean_by": "reduction", "n": 23,
         "batch_size": 3, "empty_batches": [0, 3], "schedule": {"family": "constant", "k": 2}, "optimizer": "adam",
         "lr": 0.01},
+    # a `training_step` returning `None` under the callback, resumed inside a window whose later batches return
+    # `None` (its saved gradient was put back only at the next backward pass: into the next window), or whose
+    # epoch a window of only `None` batches ends (nothing went in: no step)
+    "none_after_resume_callback": {"n": 28, "schedule": {"family": "constant", "k": 3}, "skip": [5],
+                                   "interruptions": [["save", 0, 4]], "optimizer": "adam", "lr": 0.01},
+    "none_window_callback": {**_ITEMS, "n": 28, "schedule": {"family": "constant", "k": 2}, "skip": [4, 5, 6],
+                             "scheduler": {"kind": "step", "interval": "step", "step_size": 1}},
 }  # fmt: skip
 
 

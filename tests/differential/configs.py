@@ -86,7 +86,8 @@ class Config:
     schedulers_by: str = "package"
     probe_in: str = "callback"  # where the probe is logged at each epoch's end: a "callback" or the "module" (after it)
     windows: str = "shared"  # the mixin's 2 optimizers: one "shared" window, or "each" its own, one after the other
-    skip: list[int] = dataclasses.field(default_factory=list)  # the mixin: batches (each epoch) trained by no block
+    skip: list[int] = dataclasses.field(default_factory=list)  # batches (each epoch) trained by no block (the mixin)
+    # or whose `training_step` returns `None` (the callback)
     plain: bool = False  # the callback adapter without `AccumulationScheduler`: Lightning's own loop (k = 1)
     estimate: bool = False  # `configure_optimizers` calls `lightning_accum.estimated_stepping_batches(trainer)`
     # the callback's `microbatch_size` (None, an int, or "auto"); with "auto", `oom` = [above, "forward" |
@@ -222,6 +223,7 @@ def generate(rng: random.Random) -> Config:
         c = fabric_config(c, rng)
     if c.adapter == "callback" and not c.plain:  # (`microbatch_size` is the package callback's)
         _microbatches(c)
+        _none_losses(c, batches)
     if c.adapter == "mixin":
         _mean_by(c)
     return c
@@ -255,6 +257,9 @@ def _contracts(rng: random.Random, c: Config, batches: int) -> None:
         c.empty_batches, c.lr_scaling, c.lr_schedule, c.monitor = [], None, None, "probe"  # (no `accum/*` to watch)
         c.callbacks = [name for name in c.callbacks if name != "ema"]  # (no window ends)
         c.interruptions = c.interruptions[:1]  # (Lightning alone counts a batch retried after two failures twice)
+        if c.max_steps != -1:  # (and resumed from SIGTERM at an epoch's last batch, it ends the next epoch after
+            # one batch: `_seam.resume_after_finished_epoch` mends that for `AccumulationScheduler` only)
+            c.interruptions = [i for i in c.interruptions if not (i[0] == "sigterm" and i[2] == batches - 1)]
         c.estimate = rng.random() < 0.7
         if c.decay is None and rng.random() < 0.7:
             c.decay = [rng.choice([0.0, 0.5, 0.9]), "sum", False]
@@ -302,6 +307,16 @@ def _microbatches(c: Config) -> None:
         c.oom = [rng.randint(1, c.batch_size), rng.choice(["forward", "backward"])]
     if any(kind == "training_step" for kind, _, _ in c.interruptions):
         c.fail_piece = rng.choice([0, 1])
+
+
+def _none_losses(c: Config, batches: int) -> None:
+    """Batches whose `training_step` returns `None` under the callback (Lightning runs no backward pass; the
+    window keeps its k loader batches, and what went in is normalised by itself), drawn from a generator of the
+    configuration's own. Not in Lightning's own loop (`plain`), whose step after a `None` moves Adam anyway, nor
+    with SWA (its BatchNorm epoch runs no backward pass either)."""
+    rng = random.Random(f"none/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if c.swa is None and rng.random() < 0.2:
+        c.skip = sorted(rng.sample(range(batches), rng.randint(1, max(1, batches // 2))))
 
 
 def fabric_config(c: Config, rng: random.Random) -> Config:

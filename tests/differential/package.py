@@ -124,11 +124,13 @@ class Automatic(_Base):
         super().__init__(c, data)
         self.calls: dict[tuple[int, int], int] = {}  # `training_step` calls per batch (one per piece)
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
         here = (self.current_epoch, batch_idx)
         self.calls[here] = self.calls.get(here, 0) + 1
         if self.calls[here] - 1 == self.c.fail_piece:  # (with `microbatch_size`, a later piece of the batch)
             self.maybe_fail()
+        if batch_idx in self.c.skip:
+            return None  # (Lightning runs no backward pass for the batch)
         over = self.c.oom is not None and len(batch["x"]) > self.c.oom[0]
         if over and self.c.oom[1] == "forward":  # type: ignore[index]
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")

@@ -225,26 +225,29 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
             else:
                 n = epoch - (c.swa[1] - 1)  # (averaged so far)
                 average = [a + (prm.detach() - a) / (n + 1) for a, prm in zip(average, net.parameters(), strict=True)]
-        trained = [j for j in range(batches) if j not in c.skip]  # (a skipped batch is in no window)
+        # (the mixin: a skipped batch is in no window; the callback: a window is k of the loader's batches, and one
+        # whose `training_step` returned `None` puts nothing in it)
+        trained = [j for j in range(batches) if c.adapter != "mixin" or j not in c.skip]
         i, end = 0, -1  # the position in `trained`; the batch index the last window was stepped at
         while i < len(trained) and not done:
             k = schedule_k(c.schedule, p)
             first_k = first_k or k
-            indices = trained[i : i + k]
+            span = trained[i : i + k]
+            i += len(span)
+            indices = [j for j in span if j not in c.skip]
             # each process's batches j: the data's j * world + r
             window = [data.batch(j * c.world + r) for j in indices for r in range(c.world)]
-            i += len(indices)
             # a window cut short at the epoch's end is stepped at its last batch, trained or not; the model's own
             # step (after the block when `acc.last`) comes where a window is full or the epoch's last batch ran
-            end = indices[-1] if len(indices) == k else batches - 1
+            end = span[-1] if len(span) == k else batches - 1
             if stop is not None and (epoch, end) > stop:  # the loop stopped inside this window: dropped
                 done = True
                 break
-            due = not by_model or len(indices) == k or indices[-1] == batches - 1
+            due = not by_model or len(span) == k or span[-1] == batches - 1
             samples = sum(len(b["x"]) for b in window)
             counts = [float(b["mask"].sum()) if c.count else float(len(b["x"])) for b in window]
             tokens = sum(counts)
-            if c.normalize == "items" and tokens == 0:  # nothing went in: no step, nothing changes
+            if not window or (c.normalize == "items" and tokens == 0):  # nothing went in: no step, nothing changes
                 p["samples"] += samples
                 if interval == "step" and by_model and due:  # (the model steps its scheduler at `acc.last` anyway)
                     sched.step()
