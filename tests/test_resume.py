@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_accum import AccumulationScheduler, Ramp
 
 from helpers import (
+    KRecorder,
     Reference,
     ResumableLoader,
     TokenData,
@@ -109,3 +110,22 @@ def test_resume_inside_a_window_whose_batches_after_it_run_no_backward(
     t = trainer(callbacks=[AccumulationScheduler(3)], max_epochs=2)
     t.fit(resumed, ResumableLoader(TokenData(40), 4), ckpt_path=path)
     assert max_diff(params_of(resumed), params_of(full)) <= 1e-12
+
+
+def test_a_window_resumed_under_other_normalize_or_reduction_is_refused(tmp_path: Path) -> None:
+    """Its partial gradient was summed under the options it was saved with (mean: 0.013 off, silently, before);
+    another schedule is taken up at the next window (the open one keeps its k)."""
+    path = tmp_path / "inside.ckpt"
+    data = TokenData(48, ragged=False)
+    full = TokenModel(optimizer="plain-sgd")
+    saving = [AccumulationScheduler(3), SaveAt((0, 4), path)]
+    trainer(callbacks=saving, max_epochs=1).fit(full, ResumableLoader(data, 4))
+    items = AccumulationScheduler(3, normalize="items", count=lambda b: 5 * len(b["x"]), reduction="mean")
+    with pytest.raises(ValueError, match=r"normalize='mean', reduction='sum'; this run has normalize='items'"):
+        trainer(callbacks=[items], max_epochs=1).fit(TokenModel(), ResumableLoader(data, 4), ckpt_path=path)
+    resumed = TokenModel(optimizer="plain-sgd")
+    trainer(callbacks=[AccumulationScheduler(3)], max_epochs=1).fit(resumed, ResumableLoader(data, 4), ckpt_path=path)
+    assert max_diff(params_of(resumed), params_of(full)) == 0.0
+    other, recorder = AccumulationScheduler(2), KRecorder()
+    trainer(callbacks=[other, recorder], max_epochs=1).fit(TokenModel(), ResumableLoader(data, 4), ckpt_path=path)
+    assert recorder.windows == [1, 2, 2, 2]  # the open window (k = 3) ends at batch 5, then k = 2

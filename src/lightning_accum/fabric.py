@@ -179,7 +179,7 @@ class FabricAccumulator:
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.normalize, self.count = normalize, count
         self.clip_val, self.clip_algorithm = gradient_clip_val, gradient_clip_algorithm
-        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule)
+        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
         self._engine.start_fit(self._plan, log)
         # Fabric's own backward (refused to the user inside a block, where the instance's attribute is set)
         self._fabric_backward = functools.partial(type(fabric).backward, fabric)

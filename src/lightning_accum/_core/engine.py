@@ -106,6 +106,7 @@ class WindowEngine:
         normalize: str = "mean",
         lr_scaling: str | None = None,
         lr_schedule: LRMultiplier | None = None,
+        reduction: str | None = None,
     ) -> None:
         self.plan = sync.SyncPlan()
         self.progress = Progress()
@@ -126,7 +127,7 @@ class WindowEngine:
         self.metrics = WindowMetrics()  # the windows' losses, while logging
         #: the learning rates the closing window's step used: (optimizer, each group's LR)
         self.used_lrs: list[tuple[Any, list[Any]]] = []
-        self.configure(schedule, normalize, lr_scaling, lr_schedule)
+        self.configure(schedule, normalize, lr_scaling, lr_schedule, reduction)
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         """What a fit gives: its sync plan, and whether the windows' losses are tracked (for logging)."""
@@ -134,10 +135,16 @@ class WindowEngine:
         self.metrics.tracking = track
 
     def configure(
-        self, schedule: Schedule, normalize: str, lr_scaling: str | None, lr_schedule: LRMultiplier | None = None
+        self,
+        schedule: Schedule,
+        normalize: str,
+        lr_scaling: str | None,
+        lr_schedule: LRMultiplier | None = None,
+        reduction: str | None = None,
     ) -> None:
         """Set (or change, keeping progress and the open window) what the engine computes with."""
         self.schedule, self.normalize, self.lr_scaling = schedule, normalize, lr_scaling
+        self.reduction = reduction  # (with `normalize`: what an open window's partial gradient is a sum of)
         self.lr_schedule, self._lr_multiplier = lr_schedule, None
         self.probe: NoiseProbe | None = None
         if isinstance(schedule, NoiseScale):
@@ -454,6 +461,8 @@ class WindowEngine:
             state["adascale"] = self.adascale.state_dict()
         if callable(getattr(self.lr_schedule, "state_dict", None)):
             state["lr_schedule"] = self.lr_schedule.state_dict()  # type: ignore[union-attr]
+        if window is not None:  # (what its partial gradient is a sum of: a resume must sum the same)
+            state["window_options"] = self._window_options()
         if window is not None and self.probe is not None:
             state["probe"] = self.probe.state_dict()
         if window is not None and self.redo is not None:
@@ -462,7 +471,21 @@ class WindowEngine:
             state["losses"] = dict(zip(self.metrics.names(), (float(v) for v in self.metrics.sums()), strict=True))
         return state
 
+    def _window_options(self) -> dict[str, str | None]:
+        return {"normalize": self.normalize, "reduction": self.reduction}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("window_options")
+        if state.get("window") is not None and saved is not None and saved != self._window_options():
+            here = self._window_options()
+            raise ValueError(
+                "The checkpoint was written inside an accumulation window whose partial gradient was summed under "
+                f"normalize={saved['normalize']!r}, reduction={saved['reduction']!r}; this run has "
+                f"normalize={here['normalize']!r}, reduction={here['reduction']!r}, under which that gradient "
+                "would be normalised as it was not summed. Resume with the checkpoint's `normalize` and "
+                "`reduction` (and change them from a checkpoint written at an optimizer step), or resume from a "
+                "checkpoint written at an optimizer step."
+            )
         self.progress = Progress(**state["progress"])
         if "schedule" in state:
             self.schedule.load_state_dict(state["schedule"])

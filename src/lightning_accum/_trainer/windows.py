@@ -39,7 +39,7 @@ class MixinWindows:
     def configure(self, config: AccumulationConfig) -> None:
         self.config = config
         for engine in self.engines.values():
-            engine.configure(config.schedule, config.normalize, config.lr_scaling, config.lr_schedule)
+            engine.configure(config.schedule, config.normalize, config.lr_scaling, config.lr_schedule, config.reduction)
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         self._plan, self._track = plan, track
@@ -52,7 +52,7 @@ class MixinWindows:
         engine = self.engines.get(key)
         if engine is None:
             c = self.config
-            engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule)
+            engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule, c.reduction)
             engine.start_fit(self._plan, self._track)
         return engine
 

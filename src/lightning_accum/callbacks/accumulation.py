@@ -115,7 +115,7 @@ class AccumulationScheduler(Callback):
         self._log = check_flag("log", log)  # not `self.log`: Lightning binds `log` on callbacks
         self.sync = sync
         self.microbatch_size = check_microbatch_size(microbatch_size)
-        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule)
+        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
         # `microbatch_size`: each loader batch's `training_step` run piece by piece (None: no split, no work)
         self._split = None if self.microbatch_size is None else Pieces(self.microbatch_size)
         self._unroute: Any = None  # gives the module its own `training_step` back
