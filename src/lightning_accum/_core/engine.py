@@ -475,9 +475,8 @@ class WindowEngine:
         return {"normalize": self.normalize, "reduction": self.reduction}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state.get("window_options")
-        if state.get("window") is not None and saved is not None and saved != self._window_options():
-            here = self._window_options()
+        saved, here = state.get("window_options"), self._window_options()
+        if state.get("window") is not None and saved not in (None, here):  # (checkpoints before it: not known)
             raise ValueError(
                 "The checkpoint was written inside an accumulation window whose partial gradient was summed under "
                 f"normalize={saved['normalize']!r}, reduction={saved['reduction']!r}; this run has "
