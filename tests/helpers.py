@@ -403,6 +403,13 @@ class ChildLauncher(_MultiProcessingLauncher):
         pass
 
 
+def warm_processes() -> Any:
+    """The fork-server context: fresh processes forked from one server that imported what the tests' children
+    need and ran nothing (a session has one server, whichever test starts it: so one preload list)."""
+    multiprocessing.set_forkserver_preload(["helpers", "deepspeed", "lightning.pytorch"])
+    return multiprocessing.get_context("forkserver")
+
+
 class CPUDeepSpeed(DeepSpeedStrategy):
     """Lightning's DeepSpeed strategy with its CUDA-only checks lifted (test-only: private
     overrides), so that DeepSpeed's engine runs on its CPU accelerator with gloo. The ranks are
@@ -417,7 +424,7 @@ class CPUDeepSpeed(DeepSpeedStrategy):
         if len(self.parallel_devices or []) > 1:
             self._launcher = ChildLauncher(self, start_method="spawn")
             return
-        multiprocessing.set_forkserver_preload(["helpers", "deepspeed", "lightning.pytorch"])
+        warm_processes()
         self._launcher = ChildLauncher(self, start_method="forkserver")
 
     def setup_environment(self) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import runpy
 import sys
@@ -10,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from helpers import warm_processes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -35,8 +36,7 @@ def run(script: str, *args: str) -> str:
     """The script's output; it must not carry Lightning's start-up banners, tips and advisories. Each runs in a
     process of its own, forked from a server that imported Lightning once and ran nothing (a spawned
     interpreter would spend about 5 of its 6-8 seconds importing Lightning again)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["lightning.pytorch"])
+    context = warm_processes()
     handle, name = tempfile.mkstemp(suffix=".out")
     os.close(handle)
     out = Path(name)
