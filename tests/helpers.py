@@ -12,6 +12,8 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -397,10 +399,19 @@ class Float32ManualTokenModel(ManualTokenModel):
 
 class ChildLauncher(_MultiProcessingLauncher):
     """Fork (or spawn) the ranks: strategies that Lightning launches by re-running the script
-    would re-run pytest. The ranks report through files; nothing is loaded back here."""
+    would re-run pytest. The ranks report through files; nothing is loaded back here. Each rank
+    leaves as a forked child does, without finalising its interpreter: a spawned one can otherwise
+    abort after its work is done (a gloo worker thread still dropping a finished collective's
+    tensors; SIGABRT, "terminate called without an active exception")."""
 
     def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
         pass
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)  # (rank 0 has handed its result back by now)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def warm_processes() -> Any:
