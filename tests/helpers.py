@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -398,17 +399,22 @@ class Float32ManualTokenModel(ManualTokenModel):
 
 
 class ChildLauncher(_MultiProcessingLauncher):
-    """Fork (or spawn) the ranks: strategies that Lightning launches by re-running the script
-    would re-run pytest. The ranks report through files; nothing is loaded back here. Each rank
-    leaves as a forked child does, without finalising its interpreter: a spawned one can otherwise
-    abort after its work is done (a gloo worker thread still dropping a finished collective's
-    tensors; SIGABRT, "terminate called without an active exception")."""
+    """Fork the ranks (or start them from the fork server, or spawn them): strategies that Lightning
+    launches by re-running the script would re-run pytest. The ranks report through files; nothing
+    is loaded back here. Two things Lightning does for spawned ranks only, done here for the fork
+    server's too: a module's tensors pickled to a rank are copied out of the shared memory torch puts
+    them in (else every rank steps the same parameters: ZeRO stage 0 ended 0.05 off the reference).
+    And each rank leaves as a forked child does, without finalising its interpreter: otherwise a gloo or
+    DeepSpeed thread still holding a finished collective's tensors can abort it after its work is done
+    (SIGABRT, "terminate called without an active exception")."""
 
     def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
         pass
 
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)  # (rank 0 has handed its result back by now)
+    def _wrapping_function(self, idx: int, trainer: Any, function: Any, args: Any, kwargs: Any, *rest: Any) -> None:
+        if self._start_method == "forkserver":  # (pickled as for "spawn", where Lightning unshares them)
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        super()._wrapping_function(idx, trainer, function, args, kwargs, *rest)  # (rank 0's result is handed back)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -426,15 +432,10 @@ class CPUDeepSpeed(DeepSpeedStrategy):
     overrides), so that DeepSpeed's engine runs on its CPU accelerator with gloo. The ranks are
     fresh processes: forked DeepSpeed ranks hang in their first parallel kernel once the parent has
     used its OpenMP pool, and DeepSpeed keeps process-wide state that a second run in one process
-    cannot re-initialise. One rank is forked from a fork server that imported DeepSpeed and
-    Lightning once and ran nothing (about 1.3 s a fit against 7 s spawned). Two ranks are spawned:
-    forked from the server, ZeRO stage 0's two ranks ended 0.06 off the reference (not understood;
-    spawned, they match it)."""
+    cannot re-initialise. They are forked from a fork server that imported DeepSpeed and Lightning
+    once and ran nothing (about 1.3 s a fit against 7 s spawned)."""
 
     def _configure_launcher(self) -> None:
-        if len(self.parallel_devices or []) > 1:
-            self._launcher = ChildLauncher(self, start_method="spawn")
-            return
         warm_processes()
         self._launcher = ChildLauncher(self, start_method="forkserver")
 
