@@ -164,6 +164,12 @@ CASES: dict[str, dict[str, Any]] = {
         "adapter": "mixin", "n": 30, "epochs": 2, "refit": [0, 4], "optimizer": "adam", "lr": 0.01,
         "decay": [0.5, "sum", False], "lr_scaling": "linear",
         "schedule": {"family": "ramp", "start": 1, "end": 4, "over": 4, "unit": "step"}},
+    # stop 39: a callback reused by a new Trainer goes on from its progress (its schedule, first k and decay), as the
+    # mixin's model does; a new one starts afresh
+    "callback_reused_for_a_refit": {
+        "adapter": "callback", "n": 30, "epochs": 2, "refit": [0, 4], "optimizer": "adam", "lr": 0.01,
+        "decay": [0.5, "sum", False], "lr_scaling": "linear",
+        "schedule": {"family": "ramp", "start": 1, "end": 4, "over": 4, "unit": "step"}},
     "mixin_refit_windows_of_their_own": {
         "adapter": "mixin", "n": 30, "epochs": 2, "refit": [0, 4], "optimizers": 2, "windows": "each",
         "schedule": {"family": "constant", "k": 3}, "scheduler": {"kind": "step", "interval": "step", "step_size": 1}},

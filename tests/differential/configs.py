@@ -280,13 +280,17 @@ def _lightning_order(c: Config, batches: int) -> None:
     """Where the mixin meets Lightning's order of hooks (the adversarial pass after issue 31), drawn from a
     generator of the configuration's own (the other draws stay as they were): a step-interval plateau on a metric
     logged after the batch (either adapter), a `zero_grad()` left in the mixin's `training_step`, a refit after a
-    fit stopped inside a window."""
+    fit stopped inside a window (the mixin's model, or the callback reused by a new Trainer)."""
     rng = random.Random(f"order/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
     if c.swa is None and rng.random() < 0.12:
         c.scheduler, c.schedulers_by = {"kind": "plateau", "interval": "step"}, "package"
         # (Lightning steps it after the batch's end hooks: a checkpoint written there, or a failure after them,
         # misses that batch's step, package or not; so only failures before the batch is processed)
         c.interruptions = [i for i in c.interruptions if i[0] in ("on_train_batch_start", "training_step")]
+    if c.adapter == "callback" and not c.plain and c.swa is None and batches > 1:
+        if rng.random() < 0.1:  # (the callback reused: its progress goes on, as the mixin's model's)
+            c.refit, c.interruptions = [0, rng.randrange(batches - 1)], []
+        return
     if c.adapter != "mixin":
         return
     r = rng.random()

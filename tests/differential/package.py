@@ -64,6 +64,26 @@ def lr_schedule(c: Config) -> Any:
     return None if s is None else WarmupCosine(s["warmup"], s["total"], unit=s["unit"], final=s["final"])
 
 
+def package_callbacks(c: Config) -> list[pl.Callback]:
+    """The package's callbacks of a callback configuration (none for the mixin)."""
+    callbacks: list[pl.Callback] = []
+    if c.adapter == "callback" and not c.plain:
+        callbacks.append(
+            la.AccumulationScheduler(
+                schedule(c.schedule),
+                normalize=c.normalize,  # type: ignore[arg-type]
+                count=count_tokens if c.count else None,
+                reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
+                lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
+                lr_schedule=lr_schedule(c),
+                microbatch_size=c.microbatch_size,
+            )
+        )
+    if c.adapter == "callback" and c.decay is not None:
+        callbacks.append(decay(c))  # type: ignore[arg-type]
+    return callbacks
+
+
 def decay(c: Config) -> la.GradientDecay | None:
     return None if c.decay is None else la.GradientDecay(c.decay[0], mode=c.decay[1], bias_correction=c.decay[2])
 
@@ -446,20 +466,9 @@ def _fit(
     if first and c.refit is not None:
         callbacks.append(Stopper((c.refit[0], c.refit[1])))
     ema = model.window_ema = WindowEMA()
-    if c.adapter == "callback" and not c.plain:
-        callbacks.append(
-            la.AccumulationScheduler(
-                schedule(c.schedule),
-                normalize=c.normalize,  # type: ignore[arg-type]
-                count=count_tokens if c.count else None,
-                reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
-                lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
-                lr_schedule=lr_schedule(c),
-                microbatch_size=c.microbatch_size,
-            )
-        )
-    if c.adapter == "callback" and c.decay is not None:
-        callbacks.append(decay(c))  # type: ignore[arg-type]
+    if first:  # (a refit reuses the first fit's: their progress goes on, as the mixin's model's)
+        model.package_callbacks = package_callbacks(c)
+    callbacks += model.package_callbacks
     if "model_checkpoint" in c.callbacks:
         callbacks.append(ModelCheckpoint(tmp / "user", every_n_train_steps=2, save_top_k=-1))
     if "lr_monitor" in c.callbacks:
