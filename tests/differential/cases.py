@@ -164,6 +164,11 @@ CASES: dict[str, dict[str, Any]] = {
         "adapter": "mixin", "n": 30, "epochs": 2, "refit": [0, 4], "optimizer": "adam", "lr": 0.01,
         "decay": [0.5, "sum", False], "lr_scaling": "linear",
         "schedule": {"family": "ramp", "start": 1, "end": 4, "over": 4, "unit": "step"}},
+    # stop 40: the Fabric loop's `flush()` at an epoch's end stepped the step `max_steps` asked for, and the loop went
+    # on into the next epoch (the runner's own check, after each block only)
+    "fabric_max_steps_reached_by_an_epochs_flush": {
+        "adapter": "fabric", "n": 7, "batch_size": 2, "epochs": 3, "max_steps": 6, "passes": 2,
+        "schedule": {"family": "lambda", "fn": "cycle3"}},
     # stop 39: a callback reused by a new Trainer goes on from its progress (its schedule, first k and decay), as the
     # mixin's model does; a new one starts afresh
     "callback_reused_for_a_refit": {

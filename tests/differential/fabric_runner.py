@@ -126,7 +126,9 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
                     run = _Run(c, fabric, lrs, again)
         if done:
             break
-        run.acc.flush()
+        run.acc.flush()  # (the epoch's short last window, stepped: it counts towards `max_steps` too)
+        if c.max_steps != -1 and run.acc.progress.step >= c.max_steps:
+            break
     out_lrs = [lrs[s] for s in sorted(lrs)]
     adam = optimizer_state(c, [run.optimizer.optimizer])
     if adam is not None:  # (FSDP2: each rank holds its shard of Adam's state)
