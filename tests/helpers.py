@@ -401,12 +401,12 @@ class Float32ManualTokenModel(ManualTokenModel):
 class ChildLauncher(_MultiProcessingLauncher):
     """Fork the ranks (or start them from the fork server, or spawn them): strategies that Lightning
     launches by re-running the script would re-run pytest. The ranks report through files; nothing
-    is loaded back here. Two things Lightning does for spawned ranks only, done here for the fork
-    server's too: a module's tensors pickled to a rank are copied out of the shared memory torch puts
-    them in (else every rank steps the same parameters: ZeRO stage 0 ended 0.05 off the reference).
-    And each rank leaves as a forked child does, without finalising its interpreter: otherwise a gloo or
-    DeepSpeed thread still holding a finished collective's tensors can abort it after its work is done
-    (SIGABRT, "terminate called without an active exception")."""
+    is loaded back here. A module's tensors pickled to a fork-server rank are copied out of the shared
+    memory torch puts them in, as Lightning does for spawned ranks only (else every rank steps the same
+    parameters: ZeRO stage 0 ended 0.05 off the reference). Each rank leaves as a forked child does,
+    without finalising its interpreter: otherwise a gloo or DeepSpeed thread still holding a finished
+    collective's tensors can abort it after its work is done (SIGABRT, "terminate called without an
+    active exception")."""
 
     def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
         pass

@@ -109,7 +109,7 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
             options = {"epoch": epoch} if epoch_arg else {}
             with run.acc.accumulate(batch, last=c.last_arg and j == batches - 1, **options) as step:
                 backward(c, run.model, batch, step)
-            if c.max_steps != -1 and run.acc.progress.step >= c.max_steps:
+            if steps_done(c, run):
                 done = True
                 break
             # a checkpoint, then a fresh process resuming from it (under FSDP2 only where a window just stepped:
@@ -126,14 +126,19 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
                     run = _Run(c, fabric, lrs, again)
         if done:
             break
-        run.acc.flush()  # (the epoch's short last window, stepped: it counts towards `max_steps` too)
-        if c.max_steps != -1 and run.acc.progress.step >= c.max_steps:
+        run.acc.flush()
+        if steps_done(c, run):  # (the epoch's short last window, stepped by the flush, counts too)
             break
     out_lrs = [lrs[s] for s in sorted(lrs)]
     adam = optimizer_state(c, [run.optimizer.optimizer])
     if adam is not None:  # (FSDP2: each rank holds its shard of Adam's state)
         adam = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()} for s in adam]
     return Result(run.params(), run.acc.progress.step, out_lrs, adam, None)
+
+
+def steps_done(c: Config, run: _Run) -> bool:
+    """Whether the loop has made the ``max_steps`` optimizer steps asked for."""
+    return c.max_steps != -1 and run.acc.progress.step >= c.max_steps
 
 
 def backward(c: Config, model: Any, batch: dict[str, torch.Tensor], step: Any) -> None:

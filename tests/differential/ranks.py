@@ -46,7 +46,7 @@ def shard(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
 class _SpawnLauncher(_MultiProcessingLauncher):
     """Spawned ranks that leave as a forked child does, without finalising their interpreter: a gloo
     worker thread still dropping a finished collective's tensors then aborts the rank after its work
-    is done (SIGABRT, "terminate called without an active exception"; about 1 run in 10 here)."""
+    is done (SIGABRT, "terminate called without an active exception"; about 1 run in 8 here)."""
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy, start_method="spawn")
