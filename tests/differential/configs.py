@@ -222,6 +222,7 @@ def generate(rng: random.Random) -> Config:
     if rng.random() < 0.15:  # the same options in a Fabric loop, where it has them
         c = fabric_config(c, rng)
     if c.adapter == "callback" and not c.plain:  # (`microbatch_size` is the package callback's)
+        _callback_refit(c, batches)
         _microbatches(c)
         _none_losses(c, batches)
     if c.adapter == "mixin":
@@ -280,23 +281,28 @@ def _lightning_order(c: Config, batches: int) -> None:
     """Where the mixin meets Lightning's order of hooks (the adversarial pass after issue 31), drawn from a
     generator of the configuration's own (the other draws stay as they were): a step-interval plateau on a metric
     logged after the batch (either adapter), a `zero_grad()` left in the mixin's `training_step`, a refit after a
-    fit stopped inside a window (the mixin's model, or the callback reused by a new Trainer)."""
+    fit stopped inside a window."""
     rng = random.Random(f"order/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
     if c.swa is None and rng.random() < 0.12:
         c.scheduler, c.schedulers_by = {"kind": "plateau", "interval": "step"}, "package"
         # (Lightning steps it after the batch's end hooks: a checkpoint written there, or a failure after them,
         # misses that batch's step, package or not; so only failures before the batch is processed)
         c.interruptions = [i for i in c.interruptions if i[0] in ("on_train_batch_start", "training_step")]
-    if c.adapter == "callback" and not c.plain and c.swa is None and batches > 1:
-        if rng.random() < 0.1:  # (the callback reused: its progress goes on, as the mixin's model's)
-            c.refit, c.interruptions = [0, rng.randrange(batches - 1)], []
-        return
     if c.adapter != "mixin":
         return
     r = rng.random()
     if r < 0.04:
         c.zero_grad = True
     elif r < 0.14 and batches > 1 and c.swa is None:
+        c.refit, c.interruptions = [0, rng.randrange(batches - 1)], []
+
+
+def _callback_refit(c: Config, batches: int) -> None:
+    """A fit stopped inside a window, then `trainer.fit` again by a new Trainer with the same package callbacks
+    (their progress, first k and decay go on, as the mixin's model's do), drawn from a generator of the
+    configuration's own."""
+    rng = random.Random(f"refit/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if c.swa is None and batches > 1 and rng.random() < 0.1:
         c.refit, c.interruptions = [0, rng.randrange(batches - 1)], []
 
 
