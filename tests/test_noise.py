@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accum import AccumulationMixin, AccumulationScheduler, NoiseScale, NoiseScaleEstimator, Progress
 from lightning_accum.noise import fit_prefixes
 
-from helpers import KRecorder, trainer
+from helpers import KRecorder, default_dtype, trainer
 
 D, SIGMA = 10, 1.0
 SEEDS = 20
@@ -266,3 +266,50 @@ def test_a_short_last_micro_batch_does_not_inflate_k() -> None:
     old = {key: value for key, value in schedule.state_dict().items() if key != "units"}
     restored.load_state_dict({**old, "k": 2, "per_microbatch": 16.0})  # a checkpoint from before the average
     assert restored(Progress(step=3)) == 8  # B_simple 128 over 16 per micro-batch step
+
+
+class _Linear(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layer = nn.Linear(3, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return ((self.layer(x) - y) ** 2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class _StopAfter(pl.Callback):
+    def __init__(self, at: int) -> None:
+        self.at = at  # (the fit's batch number, counted over epochs)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.current_epoch * trainer.num_training_batches + args[-1] == self.at:
+            trainer.should_stop = True
+
+
+def test_a_window_dropped_by_a_stop_is_not_measured() -> None:
+    """A fit stopped inside a window drops it (its gradient and the noise probe's prefixes of it): the same
+    callback then goes on in another fit as if the first had stopped at the window before (batch 24 closes a
+    window here, batch 25 opens the next). Before the fix, the dropped window's first prefix joined the next
+    window's fit: k sequences [4, 4, 2, 4, 4, 2] against [4, 4, 2, 6, 4], a NaN estimate, parameters 0.014 off."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(4, 1, generator=g, dtype=torch.float64))
+            for _ in range(10)]  # fmt: skip
+    runs = {}
+    for stop in (24, 25):
+        schedule = NoiseScale(2, 6, every=1, warmup=1, beta=0.5)
+        with default_dtype(torch.float64):
+            model = _Linear()
+        accumulation, windows = AccumulationScheduler(schedule, log=False), KRecorder()
+        trainer(max_epochs=3, callbacks=[accumulation, _StopAfter(stop)]).fit(model, DataLoader(data, batch_size=None))
+        assert accumulation.progress.step == 11  # (the window batch 25 opened was dropped: no step)
+        trainer(callbacks=[accumulation, windows]).fit(model, DataLoader(data, batch_size=None))
+        runs[stop] = ([p.detach().clone() for p in model.parameters()], windows.windows, schedule.noise_scale)
+    (params_24, k_24, noise_24), (params_25, k_25, noise_25) = runs[24], runs[25]
+    assert k_25 == k_24 == [4, 4, 2, 6, 4]
+    assert noise_25 == noise_24 and math.isfinite(noise_24)
+    assert max((a - b).abs().max().item() for a, b in zip(params_24, params_25, strict=True)) == 0.0

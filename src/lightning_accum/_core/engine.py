@@ -388,9 +388,12 @@ class WindowEngine:
         return f"{what}: a checkpoint written now leaves its {lost} micro-batch(es) out"
 
     def discard(self) -> None:
-        """Forget the open window without stepping (nothing went in, or the loop stopped inside it)."""
+        """Forget the open window without stepping (nothing went in, or the loop stopped inside it):
+        its losses and the noise probe's measurements of it too."""
         self.window, self.closing, self.inflight, self.redo = None, None, None, None
         self.metrics.clear()
+        if self.probe is not None:
+            self.probe.forget()
 
     @property
     def noise_scale(self) -> float | None:

@@ -77,6 +77,10 @@ class NoiseProbe:
         self._pending.clear()
         self._chain = PrefixChain(values)
 
+    def forget(self) -> None:
+        """Drop the open window's prefixes (a window dropped unstepped: nothing of it is measured)."""
+        self.load_numbers((0.0, 0.0, 0.0, 0.0))
+
     def state_dict(self) -> dict[str, Any]:
         """The open window's prefixes, so that a checkpoint inside the window keeps them."""
         chain = self._fold()
