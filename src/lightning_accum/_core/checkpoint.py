@@ -91,6 +91,13 @@ class PartialWindow:
     def loaded(self) -> bool:
         return self._state is not None
 
+    @staticmethod
+    def check(state: Mapping[str, Any], strategy: Any, checkpoint: object = None) -> None:
+        """Refuse a checkpoint holding part of a window on another number of ranks (``check_world``), as it
+        loads: before anything of it is restored."""
+        if "grads" in state:
+            check_world(state, strategy, checkpoint)
+
     def numbers(self, strategy: Any, rank: int, checkpoint: object = None) -> list[float] | None:
         """At train start: this rank's numbers (``None`` without a partial window or in a one-process checkpoint);
         refused on another number of ranks than the checkpoint's (``checkpoint``: its name, for the message)."""

@@ -475,7 +475,7 @@ class WindowEngine:
         return state
 
     def _window_options(self) -> dict[str, str | None]:
-        return {"normalize": self.normalize, "reduction": self.reduction}
+        return {"normalize": self.normalize, "reduction": self.reduction if self.normalize == "items" else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, here = state.get("window_options"), self._window_options()

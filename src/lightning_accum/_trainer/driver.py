@@ -51,6 +51,7 @@ class MixinDriver(Callback):
         self._closing_left_open: GroupKey | None = None  # the group stepped at an epoch's end outside a block
         self._trained = False  # whether a batch of this fit ended yet
         self._restored = False  # whether this fit's checkpoint restored the windows
+        self._fitting: pl.Trainer | None = None  # the fit being set up, till train start (its checkpoint checked)
 
     @property
     def config(self) -> AccumulationConfig:
@@ -71,6 +72,7 @@ class MixinDriver(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fitting = trainer if stage == "fit" else None  # (a checkpoint validated elsewhere is not refused)
         if stage == "fit":  # (the keys Lightning drops in manual optimization, for `step_schedulers=True`)
             _seam.keep_scheduler_keys(self.module, self.schedulers.fresh(), lambda: bool(self.config.step_schedulers))
 
@@ -91,7 +93,7 @@ class MixinDriver(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _seam.resume_after_finished_epoch(trainer)
-        self._trained = False
+        self._trained, self._fitting = False, None
         numbers = self.partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
             self.windows.load_local_numbers(numbers)
@@ -310,6 +312,8 @@ class MixinDriver(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._fitting is not None:  # (a partial window on another world size: refused before anything changes)
+            self.partial.check(state_dict, self._fitting.strategy, self._fitting.ckpt_path)
         self._restored = True
         self.windows.load_state_dict(state_dict["groups"])
         self.partial.load(state_dict)

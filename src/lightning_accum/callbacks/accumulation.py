@@ -123,6 +123,7 @@ class AccumulationScheduler(Callback):
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
         self._partial = PartialWindow()  # a resumed window's part a checkpoint held
         self._strategy: Any = None
+        self._fitting: pl.Trainer | None = None  # the fit being set up, till train start (its checkpoint checked)
         self._counters: Any = None  # Lightning's loop counters, of the fit (`_seam.LoopCounters`)
         # per fit
         self._optimizer: Optimizer | None = None
@@ -160,6 +161,12 @@ class AccumulationScheduler(Callback):
 
     # ------------------------------------------------------------------ checks
     @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Note the fit being set up, so that a checkpoint it resumes from that holds part of a window is checked
+        as it loads (another number of ranks: refused before anything of it is restored)."""
+        self._fitting = trainer if stage == "fit" else None  # (a checkpoint validated elsewhere is not refused)
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._user_divisor = trainer.accumulate_grad_batches  # what teardown gives back
         fit_checks.refuse_scheduler_misuse(self, trainer, pl_module, decay_type=GradientDecay)
@@ -182,7 +189,7 @@ class AccumulationScheduler(Callback):
         # after checkpoint restore: put back the divisor Lightning's loop state was saved with
         set_divisor(trainer, self._divisor)
         _seam.resume_after_finished_epoch(trainer)
-        self._optimizer, self._strategy = trainer.optimizers[0], trainer.strategy
+        self._optimizer, self._strategy, self._fitting = trainer.optimizers[0], trainer.strategy, None
         self._counters = _seam.LoopCounters(trainer)
         numbers = self._partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
@@ -574,6 +581,8 @@ class AccumulationScheduler(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (the partial gradient is put back at train start)."""
+        if self._fitting is not None:  # (a partial window on another world size: refused before anything changes)
+            self._partial.check(state_dict, self._fitting.strategy, self._fitting.ckpt_path)
         self._restored = True
         self._engine.load_state_dict(state_dict)
         self._divisor = int(state_dict.get("divisor", 1))
