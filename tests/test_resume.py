@@ -121,7 +121,8 @@ def test_a_window_resumed_under_other_normalize_or_reduction_is_refused(tmp_path
     saving = [AccumulationScheduler(3), SaveAt((0, 4), path)]
     trainer(callbacks=saving, max_epochs=1).fit(full, ResumableLoader(data, 4))
     items = AccumulationScheduler(3, normalize="items", count=lambda b: 5 * len(b["x"]), reduction="mean")
-    with pytest.raises(ValueError, match=r"normalize='mean', reduction=None; this run has normalize='items', reduction='mean'"):
+    refused = r"normalize='mean', reduction=None; this run has normalize='items', reduction='mean'"
+    with pytest.raises(ValueError, match=refused):
         trainer(callbacks=[items], max_epochs=1).fit(TokenModel(), ResumableLoader(data, 4), ckpt_path=path)
     resumed = TokenModel(optimizer="plain-sgd")
     trainer(callbacks=[AccumulationScheduler(3)], max_epochs=1).fit(resumed, ResumableLoader(data, 4), ckpt_path=path)
