@@ -125,3 +125,12 @@ def test_a_window_saved_on_one_world_size_is_refused_on_another(tmp_path: Path, 
         trainer(callbacks=[*callbacks, Bind(data)], max_epochs=1, devices=1).fit(model, data, ckpt_path=two)
     progress = callback.progress if kind == "callback" else model.accumulation_progress
     assert progress == Progress()  # (before: the checkpoint's, at step 1)
+    if kind == "callback":  # validated on another number of ranks, the same checkpoint is not refused (not a fit)
+        validated = AccumulationScheduler(WINDOWS)
+        trainer(callbacks=[validated], devices=1).validate(_Validated(), torch.utils.data.DataLoader(DATA), two)
+        assert validated.progress.step == 1
+
+
+class _Validated(TokenModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.training_step(batch, batch_idx)
