@@ -13,7 +13,6 @@ from torch import Tensor
 from lightning_accum._core.decay import ResidualDecay
 from lightning_accum._core.sync import SyncMode, check_sync_mode
 from lightning_accum._core.window import NORMALIZE
-from lightning_accum._trainer.schedulers import check_mode
 from lightning_accum.lr import LRMultiplier, LRSchedule, check_multiplier
 from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
 
@@ -26,6 +25,16 @@ to ``None`` (``"none"``), or decay them with a ``GradientDecay``."""
 Count = Callable[[Any], int | Tensor]
 """``count(batch)``: a micro-batch's number of items (tokens, ...), an ``int`` or a one-element tensor
 (read once per window); see ``lightning_accum.count``."""
+
+
+def check_mode(step_schedulers: object) -> bool | None:
+    """``step_schedulers`` as given (``None``, ``True`` or ``False``), or a ``TypeError`` naming it."""
+    if step_schedulers is not None and not isinstance(step_schedulers, bool):
+        raise TypeError(
+            "`step_schedulers` must be True (the mixin steps the LR schedulers at each window's end), False (the "
+            f"model steps them itself, as in Lightning's manual optimization) or None; got {step_schedulers!r}."
+        )
+    return step_schedulers
 
 
 def check_common(

@@ -52,16 +52,6 @@ class Keys:
 Kept = dict[int, tuple[str | None, bool, bool | None]]
 
 
-def check_mode(step_schedulers: object) -> bool | None:
-    """``step_schedulers`` as given (``None``, ``True`` or ``False``), or a ``TypeError`` naming it."""
-    if step_schedulers is not None and not isinstance(step_schedulers, bool):
-        raise TypeError(
-            "`step_schedulers` must be True (the mixin steps the LR schedulers at each window's end), False (the "
-            f"model steps them itself, as in Lightning's manual optimization) or None; got {step_schedulers!r}."
-        )
-    return step_schedulers
-
-
 class MixinSchedulers:
     """The fit's LR schedulers as the mixin sees them: the keys Lightning drops, their steps under
     ``step_schedulers=True``, and the watch for a step the model takes itself then.
