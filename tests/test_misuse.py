@@ -187,6 +187,35 @@ def test_mixin_without_configure_warns() -> None:
         trainer(max_epochs=1).fit(Unconfigured(), loader(DATA, 4))
 
 
+def test_the_mixin_after_the_lightning_module_is_refused_where_the_class_is_made() -> None:
+    """``nn.Module.__init__`` does not call on: after the LightningModule, the mixin's ``__init__`` and hooks never
+    ran (an ``AttributeError: ... '_accumulation'`` from inside the mixin at the first call)."""
+    with pytest.raises(
+        TypeError,
+        match=r"`class M\(LightningModule, AccumulationMixin\)` puts `AccumulationMixin` after "
+        r"`LightningModule`.*Put `AccumulationMixin` first: `class M\(AccumulationMixin, LightningModule\)`",
+    ):
+
+        class M(pl.LightningModule, AccumulationMixin):  # type: ignore[misc]
+            pass
+
+    class Mine(AccumulationMixin):  # a mixin of the user's own, with no module: nothing to check yet
+        pass
+
+    with pytest.raises(TypeError, match=r"`class N\(TokenModel, Mine\)`.*first: `class N\(Mine, TokenModel\)`"):
+
+        class N(TokenModel, Mine):  # type: ignore[misc]
+            pass
+
+    class Right(Mine, TokenModel):  # type: ignore[misc]
+        pass
+
+    class Below(Right):  # a subclass of a right order keeps it
+        pass
+
+    assert Below().automatic_optimization is False
+
+
 def test_callback_on_a_mixin_model_says_so() -> None:
     with pytest.raises(RuntimeError, match="uses `AccumulationMixin`, which accumulates by itself"):
         trainer(callbacks=[AccumulationScheduler(2)], max_epochs=1).fit(ManualTokenModel(schedule=2), loader(DATA, 4))

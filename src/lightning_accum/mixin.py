@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_accum._core import microbatch
@@ -36,7 +36,8 @@ __all__ = ["AccumulationMixin", "Accumulator"]
 class AccumulationMixin(_ModuleBase):
     """Manual-optimization accumulation: ``class Model(AccumulationMixin, LightningModule)``.
 
-    Sets ``automatic_optimization = False``. Configure once with ``configure_accumulation``
+    The mixin comes first in the bases (after the ``LightningModule`` it would never run: refused where the
+    class is made). Sets ``automatic_optimization = False``. Configure once with ``configure_accumulation``
     (the same schedules as ``AccumulationScheduler``), then in
     ``training_step`` wrap the backward passes in ``accumulate``. The optimizers are stepped and
     the gradients reset by the mixin at each window's end; do not call ``optimizer.step()`` or
@@ -68,6 +69,24 @@ class AccumulationMixin(_ModuleBase):
                 with self.accumulate(batch) as acc:
                     acc.backward(torch.nn.functional.mse_loss(self.net(x), y))
     """
+
+    @override
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse, where the class is made, a class that puts ``AccumulationMixin`` after the ``LightningModule``
+        in its bases: ``nn.Module.__init__`` does not call on, so the mixin's ``__init__`` and its hooks would
+        never run (an ``AttributeError`` from inside the mixin at the first call otherwise)."""
+        super().__init_subclass__(**kwargs)
+        order = cls.__mro__
+        if nn.Module in order and order.index(nn.Module) < order.index(AccumulationMixin):
+            module = next(base for base in order[1:] if issubclass(base, nn.Module))
+            mixins = [base for base in cls.__bases__ if issubclass(base, AccumulationMixin)]
+            others = [base for base in cls.__bases__ if base not in mixins]
+            given, fixed = (", ".join(base.__name__ for base in bases) for bases in (cls.__bases__, mixins + others))
+            raise TypeError(
+                f"`class {cls.__name__}({given})` puts `AccumulationMixin` after `{module.__name__}` in its bases, so "
+                "the mixin's `__init__` and hooks would never run: the mixin must come before the LightningModule. "
+                f"Put `AccumulationMixin` first: `class {cls.__name__}({fixed})`."
+            )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
