@@ -23,9 +23,8 @@ import torch
 from hf_causal_lm import PAD, collate, texts, transformers
 from lightning.fabric import Fabric
 
-from lightning_accum import Ramp
+from lightning_accum import FabricAccumulator, Ramp
 from lightning_accum.count import causal_lm_tokens
-from lightning_accum.fabric import FabricAccumulator
 from lightning_accum.lr import WarmupCosine
 
 from _quiet import quiet

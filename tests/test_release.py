@@ -55,3 +55,19 @@ def test_help_shows_the_public_modules_only() -> None:
     assert {name for name in modules if name.startswith("_")} == {"_core", "_fabric", "_lightning", "_seam", "_trainer"}
     shown = [name for name in dir(lightning_accum) if not name.startswith("_")]
     assert set(shown) <= set(lightning_accum.__all__) | public, set(shown) - set(lightning_accum.__all__) - public
+
+
+def test_help_orients_and_the_three_entry_points_import_from_the_top() -> None:
+    """``help(lightning_accum)`` names the three entry points (one line each) and the docs address; the Fabric
+    helper imports from the top as the other two do (it was only in ``lightning_accum.fabric``)."""
+    import pydoc
+
+    from lightning_accum import AccumulationMixin, AccumulationScheduler, FabricAccumulator, fabric
+
+    assert FabricAccumulator is fabric.FabricAccumulator and "FabricAccumulator" in lightning_accum.__all__
+    text = pydoc.render_doc(lightning_accum, renderer=pydoc.plaintext)
+    head = text.split("PACKAGE CONTENTS")[0]
+    for entry in (AccumulationScheduler, AccumulationMixin, FabricAccumulator):
+        assert len([line for line in head.splitlines() if line.strip().startswith(f"- ``{entry.__name__}")]) == 1
+    assert "https://lightning-accum.github.io/lightning-accum/" in head
+    assert "you never construct one" in (lightning_accum.Accumulator.__doc__ or "")

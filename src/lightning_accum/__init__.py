@@ -1,5 +1,15 @@
 """Exact, scheduled gradient accumulation for PyTorch Lightning.
 
+Three entry points, one window engine under them (which one: https://lightning-accum.github.io/lightning-accum/which/):
+
+- ``AccumulationScheduler(schedule)``: a callback for Lightning's automatic optimization (add it to the Trainer).
+- ``AccumulationMixin``: manual optimization, ``class Model(AccumulationMixin, LightningModule)`` with
+  ``with self.accumulate(batch) as acc: acc.backward(loss)`` in ``training_step``.
+- ``FabricAccumulator(fabric, model, optimizer, schedule)``: a hand-written Lightning Fabric loop.
+
+The schedules (``Constant``, ``Piecewise``, ``Ramp``, ``NoiseScale``, ...) say how many micro-batches each
+optimizer step's window holds. Documentation: https://lightning-accum.github.io/lightning-accum/
+
 Example:
 
     >>> import lightning_accum as la
@@ -11,6 +21,7 @@ from lightning_accum import lr
 from lightning_accum._trainer.reporting import WindowReport
 from lightning_accum._trainer.steps import estimated_stepping_batches
 from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
+from lightning_accum.fabric import FabricAccumulator
 from lightning_accum.mixin import AccumulationMixin, Accumulator
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
 from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
@@ -22,6 +33,7 @@ __all__ = [
     "AccumulationScheduler",
     "Accumulator",
     "Constant",
+    "FabricAccumulator",
     "GradientDecay",
     "Lambda",
     "NoiseScale",

@@ -24,6 +24,9 @@ from lightning_accum._trainer.block import Block
 class Accumulator:
     """What ``with self.accumulate(batch) as acc`` gives: backward passes into the open window.
 
+    Made by the mixin for each block; you never construct one (it is exported for type annotations). For a
+    Fabric loop, the accumulator to construct is ``FabricAccumulator``.
+
     Attributes:
         k: micro-batches of the window.
         index: this micro-batch's position in the window (0-based).
