@@ -346,3 +346,98 @@ def test_an_optimizer_of_another_model_or_another_fabric_is_refused() -> None:
     with pytest.raises(ValueError, match=r"`optimizer` was set up by another Fabric"):
         FabricAccumulator(other_fabric, other_model, optimizer)
     del other_optimizer
+
+
+# ---------------------------------------------------------------------- a loop that never flushes (issue 47)
+UNFLUSHED = r"A `FabricAccumulator` was garbage-collected with its last window open: 1 micro-batch.* `acc.flush\(\)`"
+
+
+def dropped(held: list[FabricAccumulator]) -> list[str]:
+    """The warnings of dropping the accumulator ``held`` has, its last reference (it holds no reference cycle:
+    it is collected then, not at some later garbage collection)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        held.clear()
+    return [str(w.message) for w in seen if "FabricAccumulator" in str(w.message)]
+
+
+def test_an_accumulator_dropped_with_an_unstepped_window_warns_once_naming_flush() -> None:
+    """Warned where the window is lost, once; never on the flushed path, a window stepped at its k-th micro-batch,
+    or a window a checkpoint holds as it is (``state_dict()`` after its last micro-batch)."""
+    import re
+
+    from lightning_accum._fabric import unflushed
+
+    held = [made(schedule=Constant(3))]
+    one_block(held[0])
+    watch = held[0]._unflushed
+    warned = dropped(held)
+    assert len(warned) == 1 and re.search(UNFLUSHED, warned[0]), warned
+    assert watch.done  # (so the process's end says nothing more)
+    unflushed._at_exit()
+
+    flushed, stepped, saved, went_on = ([made(schedule=Constant(3))] for _ in range(4))
+    for acc in (flushed[0], saved[0], went_on[0]):
+        one_block(acc)
+    del acc
+    flushed[0].flush()
+    for _ in range(3):
+        one_block(stepped[0])
+    saved[0].state_dict()
+    went_on[0].state_dict()
+    one_block(went_on[0])  # a micro-batch after the checkpoint: the checkpoint no longer holds the window
+    assert dropped(flushed) == dropped(stepped) == dropped(saved) == []
+    assert len(dropped(went_on)) == 1
+
+
+def test_the_process_ending_with_an_unstepped_window_warns_unless_an_exception_ends_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The exit handler warns once for an accumulator still alive with an open window; after an unhandled exception
+    (which sets ``sys.last_value`` before Python's exit handlers run) it says nothing: the traceback does."""
+    import sys
+    import warnings
+
+    from lightning_accum._fabric import unflushed
+
+    open_, clean = made(schedule=Constant(3)), made(schedule=Constant(3))
+    one_block(open_)
+    with pytest.warns(UserWarning, match=r"was still alive when the process ended with its last window open: 1 micro"):
+        unflushed._at_exit()
+    assert open_._unflushed.done and clean._unflushed.done
+    with warnings.catch_warnings(record=True) as seen:  # (not "error": the watch drops what it cannot show)
+        warnings.simplefilter("always")
+        unflushed._at_exit()  # once: nothing more at a second exit, nor when they are collected
+        del open_, clean
+        crashed = made(schedule=Constant(3))
+        one_block(crashed)
+        monkeypatch.setattr(sys, "last_value", RuntimeError("the loop failed"), raising=False)
+        unflushed._at_exit()
+    assert crashed._unflushed.done and not [w for w in seen if "FabricAccumulator" in str(w.message)]
+
+
+def _exits_with_an_open_window(out: str) -> None:
+    """In a process of its own: a loop that never flushes, then Python's exit handlers, as the process ends."""
+    import atexit
+    import os
+
+    with open(out, "w") as sink:
+        os.dup2(sink.fileno(), 2)
+        torch.set_default_dtype(torch.float64)
+        acc = made(schedule=Constant(3))
+        one_block(acc)
+        atexit._run_exitfuncs()
+
+
+@pytest.mark.slow
+def test_the_exit_handler_is_registered(tmp_path: Any) -> None:
+    """Python's exit handlers, run as the process ends, include the warning's (one line, seen once)."""
+    from helpers import warm_processes
+
+    out = tmp_path / "stderr"
+    process = warm_processes().Process(target=_exits_with_an_open_window, args=(str(out),))
+    process.start()
+    process.join()
+    assert process.exitcode == 0 and out.read_text().count("still alive when the process ended") == 1, out.read_text()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -44,6 +45,7 @@ from lightning_accum._core.samples import sample_count
 from lightning_accum._core.sync import SyncMode
 from lightning_accum._core.window import Normalize, check_count, microbatch_items, pass_items
 from lightning_accum._fabric.guards import WindowGuard, check_same_owner, check_set_up, sync_plan
+from lightning_accum._fabric.unflushed import UnflushedWatch
 from lightning_accum._lightning import rank_zero_warn
 from lightning_accum._trainer.reporting import WindowReport, metric_values, report
 from lightning_accum.lr import LRMultiplier
@@ -140,6 +142,10 @@ class FabricAccumulator:
             ``"every"`` after every micro-batch. DDP always all-reduces once per window.
         log: report each window (``accum/*`` through ``fabric.log_dict``, and ``step.window``).
 
+    A loop must end its last window with ``flush()`` (or ``last=True`` on the data's last block): an accumulator
+    garbage-collected, or alive when the process ends, with micro-batches in an unstepped window warns once
+    (a ``UserWarning``), unless a checkpoint holds that window as it is.
+
     Example:
 
         acc = FabricAccumulator(fabric, model, optimizer, Ramp(1, 16, over=2_000_000, unit="items"),
@@ -197,6 +203,10 @@ class FabricAccumulator:
         ]  # fmt: skip
         self._epoch = 0
         self._batch = 0  # micro-batches of the epoch so far
+        # warns once if the accumulator is dropped, or the process ends, with micro-batches no step took
+        caller = sys._getframe(1)  # (the user's line that made it: where that warning points)
+        made_at = (caller.f_code.co_filename, caller.f_lineno)
+        self._unflushed = UnflushedWatch(self, self._engine, self._ranks.global_rank, made_at)
 
     @property
     def progress(self) -> Progress:
@@ -510,6 +520,7 @@ class FabricAccumulator:
         window = state["window"]
         if window is not None and window["microbatches"]:
             state.update(self._partial.save(self._ranks, self._engine.local_numbers(), self.params))
+        self._unflushed.kept()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -531,6 +542,7 @@ class FabricAccumulator:
         self._engine.load_state_dict(dict(state_dict))
         self._epoch, self._batch = int(state_dict.get("epoch", 0)), int(state_dict.get("batch", 0))
         self._partial.load(state_dict)
+        self._unflushed.kept()
         self._resumed, self._stuck = True, None
         if held_by_fsdp2:
             self._stuck = (
