@@ -9,7 +9,7 @@ cosine), clipping of the normalised gradient, and, with ``--checkpoint PATH``, a
 epoch that a second run with the same path resumes from (exactly: at a step, or inside a window).
 Prints every tenth step: k, the tokens seen, the window's loss per token and the LR it used.
 
-    pip install -e ".[examples,hf]" && python examples/fabric_pretraining.py
+    pip install -e ".[examples]" && python examples/fabric_pretraining.py
     python examples/fabric_pretraining.py --epochs 1 --checkpoint state.ckpt  # then again, with --epochs 2
 """
 

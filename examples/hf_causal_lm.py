@@ -8,7 +8,7 @@ really averages over. k ramps from 1 to 8 micro-batches over the first 60 % of t
 learning rate warms up and decays over tokens too (a schedule in steps would end at the wrong
 point under a ramp), and ``accum/loss`` is the loss of each effective batch.
 
-    pip install -e ".[examples,hf]" && python examples/hf_causal_lm.py
+    pip install -e ".[examples]" && python examples/hf_causal_lm.py
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from _quiet import quiet
 try:
     import transformers
 except ImportError as error:  # pragma: no cover - the message is the point
-    raise SystemExit('This example needs transformers: pip install -e ".[examples,hf]"') from error
+    raise SystemExit('This example needs transformers: pip install -e ".[examples]"') from error
 
 PAD = 256  # bytes are 0-255
 

@@ -16,7 +16,7 @@ measure_graph_memory`` on the first batch's representations). In blocks of 64 qu
 block of the scores is alive at a time, and the whole step, encoders included, stays within the
 budget (measured in every step). The held-out queries must find their passage among 256.
 
-    pip install -e ".[examples,hf]" sentence-transformers && python examples/large_batch_retrieval.py
+    pip install -e ".[examples]" && python examples/large_batch_retrieval.py
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ try:
     from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 except ImportError as error:  # pragma: no cover - the message is the point
-    raise SystemExit('This example needs: pip install -e ".[examples,hf]" sentence-transformers') from error
+    raise SystemExit('This example needs transformers and sentence-transformers: pip install -e ".[examples]"') from error
 
 from retrieval import pairs  # (the same data)
 

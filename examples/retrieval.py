@@ -21,7 +21,7 @@ plot (``--out``) shows the top-1 accuracy on the held-out pairs every 10 steps: 
 follows the whole batch's (the same gradient; its dropout masks are drawn per chunk, so the two
 curves differ by that alone), plain accumulation trains another objective and stays below both.
 
-    pip install -e ".[examples,hf]" && python examples/retrieval.py --out .
+    pip install -e ".[examples]" && python examples/retrieval.py --out .
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from _quiet import quiet
 try:
     import transformers
 except ImportError as error:  # pragma: no cover - the message is the point
-    raise SystemExit('This example needs transformers: pip install -e ".[examples,hf]"') from error
+    raise SystemExit('This example needs transformers: pip install -e ".[examples]"') from error
 
 MODULES = (
     "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "codecs", "collections", "concurrent.futures",

@@ -1,5 +1,5 @@
-"""The README's Python blocks run exactly as written, each alone (the first after the examples' install,
-the Hugging Face one after ``[hf]``'s), in a fresh folder that they leave as they found it."""
+"""The README's Python blocks run exactly as written, each alone (each after the examples' install, which
+brings ``transformers`` too), in a fresh folder that they leave as they found it."""
 
 from __future__ import annotations
 
