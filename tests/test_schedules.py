@@ -112,7 +112,7 @@ def test_stateless_state_dict() -> None:
         (lambda: Piecewise({0: 0}), r"milestones\[0\]"),
         (lambda: Piecewise([(1, 2), (1, 3)]), "repeats milestone 1"),
         (lambda: Piecewise([(1, 2, 3)]), "pairs"),
-        (lambda: Piecewise({0: 2}, unit="tokenz"), "`unit` must be one of"),
+        (lambda: Piecewise({0: 2}, unit="tokenz"), r"`unit` must be one of .*\('tokens' is another name for 'items'"),
         (lambda: Ramp(0, 4, over=10), "`start`"),
         (lambda: Ramp(1, 4, over=0), "`over`"),
         (lambda: Ramp(1, 4, over=10, shape="cosine"), "`shape`"),

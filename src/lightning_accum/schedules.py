@@ -77,7 +77,8 @@ def _check_unit(unit: object, allowed: tuple[str, ...]) -> str:
         near = difflib.get_close_matches(str(unit).lower(), spellings, n=1) if isinstance(unit, str) else []
         near = [_OTHER_NAME.get(near[0], near[0])] if near else []
         hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise ValueError(f"`unit` must be one of {', '.join(map(repr, allowed))}; got {unit!r}.{hint}")
+        tokens = " ('tokens' is another name for 'items'; singular or plural)" if "items" in allowed else ""
+        raise ValueError(f"`unit` must be one of {', '.join(map(repr, allowed))}{tokens}; got {unit!r}.{hint}")
     return str(unit)
 
 

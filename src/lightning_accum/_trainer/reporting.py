@@ -50,7 +50,9 @@ class WindowReport:
         samples: the samples that went in, over all ranks.
         items: the items (``count``'s, e.g. tokens) that went in, over all ranks; the samples without ``count``.
         loss: the window's loss over all ranks, normalised as its gradient was (``None`` with ``log=False``).
-        task_losses: each task's window loss, by ``"loss/<task>"`` (the mixin's ``backward_each``/``backward_heads``).
+        task_losses: each task's window loss (the mixin's ``backward_each``/``backward_heads``), keyed as logged
+            without ``accum/``: ``"loss/<name>"`` (``task_losses["loss/reg"]`` for ``names=["cls", "reg"]``;
+            ``"loss/task0"``, ... without ``names``).
         grad_norm: the norm of the window's normalised gradient before clipping (``None`` where it is not
             measured: ``log=False``, sharded strategies, DeepSpeed); a float, or a device scalar where the
             gradient is made global after the counts (the mixin and Fabric loops under DDP).

@@ -73,7 +73,9 @@ class AccumulationScheduler(Callback):
         lr_schedule: ``lr_schedule(progress) -> float``: a learning-rate multiplier for each step, keyed
             on the ``Progress`` its window opened with (shapes in ``lightning_accum.lr``).
         log: log ``accum/k`` and ``accum/loss`` (the window's loss; both in the progress bar),
-            ``accum/grad_norm``, ``accum/effective_batch``, ``accum/samples``, ``accum/items`` every
+            ``accum/grad_norm``, ``accum/lr`` (the learning rate each step used, ``lr_scaling`` and ``lr_schedule``
+            included; ``accum/lr-Adam``, ... as ``LearningRateMonitor`` names them for several optimizers or
+            groups), ``accum/effective_batch``, ``accum/samples``, ``accum/items`` every
             ``Trainer(log_every_n_steps)`` optimizer steps (when the loggers write); each number is computed
             only where something reads it (the guide's "Window metrics" says what is read by whom).
         sync: gradient sync inside a window on sharded strategies: ``"auto"`` (FSDP2: once per
@@ -89,6 +91,7 @@ class AccumulationScheduler(Callback):
 
     Example:
 
+        >>> import lightning.pytorch as pl
         >>> from lightning_accum import AccumulationScheduler, Ramp
         >>> ramp = Ramp(1, 8, over=50_000, unit="samples")
         >>> callback = AccumulationScheduler(ramp, lr_scaling="sqrt")
