@@ -18,6 +18,7 @@ schedule's k, not theirs.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,11 @@ class Track(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=None, help="default 3, or 8 with --full")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = parser.parse_args()
+    args.epochs = args.epochs or (8 if args.full else 3)
     quiet()
 
     pl.seed_everything(0, verbose=False)
@@ -103,7 +106,7 @@ def main() -> None:
         callbacks=[accumulation, track],
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),
         enable_model_summary=False,
     )
     trainer.fit(Classifier(), data)

@@ -22,6 +22,7 @@ depends on the task; `examples/retrieval.py` shows one where the batch's negativ
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,11 @@ def nearest_neighbour_accuracy(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--epochs", type=int, default=None, help="default 4, or 30 with --full")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     parser.add_argument("--out", type=Path, default=None, help="a folder for contrastive.png")
     args = parser.parse_args()
+    args.epochs = args.epochs or (30 if args.full else 4)
     quiet()
     digits = load_digits()
     x, y = torch.tensor(digits.data, dtype=torch.float32) / 16, torch.tensor(digits.target)
@@ -115,7 +118,7 @@ def main() -> None:
             max_epochs=args.epochs,
             logger=False,
             enable_checkpointing=False,
-            enable_progress_bar=False,
+            enable_progress_bar=sys.stderr.isatty(),
             enable_model_summary=False,
         )
         torch.manual_seed(1)  # the same augmentations and batches for every run

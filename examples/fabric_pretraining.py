@@ -32,9 +32,11 @@ from _quiet import quiet
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=None, help="default 1, or 2 with --full")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     parser.add_argument("--checkpoint", type=Path, help="save after each epoch; resume from it if it exists")
     args = parser.parse_args()
+    args.epochs = args.epochs or (2 if args.full else 1)
     quiet()
     transformers.logging.set_verbosity_error()
     data = texts()

@@ -20,6 +20,7 @@ better": the fourth run, ``zero_grad`` at twice the learning rate, is the fair c
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def train(policy: GradientDecay | None, lr: float, data: DataLoader[Any], epochs
         callbacks=[] if policy is None else [policy],
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),
         enable_model_summary=False,
     )
     trainer.fit(model, data)
@@ -77,9 +78,11 @@ def smooth(values: list[float], width: int = 20) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=None, help="default 3, or 6 with --full")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = parser.parse_args()
+    args.epochs = args.epochs or (6 if args.full else 3)
     quiet()
 
     digits = load_digits()

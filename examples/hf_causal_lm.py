@@ -18,6 +18,7 @@ import collections
 import inspect
 import json
 import pathlib
+import sys
 import typing
 from typing import Any
 
@@ -94,8 +95,10 @@ class History(pl.Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=None, help="default 1, or 3 with --full")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     args = parser.parse_args()
+    args.epochs = args.epochs or (3 if args.full else 1)
     quiet()
     transformers.logging.set_verbosity_error()  # its config notices
     data = texts()
@@ -115,7 +118,7 @@ def main() -> None:
         log_every_n_steps=1,
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),
         enable_model_summary=False,
     )
     torch.manual_seed(1)

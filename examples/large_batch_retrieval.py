@@ -25,6 +25,7 @@ import argparse
 import collections
 import random
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ try:
     from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 except ImportError as error:  # pragma: no cover - the message is the point
-    raise SystemExit('This example needs transformers and sentence-transformers: pip install -e ".[examples]"') from error
+    raise SystemExit('This example needs sentence-transformers: pip install -e ".[examples]"') from error
 
 from retrieval import pairs  # (the same data)
 
@@ -137,10 +138,12 @@ def loss_memory(reps: list[Tensor], block: int | None) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2, or 20 with --full)")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     parser.add_argument("--batch", type=int, default=1024, help="queries a batch (each with 2 passages)")
     parser.add_argument("--budget-mib", type=float, default=16.0, help="memory for tensors saved for backward")
     args = parser.parse_args()
+    args.steps = args.steps or (20 if args.full else 2)
     quiet()
     transformers.logging.set_verbosity_error()
     data = pairs()
@@ -161,8 +164,8 @@ def main() -> None:
     model = BiEncoder(st, ([q for _, q, _ in held], [p for _, _, p in held]))
     before = model.accuracy()
     trainer = pl.Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=sys.stderr.isatty(), enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(model, DataLoader(loader, batch_size=None))
     within = "within" if model.peak <= budget else "OVER"

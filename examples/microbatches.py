@@ -14,6 +14,7 @@ the comparison shows rounding only).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 from typing import Any
@@ -69,7 +70,7 @@ def fit(budget: int | None, microbatch_size: Any, epochs: int) -> tuple[Classifi
         callbacks=[accumulation],
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),
         enable_model_summary=False,
     )
     start = time.perf_counter()

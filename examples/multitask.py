@@ -12,6 +12,7 @@ step against the joint ``(loss_a + loss_b + loss_c).backward()``.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +71,10 @@ def graph_memory(model: MultiTask, x: Tensor, y: Tensor, sequential: bool) -> in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=None, help="default 2, or 5 with --full")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     args = parser.parse_args()
+    args.epochs = args.epochs or (5 if args.full else 2)
     quiet()
 
     pl.seed_everything(0, verbose=False)
@@ -84,7 +87,7 @@ def main() -> None:
         accelerator="cpu",
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True))

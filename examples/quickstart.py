@@ -10,6 +10,7 @@ Every optimizer step (window) prints its k, effective batch, mean loss and accur
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
@@ -97,7 +98,7 @@ def main() -> None:
         callbacks=[accumulation, PrintWindows(accumulation)],
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=sys.stderr.isatty(),
         enable_model_summary=False,
     )
     model = DigitsClassifier()

@@ -30,6 +30,7 @@ import argparse
 import importlib
 import inspect
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -160,9 +161,11 @@ def batches(train: list[tuple[str, str, str]], by_module: dict[str, list[str]], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 10, or 100 with --full)")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     parser.add_argument("--out", type=Path, default=None, help="a folder for retrieval.png")
     args = parser.parse_args()
+    args.steps = args.steps or (100 if args.full else 10)
     quiet()
     transformers.logging.set_verbosity_error()
     data = pairs()
@@ -179,8 +182,8 @@ def main() -> None:
         model = BiEncoder(mode, held_out, every)
         size = MICRO if mode == "plain" else BATCH
         trainer = pl.Trainer(
-            accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False,
+            accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=sys.stderr.isatty(), enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(model, DataLoader(batches(train, by_module, args.steps, size), batch_size=None))
         curves[mode] = [(0, BiEncoder(mode, held_out, every).accuracy()), *model.curve]

@@ -17,6 +17,7 @@ import inspect
 import json
 import pathlib
 import string
+import sys
 import typing
 
 import lightning.pytorch as pl
@@ -98,9 +99,12 @@ def one_window(lines: list[str], k: int, size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=None, help="default 1, or 2 with --full")
+    parser.add_argument("--full", action="store_true", help="the full run (several minutes on 2 CPU cores)")
     parser.add_argument("--lines", type=int, default=None, help="train on the first N lines only (a quick run)")
     args = parser.parse_args()
+    args.epochs = args.epochs or (2 if args.full else 1)
+    args.lines = args.lines or (None if args.full else 256)
     quiet()
 
     lines = docstring_lines()
@@ -121,7 +125,7 @@ def main() -> None:
             callbacks=[accumulation],
             logger=False,
             enable_checkpointing=False,
-            enable_progress_bar=False,
+            enable_progress_bar=sys.stderr.isatty(),
             enable_model_summary=False,
         )
         data = DataLoader(
