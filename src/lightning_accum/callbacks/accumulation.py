@@ -224,7 +224,6 @@ class AccumulationScheduler(Callback):
     def _attach_pieces(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``microbatch_size``: Lightning's ``training_step`` calls go to the pieces until the fit ends."""
         assert self._split is not None and self._optimizer is not None
-        params = gradients.optimizer_params(self._optimizer)
         fit = Fit(
             module=pl_module,
             precision=trainer.precision_plugin,
@@ -232,7 +231,6 @@ class AccumulationScheduler(Callback):
             strategy=trainer.strategy,
             plan=self._engine.plan,
             optimizer=self._optimizer,
-            params=params,
             normalize=self.normalize,
             mean_items=self.reduction == "mean",
             count=self.count,

@@ -1,0 +1,174 @@
+"""``microbatch_size`` where it meets ordinary Lightning code (issue 42): a param group added during the fit, a
+``training_step`` that changes its batch, and the refusals that must come before any gradient changes. Each
+run is checked against a plain float64 loop written here, which forms the same windows of whole loader
+batches by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_accum import AccumulationScheduler, Constant, GradientDecay
+
+from helpers import Reference, TokenData, TokenModel, loader, make_net, rank_batches, token_losses, trainer
+
+K, BATCH, EPOCHS = 3, 8, 2  # 48 samples: 6 loader batches an epoch, 2 windows of 3
+
+
+class Unfreezing(TokenModel):
+    """The head is trained from the start; the first layer (frozen) joins the optimizer as a param group of its
+    own at ``at`` = (epoch, batch_idx), as ``BaseFinetuning`` unfreezes a backbone."""
+
+    def __init__(self, at: tuple[int, int] = (1, 0), **kwargs: Any) -> None:
+        super().__init__(optimizer="plain-sgd", **kwargs)
+        self.at = at
+        self.net[0].requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.net[2].parameters(), lr=0.1)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if (self.current_epoch, batch_idx) == self.at:
+            self.net[0].requires_grad_(True)
+            self.optimizers().optimizer.add_param_group({"params": list(self.net[0].parameters()), "lr": 0.05})
+
+
+def unfreezing_reference(data: TokenData, at: tuple[int, int], k: int = K, decay: float | None = None) -> list[Tensor]:
+    """Windows of ``k`` whole loader batches (an epoch's last may be short), each the mean of its batches' token
+    means; the first layer joins at ``at`` (the window it joins in takes its gradient from its batches only);
+    ``decay``: each window's gradient plus ``decay`` times the last's (``GradientDecay(decay)``)."""
+    net = make_net()
+    net[0].requires_grad_(False)
+    opt = torch.optim.SGD(net[2].parameters(), lr=0.1)
+    batches = rank_batches(data, BATCH)[0]
+    residual: dict[Tensor, Tensor] = {}
+    for epoch in range(EPOCHS):
+        for start in range(0, len(batches), k):
+            window = range(start, min(start + k, len(batches)))
+            opt.zero_grad(set_to_none=True)
+            for i in window:
+                if (epoch, i) == at:
+                    net[0].requires_grad_(True)
+                    opt.add_param_group({"params": list(net[0].parameters()), "lr": 0.05})
+                total, tokens = token_losses(net, batches[i])
+                (total / tokens / len(window)).backward()
+            if decay is not None:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None and p in residual:
+                            p.grad = p.grad + decay * residual[p]
+                        if p.grad is not None:
+                            residual[p] = p.grad.clone()
+            opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def diff(model: pl.LightningModule, want: list[Tensor]) -> float:
+    return max(float((p.detach() - w).abs().max()) for p, w in zip(model.parameters(), want, strict=True))
+
+
+@pytest.mark.parametrize(("k", "at"), [(3, (1, 0)), (3, (0, 4)), (1, (1, 0))])
+def test_a_param_group_added_during_the_fit_takes_every_piece(k: int, at: tuple[int, int]) -> None:
+    """Added at an epoch's start (a window's first batch: the pieces' gradient set aside across Lightning's zeroing
+    must hold the new parameters too), or inside a window (k=3, batch 4: the window's earlier batches gave the new
+    parameters nothing, as in the reference); k=1: every batch is a window's first."""
+    data = TokenData(48, ragged=False)
+    model = Unfreezing(at)
+    cb = AccumulationScheduler(Constant(k), microbatch_size=3)
+    trainer(callbacks=[cb], max_epochs=EPOCHS).fit(model, loader(data, BATCH))
+    want = unfreezing_reference(data, at, k)
+    assert diff(model, want) <= 1e-12
+    assert not torch.equal(model.net[0].weight, make_net()[0].weight)  # (the first layer moved)
+
+
+def test_gradient_decay_takes_a_param_group_added_during_the_fit() -> None:
+    """The residual covers the parameters it was taken from; a group added later starts without one (it used to
+    fail with a `zip` length error at the first step after the group joined)."""
+    data = TokenData(48, ragged=False)
+    model = Unfreezing((1, 0))
+    cb = AccumulationScheduler(Constant(K), microbatch_size=3)
+    trainer(callbacks=[cb, GradientDecay(0.5)], max_epochs=EPOCHS).fit(model, loader(data, BATCH))
+    assert diff(model, unfreezing_reference(data, (1, 0), decay=0.5)) <= 1e-12
+
+
+class Popping(TokenModel):
+    """``training_step`` takes the mask out of its batch (``labels = batch.pop("labels")``), as HF code does."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        mask = batch.pop("mask")
+        total = ((self.net(batch["x"]) - batch["y"]).squeeze(-1) ** 2 * mask).sum()
+        return total / mask.sum()
+
+
+def count_or_positions(batch: Any) -> Tensor:
+    """The mask's tokens, or (as ``causal_lm_tokens`` falls back to the attention mask) every position."""
+    if "mask" in batch:
+        return batch["mask"].sum()
+    return torch.tensor(batch["x"].shape[0] * batch["x"].shape[1], dtype=torch.float64)
+
+
+def test_each_piece_is_counted_before_training_step_changes_it() -> None:
+    data = TokenData(48)
+    model = Popping()
+    cb = AccumulationScheduler(
+        Constant(K), normalize="items", reduction="mean", count=count_or_positions, microbatch_size=3
+    )
+    trainer(callbacks=[cb], max_epochs=EPOCHS).fit(model, loader(data, BATCH))
+    want, _ = Reference(Constant(K), normalize="items", optimizer="sgd").run([rank_batches(data, BATCH)] * EPOCHS)
+    assert diff(model, want) <= 1e-12
+
+
+# ---------------------------------------------------------------------------- refusals before any change
+class Recording(TokenModel):
+    """Records whether any backward pass ran (a hook on every parameter)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.backward_passes = 0
+        for p in self.parameters():
+            p.register_hook(self._seen)
+
+    def _seen(self, grad: Tensor) -> None:
+        self.backward_passes += 1
+
+
+def refused_before_any_change(cb: AccumulationScheduler, data: Any, match: str, error: type = ValueError) -> None:
+    model = Recording(reduction="mean")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=match):
+        trainer(callbacks=[cb], max_epochs=1).fit(model, data)
+    assert model.backward_passes == 0
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(model.parameters(), before, strict=True))
+
+
+COUNTS: list[tuple[Callable[[Any], Any], str]] = [
+    (lambda b: -1, r"count\(batch\)`\) was -1"),
+    (lambda b: 2.5, r"count\(batch\)`\) was 2.5"),
+    (lambda b: b["mask"].sum() > 0, r"count\(batch\)` returned a torch.bool tensor"),
+    (lambda b: b["mask"].sum(1), r"count\(batch\)` returned a tensor of shape \(8,\).*rather than `.sum\(1\)`"),
+]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(("count", "match"), COUNTS)
+def test_a_wrong_count_is_refused_before_any_piece(reduction: str, count: Any, match: str) -> None:
+    cb = AccumulationScheduler(2, normalize="items", reduction=reduction, count=count, microbatch_size=3)
+    refused_before_any_change(cb, loader(TokenData(16), BATCH), match)
+
+
+def test_a_wrong_count_of_a_later_piece_is_refused_before_the_first_piece() -> None:
+    """``count(piece)``: the batch's count is fine, the second piece's is negative."""
+
+    def count(batch: Any) -> Any:
+        return batch["mask"].sum() if len(batch["x"]) != 3 or batch["x"][0, 0, 0] != first else -1
+
+    data = TokenData(16)
+    first = data.x[3, 0, 0]  # (the second piece of 3 of the first batch starts at sample 3)
+    cb = AccumulationScheduler(2, normalize="items", reduction="mean", count=count, microbatch_size=3)
+    refused_before_any_change(cb, loader(data, BATCH), r"count\(piece\)` of a micro-batch cut by `microbatch_size`")
