@@ -242,3 +242,160 @@ def test_the_fabric_helper_takes_a_param_group_added_during_the_loop(at: tuple[i
             acc.flush()
     want = unfreezing_reference(data, at, items=True)
     assert max(float((p.detach() - w).abs().max()) for p, w in zip(net.parameters(), want, strict=True)) <= 1e-12
+
+
+# ---------------------------------------------------------------------------- split=: what is cut, what is whole
+W = torch.linspace(0.5, 1.5, 5, dtype=torch.float64)  # a per-position weight: its dim 0 (5) is the batch size's
+
+
+def with_weight(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    batch = torch.utils.data.default_collate(samples)
+    return {**batch, "w": W}
+
+
+def weighted_loader(data: TokenData) -> torch.utils.data.DataLoader[Any]:
+    return torch.utils.data.DataLoader(data, batch_size=5, collate_fn=with_weight)  # 48 samples: 9 of 5, then 3
+
+
+class Weighted(TokenModel):
+    """A sample mean of the position-weighted squared error (full masks)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        err = (self.net(batch["x"]) - batch["y"]).squeeze(-1) ** 2
+        return (err * batch["w"]).sum() / err.numel()
+
+
+def keep_w(path: tuple[Any, ...], leaf: Any) -> bool:
+    return path != ("w",)
+
+
+def weighted_reference(data: TokenData) -> list[Tensor]:
+    """Windows of 2 whole loader batches of 5 (the weight whole in each), the mean of their sample means."""
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    batches = [with_weight([data[i] for i in range(s, min(s + 5, 48))]) for s in range(0, 48, 5)]
+    for start in range(0, len(batches), 2):
+        window = batches[start : start + 2]
+        opt.zero_grad()
+        for b in window:
+            err = (net(b["x"]) - b["y"]).squeeze(-1) ** 2
+            ((err * b["w"]).sum() / err.numel() / len(window)).backward()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+def test_split_gives_a_leaf_whole_to_every_piece() -> None:
+    data = TokenData(48, ragged=False)
+    model = Weighted()
+    cb = AccumulationScheduler(Constant(2), microbatch_size=2, split=keep_w)
+    trainer(callbacks=[cb], max_epochs=1).fit(model, weighted_loader(data))
+    assert diff(model, weighted_reference(data)) <= 1e-12
+    assert cb.progress.samples == 48  # (the rows of what is cut; not the weight's 5 at the short batch)
+
+
+class WeightedManual(AccumulationMixin, pl.LightningModule):
+    def __init__(self, split: Any = keep_w) -> None:
+        super().__init__()
+        self.net, self.rule = make_net(), split
+        self.configure_accumulation(schedule=Constant(2))
+
+    def _loss(self, part: Any) -> Tensor:
+        err = (self.net(part["x"]) - part["y"]).squeeze(-1) ** 2
+        return (err * part["w"]).sum() / err.numel()
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        with self.accumulate(batch) as acc:
+            acc.backward_microbatches(self._loss, 2, split=self.rule)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.net.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_backward_microbatches_takes_split() -> None:
+    data = TokenData(48, ragged=False)
+    model = WeightedManual()
+    trainer(max_epochs=1).fit(model, weighted_loader(data))
+    assert diff(model, weighted_reference(data)) <= 1e-12
+    bad = WeightedManual(split="w")
+    before = [p.detach().clone() for p in bad.parameters()]
+    with pytest.raises(TypeError, match=r"`split` of `backward_microbatches` must be None"):
+        trainer(max_epochs=1).fit(bad, weighted_loader(data))
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(bad.parameters(), before, strict=True))
+
+
+def test_a_tensor_matching_the_batch_by_chance_is_cut_and_refused_where_it_stops_matching() -> None:
+    """The default rule: every tensor is one row per sample; the weight is cut at every full batch and refused at
+    the short last one, before any piece of it, with the fix (`split=`)."""
+    seen: list[int] = []
+
+    class Ignoring(TokenModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            seen.append(len(batch["w"]))
+            return super().training_step(batch, batch_idx)
+
+    cb = AccumulationScheduler(Constant(2), microbatch_size=2)
+    with pytest.raises(ValueError, match=r"batch\['w'\]: 5.*give `split=lambda path, leaf: ...` returning False"):
+        trainer(callbacks=[cb], max_epochs=1).fit(Ignoring(), weighted_loader(TokenData(48, ragged=False)))
+    assert seen == [2, 2, 1] * 9  # (cut: a per-sample tensor as far as its shape tells)
+
+
+SPLIT_MISUSE: list[tuple[Any, type, str]] = [
+    ("w", TypeError, r"`split` of `AccumulationScheduler` must be None .* or a function"),
+    (1, TypeError, r"`split` of `AccumulationScheduler` must be None"),
+    (True, TypeError, r"`split` of `AccumulationScheduler` must be None"),
+    (dict, TypeError, r"`split` of `AccumulationScheduler` must be None"),  # a type, not a rule
+]
+
+
+@pytest.mark.parametrize(("split", "error", "match"), SPLIT_MISUSE)
+def test_split_refused_at_construction(split: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        AccumulationScheduler(2, microbatch_size=2, split=split)
+
+
+def test_split_without_microbatch_size_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`split` says how `microbatch_size` cuts .* give `microbatch_size` too"):
+        AccumulationScheduler(2, split=keep_w)
+
+
+SPLIT_AT_THE_FIRST_BATCH: list[tuple[Any, type, str]] = [
+    (lambda path, leaf: None, TypeError, r"`split` returned None for `batch\['x'\]`; it must return True"),
+    (lambda path, leaf: 1, TypeError, r"`split` returned 1 for"),
+    (lambda path, leaf: torch.tensor(True), TypeError, r"`split` returned tensor\(True\)"),
+    (lambda path, leaf: True, ValueError, r"differ in size along dim 0.*batch\['w'\]: 5"),  # (the last batch)
+    (lambda path, leaf: False, ValueError, r"`split` returned False for every leaf"),
+]
+
+
+@pytest.mark.parametrize(("split", "error", "match"), SPLIT_AT_THE_FIRST_BATCH)
+def test_split_misuse_refused_before_any_change(split: Any, error: type, match: str) -> None:
+    data = TokenData(48, ragged=False)
+    if "batch\\['w'\\]: 5" in match:  # a weight of 5 beside batches of 4: refused at the first
+        data_loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=with_weight)
+    else:
+        data_loader = weighted_loader(data)
+    cb = AccumulationScheduler(2, microbatch_size=2, split=split)
+    refused_before_any_change(cb, data_loader, match, error)
+
+
+def test_split_true_for_a_leaf_that_cannot_be_cut_is_refused() -> None:
+    def collate(samples: list[dict[str, Tensor]]) -> dict[str, Any]:
+        return {**torch.utils.data.default_collate(samples), "task": "lm", "scale": torch.tensor(2.0)}
+
+    data = torch.utils.data.DataLoader(TokenData(16), batch_size=8, collate_fn=collate)
+    for name, what in (("task", "a str"), ("scale", "a 0-d tensor")):
+        cb = AccumulationScheduler(
+            2, microbatch_size=2, split=lambda path, leaf, name=name: path == (name,) or path[0] in "xym"
+        )
+        refused_before_any_change(cb, data, rf"`split` returned True for `batch\['{name}'\]`, {what}", TypeError)
+
+
+def test_the_mixin_takes_split_on_both_calls() -> None:
+    model = UnfreezingManual((9, 9))
+    batch = with_weight([TokenData(5)[i] for i in range(5)])
+    parts = model.microbatches(batch, 2, split=keep_w)
+    assert [len(p["x"]) for p in parts] == [2, 2, 1] and all(p["w"] is W for p in parts)
+    with pytest.raises(TypeError, match=r"`split` of `microbatches` must be None"):
+        model.microbatches(batch, 2, split="w")
+    with pytest.raises(ValueError, match=r"differ in size along dim 0.*give `split="):
+        model.microbatches({**batch, "w": W[:4]}, 2)

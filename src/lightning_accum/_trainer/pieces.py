@@ -136,8 +136,9 @@ class Pieces:
         {'found': 4, 'resume': None}
     """
 
-    def __init__(self, size: MicrobatchSize) -> None:
+    def __init__(self, size: MicrobatchSize, rule: microbatch.Split | None = None) -> None:
         self.size = size
+        self.rule = rule  # `split=`: which leaves are cut (None: every tensor)
         self.found: int | None = None
         self.used: int | None = None
         self.in_backward = False
@@ -201,6 +202,10 @@ class Pieces:
         """The coming batch has no backward (``StochasticWeightAveraging``'s BatchNorm epoch)."""
         self._forward_only, self.batch, self._next, self.in_backward, self.whole = True, None, None, False, False
 
+    def length(self, batch: Any) -> int:
+        """The loader batch's samples: the length of what is cut (``split=``), or an error naming where it cannot be."""
+        return _length(batch, self.rule)
+
     def batch_done(self) -> None:
         self.batch, self._next = None, None
 
@@ -238,7 +243,7 @@ class Pieces:
         loss value (on a graph that reaches no parameter) for Lightning's own backward."""
         fit = self._fit
         assert fit is not None, "the callback attaches the pieces at train start"
-        samples = _length(batch)
+        samples = _length(batch, self.rule)
         if fit.plan.family == "ddp":  # (inside DDP's forward: it reads the flag after `training_step` returns)
             self.release()
             self._held.enter_context(fit.strategy.block_backward_sync())
@@ -398,7 +403,7 @@ class Pieces:
             self._count_pieces(b, bounds)  # (every piece before `training_step` runs on any: it may change them)
         for start, stop in bounds:
             whole = start == 0 and stop == b.samples
-            piece = b.batch if whole else microbatch.cut(b.batch, start, stop)
+            piece = b.batch if whole else microbatch.cut(b.batch, start, stop, self.rule)
             self._attempt = stop - start
             if self.size == "auto":
                 self._piece_rng = _RNG()
@@ -427,7 +432,7 @@ class Pieces:
         assert fit is not None
         for start, stop in bounds:
             if (start, stop) not in b.counts and not (start == 0 and stop == b.samples):
-                b.counts[start, stop] = _count(fit.count, microbatch.cut(b.batch, start, stop))
+                b.counts[start, stop] = _count(fit.count, microbatch.cut(b.batch, start, stop, self.rule))
 
     def _add(self, loss: Tensor, bounds: tuple[int, int], b: _Batch, backward: bool, final: bool) -> None:
         """A piece's loss into the batch's, and its backward pass (weighted as its share of the batch)."""
@@ -488,13 +493,13 @@ class Pieces:
         self.resume = None if resume is None else (int(resume[0]), int(resume[1]), int(resume[2]), *resume[3:5])
 
 
-def _length(batch: Any) -> int:
-    """The batch's length along dim 0 (the same for every tensor), or an error naming where it cannot be cut."""
+def _length(batch: Any, rule: microbatch.Split | None = None) -> int:
+    """The batch's length along dim 0 (the same for every tensor cut), or an error naming where it cannot be cut."""
     sizes: set[int] = set()
-    if _lengths(batch, sizes) and len(sizes) == 1:  # (the common case, without the error's bookkeeping)
+    if rule is None and _lengths(batch, sizes) and len(sizes) == 1:  # (the common case, without the bookkeeping)
         return sizes.pop()
     try:
-        return microbatch.batch_length(batch)
+        return microbatch.batch_length(batch, rule)
     except ValueError as error:
         raise ValueError(
             f"`AccumulationScheduler(microbatch_size=...)` cuts each loader batch along dim 0, but this one cannot be "
