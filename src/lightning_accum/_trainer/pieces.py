@@ -403,7 +403,9 @@ class Pieces:
             self._count_pieces(b, bounds)  # (every piece before `training_step` runs on any: it may change them)
         for start, stop in bounds:
             whole = start == 0 and stop == b.samples
-            piece = b.batch if whole else microbatch.cut(b.batch, start, stop, self.rule)
+            # ("auto": the whole batch as a copy of its containers, so that a `training_step` that changes it leaves
+            # the batch intact for a redo at a smaller size)
+            piece = b.batch if whole and self.size != "auto" else microbatch.cut(b.batch, start, stop, self.rule)
             self._attempt = stop - start
             if self.size == "auto":
                 self._piece_rng = _RNG()
