@@ -174,6 +174,8 @@ class Automatic(_Base):
             batch = {**batch, "mask": mask}
         hidden = self.net[0](batch["x"])
         if over:  # in backward, after the last layer's gradient is in: part of the piece's gradient is left
+            if not hidden.requires_grad:  # (the first layer frozen, `unfreeze`: a leaf of its own, times exactly 1)
+                hidden = hidden * torch.ones((), dtype=hidden.dtype, requires_grad=True)
             hidden.register_hook(_out_of_memory)
         total = errors(self.net[2](self.net[1](hidden)), batch).sum()
         positions = batch["x"].shape[0] * batch["x"].shape[1]
