@@ -18,6 +18,7 @@ Example:
 """
 
 from lightning_accum import lr
+from lightning_accum._core.errors import NonFiniteWindowError
 from lightning_accum._trainer.reporting import WindowReport
 from lightning_accum._trainer.steps import estimated_stepping_batches
 from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
@@ -38,6 +39,7 @@ __all__ = [
     "Lambda",
     "NoiseScale",
     "NoiseScaleEstimator",
+    "NonFiniteWindowError",
     "Piecewise",
     "Progress",
     "Ramp",

@@ -30,6 +30,7 @@ from torch import Tensor
 from lightning_accum._core import gradients
 from lightning_accum._core.checkpoint import PartialWindow, check_world
 from lightning_accum._core.engine import WindowEngine
+from lightning_accum._core.errors import NonFiniteWindowError
 from lightning_accum._core.metrics import weighted
 from lightning_accum._core.options import (
     Count,
@@ -135,7 +136,8 @@ class FabricAccumulator:
         lr_schedule: a learning-rate multiplier keyed on ``Progress`` (``lightning_accum.lr``).
         gradient_clip_val: clip the normalised window gradient (``fabric.clip_gradients``); ``None`` (the
             default) does not clip. By norm, a window whose gradient is NaN or infinite is refused rather
-            than stepped, as ``fabric.clip_gradients`` refuses it (under a ``GradScaler`` the scaler skips it).
+            than stepped, as ``fabric.clip_gradients`` refuses it: ``NonFiniteWindowError``, a ``RuntimeError``
+            (under a ``GradScaler`` the scaler skips it).
         gradient_clip_algorithm: ``"norm"`` or ``"value"``.
         sync: under FSDP2, ``"auto"`` or ``"skip"`` reduce-scatter once per window (the micro-batches before
             its last keep FSDP2's unsharded gradient: give ``last=True`` to the data's last ``accumulate``),
@@ -425,7 +427,7 @@ class FabricAccumulator:
             # a window whose step did not finish cannot be stepped again exactly: left out, a clean one next
             window = self._engine.window
             self._drop_window()
-            if not isinstance(error, FloatingPointError):  # (whose message says so already)
+            if not isinstance(error, NonFiniteWindowError):  # (whose message says so already)
                 warnings.warn(
                     f"The window's step failed ({type(error).__name__}), so the window ("
                     f"{0 if window is None else window.microbatches} micro-batch(es) on this rank) was left out and "
@@ -472,7 +474,8 @@ class FabricAccumulator:
 
     def _clip(self, k: int, microbatches: int) -> None:
         """Clip the normalised window gradient through Fabric (which unscales an AMP gradient first). By norm, a
-        non-finite gradient is refused as ``fabric.clip_gradients`` refuses it, unless a ``GradScaler`` owns it
+        non-finite gradient is refused as ``fabric.clip_gradients`` refuses it (``NonFiniteWindowError``, a
+        ``RuntimeError``), unless a ``GradScaler`` owns it
         (the scaler then skips the step and lowers its scale)."""
         if self.clip_val is None:
             return
@@ -487,7 +490,7 @@ class FabricAccumulator:
         except RuntimeError as error:
             if "non-finite" not in str(error):
                 raise
-            raise FloatingPointError(
+            raise NonFiniteWindowError(
                 f"The window's gradient is not finite (NaN or infinite; k = {k}, {microbatches} micro-batch(es) over "
                 "all ranks), so it was not stepped: `gradient_clip_val` clips by norm, and a non-finite norm is "
                 "refused, as `fabric.clip_gradients` refuses it. The window was left out and the next one starts "

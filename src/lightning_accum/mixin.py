@@ -198,11 +198,13 @@ class AccumulationMixin(_ModuleBase):
         super().zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ windows
-    def microbatches(self, batch: Any, size: int) -> list[Any]:
+    def microbatches(self, batch: Any, size: int, *, split: microbatch.Split | None = None) -> list[Any]:
         """``batch`` split along dim 0 into micro-batches of ``size`` samples (the last may be
-        shorter); tensors in dicts, lists, tuples and dataclasses. For automatic sizing on
-        out-of-memory, use ``acc.backward_microbatches(loss_fn, size="auto")``."""
-        return microbatch.split(batch, size)
+        shorter); tensors in dicts, lists, tuples and dataclasses. ``split(path, leaf) -> bool``: which
+        leaves are cut (``True``) and which each micro-batch gets whole (``False``: a per-class weight);
+        by default every tensor is cut. For automatic sizing on out-of-memory, use
+        ``acc.backward_microbatches(loss_fn, size="auto")``."""
+        return microbatch.split(batch, size, microbatch.check_split(split, "`microbatches`"))
 
     @property
     def accumulation_progress(self) -> Progress:

@@ -10,6 +10,7 @@ Example:
 
 from lightning_accum._core.cached import GetRep, Reps
 from lightning_accum._core.decay import Factor
+from lightning_accum._core.microbatch import Split
 from lightning_accum._core.options import Count, LRScaling, MicrobatchSize, Reduction, Reset
 from lightning_accum._core.sync import SyncMode
 from lightning_accum._core.window import Normalize
@@ -25,6 +26,7 @@ __all__ = [
     "Reduction",
     "Reps",
     "Reset",
+    "Split",
     "SyncMode",
     "Unit",
 ]

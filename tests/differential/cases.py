@@ -229,6 +229,15 @@ CASES: dict[str, dict[str, Any]] = {
                                    "interruptions": [["save", 0, 4]], "optimizer": "adam", "lr": 0.01},
     "none_window_callback": {**_ITEMS, "n": 28, "schedule": {"family": "constant", "k": 2}, "skip": [4, 5, 6],
                              "scheduler": {"kind": "step", "interval": "step", "step_size": 1}},
+    # issue 42: a param group added inside a window lost the window's first loader batch under `microbatch_size`;
+    # a `training_step` that takes the mask out of its batch changed the pieces' counts (and "auto" redid a batch
+    # whose whole first try had lost it)
+    "unfreeze_inside_a_window_pieces": {"n": 28, "schedule": {"family": "constant", "k": 3}, "microbatch_size": 3,
+                                        "unfreeze": [0, 4], "optimizer": "momentum"},
+    "mutated_batch_pieces": {**_ITEMS, "reduction": "mean", "n": 28, "schedule": {"family": "constant", "k": 2},
+                             "microbatch_size": 2, "mutate": True, "unfreeze": [1, 0]},
+    "mutated_batch_auto_redo": {**_ITEMS, "reduction": "mean", "n": 28, "schedule": {"family": "constant", "k": 2},
+                                "microbatch_size": "auto", "oom": [2, "backward"], "mutate": True},
 }  # fmt: skip
 
 

@@ -99,6 +99,11 @@ class Config:
     # batch [epoch, batch], inside a window, then `trainer.fit` again on the same model (a new Trainer, no checkpoint)
     zero_grad: bool = False
     refit: list[int] | None = None
+    # issue 42: the first layer frozen and outside the optimizer until batch [epoch, batch], where it is unfrozen
+    # and added as a param group of its own (`BaseFinetuning`'s way); `training_step` taking the mask out of its
+    # batch (`labels = batch.pop("labels")`), the count then falling back to every position where the mask is gone
+    unfreeze: list[int] | None = None
+    mutate: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -225,6 +230,7 @@ def generate(rng: random.Random) -> Config:
         _callback_refit(c, batches)
         _microbatches(c)
         _none_losses(c, batches)
+        _lightning_code(c, batches)
     if c.adapter == "mixin":
         _mean_by(c)
     return c
@@ -317,6 +323,25 @@ def _microbatches(c: Config) -> None:
         c.oom = [rng.randint(1, c.batch_size), rng.choice(["forward", "backward"])]
     if any(kind == "training_step" for kind, _, _ in c.interruptions):
         c.fail_piece = rng.choice([0, 1])
+
+
+def _lightning_code(c: Config, batches: int) -> None:
+    """Ordinary Lightning code around ``microbatch_size`` (issue 42), drawn from a generator of the configuration's
+    own: a param group added during the fit, and a ``training_step`` that changes its batch. Mostly with pieces, as
+    that is where both were silently wrong; not with what cannot take a new param group (a second optimizer, SWA's
+    and a plateau's per-group lists made at their start, `LearningRateMonitor`'s names, a decay residual the
+    reference keeps per parameter) nor with a resume (the restored optimizer must be given the group first, as
+    `BaseFinetuning` does)."""
+    rng = random.Random(f"lightning_code/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    chance = 0.5 if c.microbatch_size is not None else 0.15
+    plateau = (c.scheduler or {}).get("kind") == "plateau"
+    takes_group = c.optimizers == 1 and c.swa is None and not plateau and c.decay is None
+    if takes_group and rng.random() < chance:
+        c.unfreeze = [rng.randrange(c.epochs), rng.randrange(batches)]
+        c.interruptions, c.refit = [], None
+        c.callbacks = [name for name in c.callbacks if name != "lr_monitor"]
+    if rng.random() < chance:
+        c.mutate = True
 
 
 def _none_losses(c: Config, batches: int) -> None:

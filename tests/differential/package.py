@@ -72,7 +72,7 @@ def package_callbacks(c: Config) -> list[pl.Callback]:
             la.AccumulationScheduler(
                 schedule(c.schedule),
                 normalize=c.normalize,  # type: ignore[arg-type]
-                count=count_tokens if c.count else None,
+                count=(count_or_positions if c.mutate else count_tokens) if c.count else None,
                 reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
                 lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
                 lr_schedule=lr_schedule(c),
@@ -82,6 +82,14 @@ def package_callbacks(c: Config) -> list[pl.Callback]:
     if c.adapter == "callback" and c.decay is not None:
         callbacks.append(decay(c))  # type: ignore[arg-type]
     return callbacks
+
+
+def count_or_positions(batch: dict[str, Tensor]) -> Tensor:
+    """The mask's items, or where `training_step` took the mask out already every position (as
+    `causal_lm_tokens` falls back to the attention mask without labels): right only if taken first."""
+    if "mask" in batch:
+        return count_tokens(batch)
+    return torch.tensor(float(batch["x"].shape[0] * batch["x"].shape[1]), dtype=torch.float64)
 
 
 def decay(c: Config) -> la.GradientDecay | None:
@@ -143,6 +151,13 @@ class Automatic(_Base):
     def __init__(self, c: Config, data: Data) -> None:
         super().__init__(c, data)
         self.calls: dict[tuple[int, int], int] = {}  # `training_step` calls per batch (one per piece)
+        if c.unfreeze is not None:  # (frozen, and outside the optimizer, until `on_train_batch_start` of its batch)
+            self.net[0].requires_grad_(False)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.c.unfreeze is not None and [self.current_epoch, batch_idx] == list(self.c.unfreeze):
+            self.net[0].requires_grad_(True)  # (as `BaseFinetuning.unfreeze_and_add_param_group` does)
+            self.optimizers().optimizer.add_param_group({"params": list(self.net[0].parameters())})  # type: ignore[union-attr]
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
         here = (self.current_epoch, batch_idx)
@@ -154,8 +169,13 @@ class Automatic(_Base):
         over = self.c.oom is not None and len(batch["x"]) > self.c.oom[0]
         if over and self.c.oom[1] == "forward":  # type: ignore[index]
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        if self.c.mutate:  # (`labels = batch.pop("labels")`: the batch's count must have been taken before)
+            mask = batch.pop("mask")
+            batch = {**batch, "mask": mask}
         hidden = self.net[0](batch["x"])
         if over:  # in backward, after the last layer's gradient is in: part of the piece's gradient is left
+            if not hidden.requires_grad:  # (the first layer frozen, `unfreeze`: a leaf of its own, times exactly 1)
+                hidden = hidden * torch.ones((), dtype=hidden.dtype, requires_grad=True)
             hidden.register_hook(_out_of_memory)
         total = errors(self.net[2](self.net[1](hidden)), batch).sum()
         positions = batch["x"].shape[0] * batch["x"].shape[1]

@@ -80,6 +80,8 @@ def make_optimizer(c: Config, params: Any) -> torch.optim.Optimizer:
 def make_optimizers(c: Config, net: nn.Module) -> list[torch.optim.Optimizer]:
     """One optimizer; or two (the mixin): the first layer's and the last's, and with ``shared`` the first
     holds the last layer's bias too."""
+    if c.unfreeze is not None:  # (the first layer joins as a param group of its own at `c.unfreeze`)
+        return [make_optimizer(c, net[2].parameters())]
     if c.optimizers == 1:
         return [make_optimizer(c, net.parameters())]
     first, last = list(net[0].parameters()), list(net[2].parameters())
@@ -146,6 +148,12 @@ def _step(c: Config, opt: torch.optim.Optimizer, factor: float, lrs: list[list[f
         g["lr"] = lr
 
 
+def _join(net: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The first layer unfrozen and added to the optimizer as a param group of its own (its defaults)."""
+    net[0].requires_grad_(True)
+    opt.add_param_group({"params": list(net[0].parameters())})
+
+
 def _ema(c: Config, net: nn.Module, ema: list[Tensor] | None) -> list[Tensor] | None:
     """The "ema" callback's average after a window's step."""
     if "ema" not in c.callbacks:
@@ -191,6 +199,8 @@ def run(c: Config) -> Result:
 def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int] | None = None) -> tuple[Result, Any]:
     data = Data(c)
     net = make_net(c.seed) if carried is None else carried["net"]
+    if c.unfreeze is not None:  # frozen until it joins the optimizer at batch `c.unfreeze`
+        net[0].requires_grad_(False)
     guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
     opts = make_optimizers(c, net)
     sched = make_scheduler(c, opts[0])
@@ -244,10 +254,15 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 done = True
                 break
             due = not by_model or len(span) == k or span[-1] == batches - 1
+            joins = None  # the batch of this window at which the first layer joins the optimizer
+            if c.unfreeze is not None and c.unfreeze[0] == epoch and c.unfreeze[1] in span:
+                joins = c.unfreeze[1]
             samples = sum(len(b["x"]) for b in window)
             counts = [float(b["mask"].sum()) if c.count else float(len(b["x"])) for b in window]
             tokens = sum(counts)
             if not window or (c.normalize == "items" and tokens == 0):  # nothing went in: no step, nothing changes
+                if joins is not None:
+                    _join(net, opts[0])
                 p["samples"] += samples
                 if interval == "step" and by_model and due:  # (the model steps its scheduler at `acc.last` anyway)
                     sched.step()
@@ -269,7 +284,15 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 if c.max_steps != -1 and (p["step"] - step0) * len(opts) >= c.max_steps:
                     done = True
                 continue
-            loss = sum(_terms(c, net, window, tokens, len(window), guide), torch.zeros((), dtype=torch.float64))
+            if joins is not None:  # the batches before the join ran with the first layer frozen
+                before = [data.batch(j * c.world + r) for j in indices if j < joins for r in range(c.world)]
+                terms = _terms(c, net, before, tokens, len(window), guide)
+                _join(net, opts[0])
+                after = [data.batch(j * c.world + r) for j in indices if j >= joins for r in range(c.world)]
+                terms += _terms(c, net, after, tokens, len(window), guide)
+            else:
+                terms = _terms(c, net, window, tokens, len(window), guide)
+            loss = sum(terms, torch.zeros((), dtype=torch.float64))
             net.zero_grad(set_to_none=False)
             loss.backward()
             if c.decay is not None:

@@ -110,7 +110,8 @@ class ResidualDecay:
         for i, optimizer in enumerate(self._optimizers):
             residual = self._residual.get(i) if restore_residual else None
             if residual is not None:
-                for p, r in zip(gradients.optimizer_params(optimizer), residual, strict=True):
+                params = gradients.optimizer_params(optimizer)
+                for p, r in zip(params, _fitted(residual, params), strict=True):
                     if p.grad is None and r is not None:
                         p.grad = r.to(p.device)
         for hook in self._hooks:
@@ -125,7 +126,7 @@ class ResidualDecay:
         if all(g is None for g in new):  # a window nothing went into is not stepped: the residual waits
             return
         f = self.factor_at(self.steps)
-        residual = self._residual.get(i) or [None] * len(params)
+        residual = _fitted(self._residual.get(i) or [], params)
         both = [(g, r) for g, r in zip(new, residual, strict=True) if g is not None and r is not None]
         alone = [g for g, r in zip(new, residual, strict=True) if g is not None and r is None]
         if self.mode == "ema":  # one fused pass: lerp(g, r, f) = (1 - f) g + f r
@@ -181,6 +182,18 @@ class ResidualDecay:
         self._stepped.clear()
         self.steps = int(state_dict.get("steps", 0))
         self._residual = {int(i): list(r) for i, r in state_dict.get("residual", {}).items()}
+
+
+def _fitted(residual: list[Tensor | None], params: Sequence[Tensor]) -> list[Tensor | None]:
+    """The residual for the optimizer's parameters as they are now: a param group added during the fit (e.g. by
+    ``BaseFinetuning``) comes after the residual's and has none yet."""
+    if len(residual) > len(params):
+        raise RuntimeError(
+            f"`GradientDecay` holds a residual for {len(residual)} parameters, but the optimizer now has "
+            f"{len(params)}: a param group was removed during the fit. Add param groups "
+            "(`optimizer.add_param_group`), never remove them."
+        )
+    return residual + [None] * (len(params) - len(residual))
 
 
 def _check_factor(value: object) -> float:

@@ -145,7 +145,13 @@ class Accumulator:
         for name, loss in zip(names, losses, strict=True):
             self._block.record_loss(loss, f"loss/{name}")
 
-    def backward_microbatches(self, loss_fn: Callable[[Any], Tensor], size: int | Literal["auto"] = "auto") -> Tensor:
+    def backward_microbatches(
+        self,
+        loss_fn: Callable[[Any], Tensor],
+        size: int | Literal["auto"] = "auto",
+        *,
+        split: microbatch.Split | None = None,
+    ) -> Tensor:
         """Split this micro-batch's ``batch`` along dim 0 and back-propagate ``loss_fn(part)`` for
         each part, weighted so that the result equals the whole batch's (sample-weighted for
         ``"mean"``; for ``"items"``, plain sums, or under ``reduction="mean"`` each part's mean weighted
@@ -156,20 +162,27 @@ class Accumulator:
         window's gradient, halves the size, and redoes the window from its first micro-batch
         (its batches are kept by reference): no sample is lost or counted twice. The size is kept
         for later batches and agreed on by all ranks (their minimum) at each window's end.
+
+        ``split(path, leaf) -> bool`` says which leaves of the batch are cut (``True``) and which every part
+        gets whole (``False``: a per-class weight, a shared prompt); by default every tensor is cut.
         """
         self._check_open(auto=size == "auto")
+        rule = microbatch.check_split(split, "`backward_microbatches`")
+        if size != "auto" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"`size` must be an int >= 1 (samples per part) or 'auto'; got {size!r}.")
+        microbatch.batch_length(self._batch, rule)  # (a batch that cannot be cut: refused before any part runs)
         auto = self._auto_size
         whole = self._block.weight(None)  # (under reduction="mean", `count(batch)` weighs the batch as one part)
         if size != "auto":
-            return self._run_parts(self._batch, loss_fn, size, whole)
+            return self._run_parts(self._batch, loss_fn, size, whole, rule)
         self._auto += 1
-        redo: list[tuple[Any, Callable[[Any], Tensor], int | Tensor | None]] = []
+        redo: list[tuple[Any, Callable[[Any], Tensor], Any]] = []
         while True:
-            size = auto.size_for(self._batch)
+            size = auto.size_for(self._batch, rule)
             try:
-                for past_batch, past_fn, past_whole in redo:
-                    self._run_parts(past_batch, past_fn, size, past_whole)
-                losses = self._run_parts(self._batch, loss_fn, size, whole)
+                for past_batch, past_fn, (past_whole, past_rule) in redo:
+                    self._run_parts(past_batch, past_fn, size, past_whole, past_rule)
+                losses = self._run_parts(self._batch, loss_fn, size, whole, rule)
                 break
             except Exception as error:
                 if not microbatch.is_oom(error):
@@ -187,21 +200,33 @@ class Accumulator:
                 torch.cuda.empty_cache()
             auto.halve(size)
             redo = auto.replay(self._block.key)
-        auto.remember(self._block.key, self._batch, loss_fn, whole)
+        auto.remember(self._block.key, self._batch, loss_fn, (whole, rule))
         return losses
 
-    def _run_parts(self, batch: Any, loss_fn: Callable[[Any], Tensor], size: int, whole: int | Tensor | None) -> Tensor:
+    def _run_parts(
+        self,
+        batch: Any,
+        loss_fn: Callable[[Any], Tensor],
+        size: int,
+        whole: int | Tensor | None,
+        rule: microbatch.Split | None = None,
+    ) -> Tensor:
         """``loss_fn`` of each part of ``batch``, back-propagated as its share of the batch (``whole``: what the
-        batch's own loss is weighted by, ``count(batch)`` for a mean over its items, or ``None``)."""
-        n = microbatch.batch_length(batch)
+        batch's own loss is weighted by, ``count(batch)`` for a mean over its items, or ``None``; ``rule``: which
+        leaves are cut)."""
+        n = microbatch.batch_length(batch, rule)
         mean = self._block.windows.config.normalize == "mean"
+        parts = microbatch.split(batch, size, rule)
+        weights = None
+        if whole is not None and size < n:  # every part counted before `loss_fn` runs on any (it may change them)
+            weights = [self._block.part_weight(part) for part in parts]
         losses = []
-        for part in microbatch.split(batch, size):
+        for i, part in enumerate(parts):
             loss = multitask.check_loss(loss_fn(part), "the loss returned by `loss_fn`")
             if whole is not None:  # a mean over the part's items: weighted by them (the whole batch: as counted)
-                self._weighted(loss, whole if size >= n else self._block.part_weight(part))
+                self._weighted(loss, whole if weights is None else weights[i])
             else:
-                self._backward(loss * (microbatch.batch_length(part) / n) if mean and size < n else loss)
+                self._backward(loss * (microbatch.batch_length(part, rule) / n) if mean and size < n else loss)
             losses.append(loss.detach())
         return torch.stack(losses)
 

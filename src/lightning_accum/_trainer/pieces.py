@@ -51,6 +51,7 @@ from torch import Tensor
 from lightning_accum._core import gradients, microbatch, sync
 from lightning_accum._core.metrics import weigh
 from lightning_accum._core.options import Count, MicrobatchSize
+from lightning_accum._core.window import check_count
 
 Grads = list[Tensor | None]
 
@@ -87,6 +88,7 @@ class _Batch:
     at_start: tuple[Tensor | float, Tensor | float] = (0.0, 0.0)  # (loss, summed) when it began
     rng: _RNG | None = None  # "auto": the generators at its start
     cuts: list[int] = dataclasses.field(default_factory=list)  # where its pieces so far ended
+    counts: dict[tuple[int, int], int | Tensor] = dataclasses.field(default_factory=dict)  # count(piece) by bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +101,16 @@ class Fit:
     strategy: Any
     plan: sync.SyncPlan
     optimizer: Any
-    params: Sequence[Tensor]  # the optimizer's
     normalize: str
     mean_items: bool  # normalize="items" with reduction="mean"
     count: Count | None
     put_back: Callable[[], Grads | None]  # a resumed window's partial gradient into `.grad` (returned), once
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The optimizer's parameters as they are now: taken where they are used, not at train start (a param group
+        added during the fit, e.g. by ``BaseFinetuning``, is part of every window from the one it joins)."""
+        return gradients.optimizer_params(self.optimizer)
 
 
 class Pieces:
@@ -129,8 +136,9 @@ class Pieces:
         {'found': 4, 'resume': None}
     """
 
-    def __init__(self, size: MicrobatchSize) -> None:
+    def __init__(self, size: MicrobatchSize, rule: microbatch.Split | None = None) -> None:
         self.size = size
+        self.rule = rule  # `split=`: which leaves are cut (None: every tensor)
         self.found: int | None = None
         self.used: int | None = None
         self.in_backward = False
@@ -142,7 +150,7 @@ class Pieces:
         self._next: tuple[Any, ...] | None = None  # what `begin` said about the coming batch
         self._forward_only = False
         self.batch: _Batch | None = None  # the batch under way
-        self._aside: Grads | None = None  # the gradient set aside across Lightning's zeroing
+        self._aside: list[tuple[Tensor, Tensor | None]] | None = None  # (param, grad) set aside across the zeroing
         self._held = contextlib.ExitStack()  # DDP's sync off, till the end of Lightning's backward
         self._holding = False
         self._replaying = False
@@ -187,11 +195,16 @@ class Pieces:
         Lightning zeroes the gradients after its ``training_step``, whether it adds nothing, and how its
         loss is treated (Lightning's division, the callback's factor on the loss's gradient)."""
         self._forward_only, self.batch, self.in_backward, self.whole = False, None, False, False
+        items = check_count(items)  # (refused before any piece's gradient goes in, as without pieces)
         self._next = (where, items, final, zeroes_after, redoing, divisor, factor)
 
     def begin_forward_only(self) -> None:
         """The coming batch has no backward (``StochasticWeightAveraging``'s BatchNorm epoch)."""
         self._forward_only, self.batch, self._next, self.in_backward, self.whole = True, None, None, False, False
+
+    def length(self, batch: Any) -> int:
+        """The loader batch's samples: the length of what is cut (``split=``), or an error naming where it cannot be."""
+        return _length(batch, self.rule)
 
     def batch_done(self) -> None:
         self.batch, self._next = None, None
@@ -204,8 +217,8 @@ class Pieces:
 
     def restore_aside(self) -> None:
         """Put back the gradient set aside across Lightning's zeroing (after it)."""
-        if self._aside is not None and self._fit is not None:
-            for p, g in zip(self._fit.params, self._aside, strict=True):
+        if self._aside is not None:
+            for p, g in self._aside:
                 p.grad = g
         self._aside = None
 
@@ -230,7 +243,7 @@ class Pieces:
         loss value (on a graph that reaches no parameter) for Lightning's own backward."""
         fit = self._fit
         assert fit is not None, "the callback attaches the pieces at train start"
-        samples = _length(batch)
+        samples = _length(batch, self.rule)
         if fit.plan.family == "ddp":  # (inside DDP's forward: it reads the flag after `training_step` returns)
             self.release()
             self._held.enter_context(fit.strategy.block_backward_sync())
@@ -262,8 +275,8 @@ class Pieces:
             if out is None:
                 return None
         if zeroes_after:
-            self._aside = [p.grad for p in fit.params]
-            for p in fit.params:
+            self._aside = [(p, p.grad) for p in fit.params]
+            for p, _ in self._aside:
                 p.grad = None
         if self.size == "auto" and not b.redoing:
             self._window.append(b)
@@ -385,12 +398,14 @@ class Pieces:
         the last piece's output (``None`` if the first returned ``None``: Lightning then skips the batch)."""
         out: Any = None
         size = self._size(b)
-        ends = iter(cuts or ())
-        while b.done < b.samples:
-            start = b.done
-            stop = next(ends) if cuts else min(b.done + size, b.samples)
+        bounds = list(zip([b.done, *cuts[:-1]], cuts, strict=True)) if cuts else _bounds(b.done, b.samples, size)
+        if self._fit is not None and self._fit.mean_items:
+            self._count_pieces(b, bounds)  # (every piece before `training_step` runs on any: it may change them)
+        for start, stop in bounds:
             whole = start == 0 and stop == b.samples
-            piece = b.batch if whole else microbatch.cut(b.batch, start, stop)
+            # ("auto": the whole batch as a copy of its containers, so that a `training_step` that changes it leaves
+            # the batch intact for a redo at a smaller size)
+            piece = b.batch if whole and self.size != "auto" else microbatch.cut(b.batch, start, stop, self.rule)
             self._attempt = stop - start
             if self.size == "auto":
                 self._piece_rng = _RNG()
@@ -404,7 +419,7 @@ class Pieces:
                     "`microbatch_size`, after earlier micro-batches of it were back-propagated: return a loss for "
                     "every micro-batch (a zero loss adds nothing), or None for the batch's first one to skip it."
                 )
-            self._add(loss, piece, stop - start, b, backward, final=b.final and stop == b.samples)
+            self._add(loss, (start, stop), b, backward, final=b.final and stop == b.samples)
             b.done = stop
             b.cuts.append(stop)
             if stop < b.samples:
@@ -412,15 +427,25 @@ class Pieces:
         self.used = min(size, b.samples)
         return out
 
-    def _add(self, loss: Tensor, piece: Any, n: int, b: _Batch, backward: bool, final: bool) -> None:
+    def _count_pieces(self, b: _Batch, bounds: Sequence[tuple[int, int]]) -> None:
+        """``count(piece)`` of each piece of ``b`` not counted yet (``reduction="mean"``), all before ``training_step``
+        runs on any of them (it may change its batch: ``labels = batch.pop("labels")``), each checked."""
+        fit = self._fit
+        assert fit is not None
+        for start, stop in bounds:
+            if (start, stop) not in b.counts and not (start == 0 and stop == b.samples):
+                b.counts[start, stop] = _count(fit.count, microbatch.cut(b.batch, start, stop, self.rule))
+
+    def _add(self, loss: Tensor, bounds: tuple[int, int], b: _Batch, backward: bool, final: bool) -> None:
         """A piece's loss into the batch's, and its backward pass (weighted as its share of the batch)."""
         fit = self._fit
         assert fit is not None
+        n = bounds[1] - bounds[0]
         whole = n == b.samples
         factor: float | Tensor = self._factor if backward else 1.0
         nothing: bool | Tensor = b.redoing
         if fit.mean_items:
-            items = b.items if whole else _count(fit.count, piece)
+            items = b.items if whole else b.counts[bounds]
             factor = factor * items
             if not b.redoing:
                 nothing = gradients.no_items(items)
@@ -470,13 +495,13 @@ class Pieces:
         self.resume = None if resume is None else (int(resume[0]), int(resume[1]), int(resume[2]), *resume[3:5])
 
 
-def _length(batch: Any) -> int:
-    """The batch's length along dim 0 (the same for every tensor), or an error naming where it cannot be cut."""
+def _length(batch: Any, rule: microbatch.Split | None = None) -> int:
+    """The batch's length along dim 0 (the same for every tensor cut), or an error naming where it cannot be cut."""
     sizes: set[int] = set()
-    if _lengths(batch, sizes) and len(sizes) == 1:  # (the common case, without the error's bookkeeping)
+    if rule is None and _lengths(batch, sizes) and len(sizes) == 1:  # (the common case, without the bookkeeping)
         return sizes.pop()
     try:
-        return microbatch.batch_length(batch)
+        return microbatch.batch_length(batch, rule)
     except ValueError as error:
         raise ValueError(
             f"`AccumulationScheduler(microbatch_size=...)` cuts each loader batch along dim 0, but this one cannot be "
@@ -523,7 +548,12 @@ def _with_loss(out: Any, loss: Tensor) -> Any:
 
 def _count(count: Count | None, piece: Any) -> int | Tensor:
     assert count is not None, "reduction='mean' comes with `count`"
-    return count(piece)
+    return check_count(count(piece), "`count(piece)` of a micro-batch cut by `microbatch_size`")
+
+
+def _bounds(done: int, samples: int, size: int) -> list[tuple[int, int]]:
+    """The pieces ``(start, stop)`` of the samples from ``done`` on, ``size`` at a time (the last may be shorter)."""
+    return [(start, min(start + size, samples)) for start in range(done, samples, size)]
 
 
 def _no_autocast(loss: Tensor) -> contextlib.AbstractContextManager[Any]:

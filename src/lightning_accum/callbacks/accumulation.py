@@ -16,6 +16,7 @@ from lightning_accum._core import gradients, sync
 from lightning_accum._core.checkpoint import PartialWindow
 from lightning_accum._core.engine import WindowEngine
 from lightning_accum._core.metrics import weigh
+from lightning_accum._core.microbatch import Split, check_split
 from lightning_accum._core.options import (
     Count,
     LRScaling,
@@ -88,6 +89,9 @@ class AccumulationScheduler(Callback):
             ``"auto"`` (the loader batch, halved on out-of-memory; the window is kept exact). ``k`` still
             counts loader batches and nothing but memory (and BatchNorm's statistics) changes: see the
             guide's "Micro-batches that fit". Not under DeepSpeed or Lightning's FSDP.
+        split: with ``microbatch_size``, ``split(path, leaf) -> bool`` says which leaves of a loader batch are cut
+            along dim 0 (``True``) and which every piece gets whole (``False``: a per-class weight, a shared
+            prompt). ``None``: every tensor is cut (one whose dim 0 matches the batch's only by chance too).
 
     Example:
 
@@ -110,6 +114,7 @@ class AccumulationScheduler(Callback):
         log: bool = True,
         sync: SyncMode = "auto",
         microbatch_size: MicrobatchSize | None = None,
+        split: Split | None = None,
     ) -> None:
         self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         self.normalize, self.reduction = normalize, check_callback_items(normalize, count, reduction)
@@ -118,9 +123,15 @@ class AccumulationScheduler(Callback):
         self._log = check_flag("log", log)  # not `self.log`: Lightning binds `log` on callbacks
         self.sync = sync
         self.microbatch_size = check_microbatch_size(microbatch_size)
+        self.split = check_split(split, "`AccumulationScheduler`")
+        if split is not None and microbatch_size is None:
+            raise ValueError(
+                "`split` says how `microbatch_size` cuts each loader batch, but `microbatch_size` is None (no batch is "
+                "cut): give `microbatch_size` too, or leave `split` out."
+            )
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
         # `microbatch_size`: each loader batch's `training_step` run piece by piece (None: no split, no work)
-        self._split = None if self.microbatch_size is None else Pieces(self.microbatch_size)
+        self._split = None if self.microbatch_size is None else Pieces(self.microbatch_size, self.split)
         self._unroute: Any = None  # gives the module its own `training_step` back
         self._closed = False  # the window was closed (its gradient all-reduced) before Lightning's step
         self._divisor = 1  # the trainer.accumulate_grad_batches value in force
@@ -227,7 +238,6 @@ class AccumulationScheduler(Callback):
     def _attach_pieces(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``microbatch_size``: Lightning's ``training_step`` calls go to the pieces until the fit ends."""
         assert self._split is not None and self._optimizer is not None
-        params = gradients.optimizer_params(self._optimizer)
         fit = Fit(
             module=pl_module,
             precision=trainer.precision_plugin,
@@ -235,7 +245,6 @@ class AccumulationScheduler(Callback):
             strategy=trainer.strategy,
             plan=self._engine.plan,
             optimizer=self._optimizer,
-            params=params,
             normalize=self.normalize,
             mean_items=self.reduction == "mean",
             count=self.count,
@@ -325,7 +334,10 @@ class AccumulationScheduler(Callback):
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
         self._redoing = engine.redo is not None and engine.redo == (trainer.current_epoch, batch_idx)
         # counted now, before `training_step` can change the batch (e.g. `labels = batch.pop("labels")`)
-        samples = sample_count(batch, engine.samples_needed_by)
+        if self.split is not None and self._split is not None:  # (the samples are the rows of what is cut)
+            samples = self._split.length(batch)
+        else:
+            samples = sample_count(batch, engine.samples_needed_by)
         self._counts = (samples, samples if self.count is None else self.count(batch))
         self._batch_idx = batch_idx
         # what the short hooks leave out: a resumed window's gradient to put back, a batch trained again, a factor
