@@ -352,3 +352,24 @@ def test_a_parameter_two_optimizers_share_counts_once_in_the_noise_measurements(
     (grad_sq, trace, k), (grad_sq_shared, trace_shared, k_shared) = runs
     assert grad_sq_shared == pytest.approx(grad_sq, rel=1e-12) and trace_shared == pytest.approx(trace, rel=1e-12)
     assert k_shared == k
+
+
+def test_a_rank_without_a_prefix_still_joins_the_window_s_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 2 ranks a rank whose window took no prefix (its first micro-batch held no items) joins the all-reduce of
+    the fits as the others do, with no fit (NaN): the window measures nothing, its units included (found by the
+    differential fuzzer: that rank skipped the collective, and gloo aborted both ranks; replay
+    `{"adapter": "fabric", "world": 2, "normalize": "items", "count": true, "n": 16, "batch_size": 2, "epochs": 1,
+    "empty_batches": [0], "lr_scaling": "adascale", "schedule": {"family": "constant", "k": 2}}`)."""
+    from lightning_accum._core import collectives
+    from lightning_accum._core.probe import NoiseProbe
+
+    calls: list[list[float]] = []
+    monkeypatch.setattr(collectives, "world_size", lambda strategy: 2)
+    monkeypatch.setattr(collectives, "mean_over_ranks", lambda strategy, values: calls.append(values) or [math.nan] * 2)
+    schedule = NoiseScale(2, 8)
+    probe = NoiseProbe(schedule, "items")
+    probe.window_end(None, 1.0, [4, 8, 10])  # (2 micro-batches a rank; this one took no prefix)
+    assert len(calls) == 1 and all(math.isnan(v) for v in calls[0])
+    assert schedule.estimator.updates == 0 and schedule.state_dict()["units"] == [0.0, 0.0]
+    probe.window_end(None, 1.0, [2, 8, 10])  # (one micro-batch on each rank: no rank all-reduces)
+    assert len(calls) == 1
