@@ -236,6 +236,29 @@ def test_adascale_gain_closed_form_through_the_engine() -> None:
         engine.adascale.update(grad_sq + trace / b, b, grad_sq + trace / big, big)  # this window's measurement
 
 
+def test_adascale_base_batch_is_the_first_stepped_window_not_an_empty_first_one() -> None:
+    """With ``normalize="items"`` a first window of no items is not stepped; AdaScale's base batch ``B_0`` is the
+    first stepped window's (found by the differential fuzzer: an empty first window made ``B_0 = 0`` and the
+    gain 1 for the rest of the fit, silently, the LRs up to 3x off)."""
+    from lightning_accum._core.engine import WindowEngine
+
+    engine = WindowEngine(la.Constant(2), normalize="items", lr_scaling="adascale")
+    engine.adascale.beta = 0.0
+    grad_sq, trace = 0.5, 6.0
+    gains = []
+    for items in (0, 4, 6):  # per micro-batch: the first window holds none, the next 8, then 12
+        engine.open(0, 0)
+        for _ in range(2):
+            engine.count(3, items)
+        closing = engine.close(None)
+        gains.append(closing.gain)
+        engine.advance(0)
+        if items:  # (a measurement, two-batch: one micro-batch and the window)
+            engine.adascale.update(grad_sq + trace / items, items, grad_sq + trace / (2 * items), 2 * items)
+    assert gains[:2] == [1.0, 1.0]  # (no measurement before them)
+    assert gains[2] == pytest.approx((trace / 8 + grad_sq) / (trace / 12 + grad_sq), rel=1e-15)
+
+
 def test_adascale_on_a_regression_with_known_noise() -> None:
     """x ~ N(0, I_10), y = x . w* + N(0, 1), the model at |w - w*| = 1 with learning rate 0: |G|^2 = 1,
     tr(Sigma) = 21. Windows of 2, then 4, then 8 micro-batches of 4 samples: the gain of the last

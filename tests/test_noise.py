@@ -313,3 +313,63 @@ def test_a_window_dropped_by_a_stop_is_not_measured() -> None:
     assert k_25 == k_24 == [4, 4, 2, 6, 4]
     assert noise_25 == noise_24 and math.isfinite(noise_24)
     assert max((a - b).abs().max().item() for a, b in zip(params_24, params_25, strict=True)) == 0.0
+
+
+class _TwoOptimizers(AccumulationMixin, pl.LightningModule):
+    """Two optimizers in one window (lr 0: the gradients stay put); with ``shared`` the first also holds the
+    last layer's bias, which the second holds too."""
+
+    def __init__(self, schedule: NoiseScale, shared: bool) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+        self.shared = shared
+        self.configure_accumulation(schedule)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        with self.accumulate(batch) as acc:
+            acc.backward(((self.net(x) - y) ** 2).mean())
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        first = [*self.net[0].parameters(), *([self.net[2].bias] if self.shared else [])]
+        return [torch.optim.SGD(first, lr=0.0), torch.optim.SGD(self.net[2].parameters(), lr=0.0)]
+
+
+def test_a_parameter_two_optimizers_share_counts_once_in_the_noise_measurements() -> None:
+    """The mixin's window of two optimizers that share a parameter measures the same gradient as one whose
+    optimizers split the same parameters (found by the differential fuzzer: the shared bias's gradient was
+    counted twice in every prefix's norm and the window's, k 5 against 3 on the fuzzer's configuration)."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(4, 1, generator=g, dtype=torch.float64))
+            for _ in range(12)]  # fmt: skip
+    runs = []
+    for shared in (False, True):
+        schedule = NoiseScale(2, 6, every=1, warmup=1, beta=0.5)
+        model, windows = _TwoOptimizers(schedule, shared), KRecorder()
+        trainer(max_epochs=2, callbacks=[windows]).fit(model, DataLoader(data, batch_size=None))
+        runs.append((schedule.estimator.grad_sq, schedule.estimator.trace, windows.windows))
+    (grad_sq, trace, k), (grad_sq_shared, trace_shared, k_shared) = runs
+    assert grad_sq_shared == pytest.approx(grad_sq, rel=1e-12) and trace_shared == pytest.approx(trace, rel=1e-12)
+    assert k_shared == k
+
+
+def test_a_rank_without_a_prefix_still_joins_the_window_s_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 2 ranks a rank whose window took no prefix (its first micro-batch held no items) joins the all-reduce of
+    the fits as the others do, with no fit (NaN): the window measures nothing, its units included (found by the
+    differential fuzzer: that rank skipped the collective, and gloo aborted both ranks; replay
+    `{"adapter": "fabric", "world": 2, "normalize": "items", "count": true, "n": 16, "batch_size": 2, "epochs": 1,
+    "empty_batches": [0], "lr_scaling": "adascale", "schedule": {"family": "constant", "k": 2}}`)."""
+    from lightning_accum._core import collectives
+    from lightning_accum._core.probe import NoiseProbe
+
+    calls: list[list[float]] = []
+    monkeypatch.setattr(collectives, "world_size", lambda strategy: 2)
+    monkeypatch.setattr(collectives, "mean_over_ranks", lambda strategy, values: calls.append(values) or [math.nan] * 2)
+    schedule = NoiseScale(2, 8)
+    probe = NoiseProbe(schedule, "items")
+    probe.window_end(None, 1.0, [4, 8, 10])  # (2 micro-batches a rank; this one took no prefix)
+    assert len(calls) == 1 and all(math.isnan(v) for v in calls[0])
+    assert schedule.estimator.updates == 0 and schedule.state_dict()["units"] == [0.0, 0.0]
+    probe.window_end(None, 1.0, [2, 8, 10])  # (one micro-batch on each rank: no rank all-reduces)
+    assert len(calls) == 1

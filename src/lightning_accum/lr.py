@@ -154,7 +154,7 @@ MAX_MULTIPLIER = 1e3
 
 def adascale_gain(estimator: NoiseScaleEstimator, batch: float, first_batch: float) -> float:
     r"""AdaScale's gain (Johnson et al., ICML 2020) for a step with an effective batch of ``batch``
-    against the first window's ``first_batch`` (same units)::
+    against ``first_batch``, the first stepped window's (same units; a window of no items is not stepped)::
 
         r = (tr(Sigma) / B_0 + |G|^2) / (tr(Sigma) / B + |G|^2)
 

@@ -238,6 +238,26 @@ CASES: dict[str, dict[str, Any]] = {
                              "microbatch_size": 2, "mutate": True, "unfreeze": [1, 0]},
     "mutated_batch_auto_redo": {**_ITEMS, "reduction": "mean", "n": 28, "schedule": {"family": "constant", "k": 2},
                                 "microbatch_size": "auto", "oom": [2, "backward"], "mutate": True},
+    # issue 42: `NoiseScale` and AdaScale in the fuzzer. The mixin's two optimizers sharing the last layer's bias: its
+    # gradient counted twice in the noise probe's norms (k 5 against 3); ...
+    "noise_two_optimizers_sharing_a_parameter": {
+        "adapter": "mixin", "seed": 796, "n": 27, "batch_size": 2, "epochs": 3, "optimizers": 2, "shared": True,
+        "schedule": {"family": "noise", "min_k": 2, "max_k": 5, "start": 2, "every": 1, "warmup": 3,
+                     "hysteresis": 0.0, "beta": 0.0, "max_ratio": 2.0}},
+    # ... a first window of no items (not stepped) was AdaScale's base batch: B_0 = 0, the gain 1 ever after
+    "adascale_after_an_empty_first_window": {
+        **_ITEMS, "seed": 186, "n": 13, "batch_size": 2, "epochs": 3, "reduction": "mean", "empty_batches": [0, 3],
+        "skip": [1], "microbatch_size": 1, "lr_scaling": "adascale",
+        "schedule": {"family": "piecewise", "unit": "samples", "milestones": [[8, 3], [21, 2], [25, 3]]}},
+    # everything around a measuring window on one process: resumed inside windows and after a failure, decay,
+    # clipping, AdaScale keyed on its scaled steps
+    "noise_and_adascale_resumed": {
+        **_ITEMS, "n": 30, "batch_size": 2, "epochs": 2, "reduction": "mean", "empty_batches": [3],
+        "schedule": {"family": "noise", "min_k": 2, "max_k": 6, "every": 1, "warmup": 1, "hysteresis": 0.0,
+                     "beta": 0.5, "max_ratio": 2.0},
+        "lr_scaling": "adascale", "lr_schedule": {"warmup": 2, "total": 8, "unit": "scaled_steps", "final": 0.1},
+        "decay": [0.5, "sum", False], "clip": [0.5, "norm"], "optimizer": "adam", "lr": 0.01,
+        "interruptions": [["on_after_backward", 0, 4], ["save", 1, 3]]},
 }  # fmt: skip
 
 

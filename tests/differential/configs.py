@@ -24,6 +24,7 @@ FAILURES = (
     "sigterm",
 )
 LAMBDAS = ("cycle3", "epoch_up", "samples_tier")
+NOISE_OPTIONS = ("start", "every", "warmup", "hysteresis", "beta", "max_ratio")  # `NoiseScale`'s keyword arguments
 
 
 @dataclasses.dataclass
@@ -233,7 +234,51 @@ def generate(rng: random.Random) -> Config:
         _lightning_code(c, batches)
     if c.adapter == "mixin":
         _mean_by(c)
+    _noise(c)
     return c
+
+
+def _noise(c: Config) -> None:
+    """``NoiseScale`` (``{"family": "noise", "min_k", "max_k", ...}``) and ``lr_scaling="adascale"`` (issue 42), with
+    ``lr_schedule`` or the schedule keyed on AdaScale's ``"scaled_steps"``, drawn from a generator of the
+    configuration's own (the other configurations' draws stay as they were). Not where the package refuses them:
+    `estimated_stepping_batches` under `NoiseScale` or a schedule on `"scaled_steps"`, AdaScale beside a schedule
+    of k = 1 throughout (their refusals have unit tests); nor in Lightning's own loop (`plain`: no package
+    callback) or with a window per optimizer (``windows="each"``)."""
+    rng = random.Random(f"noise/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if c.plain or c.windows == "each":
+        return
+    if rng.random() < 0.2:
+        low = rng.choice([2, 2, 3])
+        spec: dict[str, Any] = {"family": "noise", "min_k": low, "max_k": rng.randint(low, low + 4)}
+        if rng.random() < 0.3:
+            spec["start"] = rng.randint(low, spec["max_k"])
+        spec["every"] = rng.choice([1, 1, 2, 3])
+        spec["warmup"] = rng.choice([1, 1, 2, 3])
+        spec["hysteresis"] = rng.choice([0.0, 0.05, 0.05, 0.4])
+        spec["beta"] = rng.choice([0.0, 0.5, 0.9, 0.995])
+        spec["max_ratio"] = rng.choice([1.2, 2.0, 2.0, 4.0])
+        c.schedule, c.estimate = spec, False
+    if rng.random() < 0.25 and not _always_one(c.schedule):
+        c.lr_scaling = "adascale"
+        if rng.random() < 0.4:
+            final = c.lr_schedule["final"] if c.lr_schedule is not None else rng.choice([0.0, 0.1])
+            c.lr_schedule = {"warmup": 2, "total": 8, "unit": "scaled_steps", "final": final}
+        if c.schedule.get("unit") == "step" and rng.random() < 0.4:
+            c.schedule = {**c.schedule, "unit": "scaled_steps"}
+            c.estimate = False
+
+
+def _always_one(spec: dict[str, Any]) -> bool:
+    """Whether a schedule gives k = 1 throughout, as the package tells (AdaScale is refused beside it)."""
+    family = spec["family"]
+    if family == "constant":
+        return bool(spec["k"] == 1)
+    if family == "piecewise":
+        return max(k for _, k in spec["milestones"]) == 1
+    if family == "ramp":
+        return bool(max(spec["start"], spec["end"]) == 1)
+    return False
 
 
 def _mean_by(c: Config) -> None:
@@ -380,6 +425,8 @@ def ranks_config(rng: random.Random) -> Config:
     """A Fabric loop on 2 processes (``ranks.py``), DDP or FSDP2: rank r takes every other batch."""
     c = fabric_config(generate(rng), rng)
     c.world, c.strategy = 2, rng.choice(["ddp", "fsdp2"])
+    if c.schedule["family"] == "noise" or c.lr_scaling == "adascale":  # (refused under FSDP2: its unit tests)
+        c.strategy = "ddp"
     c.last_arg = c.last_arg or c.strategy == "fsdp2"  # (FSDP2 needs to know a window's last micro-batch)
     c.limit_train_batches = None
     c.n = rng.randint(3, 8) * 2 * c.batch_size - rng.randrange(c.batch_size)  # an even number of batches

@@ -29,7 +29,7 @@ from torch import Tensor
 import lightning_accum as la
 from lightning_accum.lr import WarmupCosine
 
-from .configs import Config
+from .configs import NOISE_OPTIONS, Config
 from .model import Data, batch_probe, count_tokens, errors, guide_weights, make_net, micro_loss, probe_loss
 from .reference import EMA, Result, make_optimizers, make_scheduler, optimizer_state
 
@@ -56,6 +56,9 @@ def schedule(spec: dict[str, Any]) -> la.Schedule:
         return la.Piecewise([tuple(m) for m in spec["milestones"]], unit=spec["unit"])
     if family == "ramp":
         return la.Ramp(spec["start"], spec["end"], over=spec["over"], unit=spec["unit"])
+    if family == "noise":  # `NoiseScale` (issue 42): its arguments as drawn (`configs._noise`)
+        options = {key: spec[key] for key in NOISE_OPTIONS if key in spec}
+        return la.NoiseScale(spec["min_k"], spec["max_k"], **options)
     return la.Lambda(LAMBDA_FNS[spec["fn"]])
 
 

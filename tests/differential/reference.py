@@ -24,6 +24,7 @@ from torch.optim.swa_utils import SWALR
 
 from .configs import Config
 from .model import Data, batch_probe, make_net, micro_loss, probe_loss
+from .noise_reference import NoiseReference
 
 
 @dataclasses.dataclass
@@ -208,7 +209,8 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
     by_model = c.adapter == "mixin" and c.schedulers_by == "user"  # (Lightning's manual contract)
     plateau = c.scheduler is not None and c.scheduler["kind"] == "plateau"
     average: list[Tensor] = []  # StochasticWeightAveraging's, of the parameters at each SWA epoch's start
-    p = {"epoch": 0, "step": 0, "samples": 0, "items": 0}
+    p = {"epoch": 0, "step": 0, "samples": 0, "items": 0, "scaled_steps": 0.0}
+    noise = NoiseReference(c)  # `NoiseScale` and AdaScale's estimates (a refit's go on)
     first_k: int | None = None
     residual: list[Tensor] | None = None
     lrs: list[list[float]] = []
@@ -216,6 +218,7 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
     last_loss: float | None = None  # the last stepped window's loss (`accum/loss`)
     if carried is not None:
         p, first_k, residual, last_loss = carried["p"], carried["first_k"], carried["residual"], carried["last_loss"]
+        noise = carried["noise"]
     step0 = p["step"]  # (each fit's Trainer counts its own steps)
     step_plateau = plateau and interval == "step"  # (on the batch's probe after its step: `batch_probe`)
     ema: list[Tensor] | None = None
@@ -240,7 +243,7 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
         trained = [j for j in range(batches) if c.adapter != "mixin" or j not in c.skip]
         i, end = 0, -1  # the position in `trained`; the batch index the last window was stepped at
         while i < len(trained) and not done:
-            k = schedule_k(c.schedule, p)
+            k = noise.k(p["step"]) if noise.spec is not None else schedule_k(c.schedule, p)
             first_k = first_k or k
             span = trained[i : i + k]
             i += len(span)
@@ -267,18 +270,22 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 if interval == "step" and by_model and due:  # (the model steps its scheduler at `acc.last` anyway)
                     sched.step()
                 continue
-            factor = 1.0
-            if c.lr_scaling is not None:
+            factor = gain = 1.0
+            if c.lr_scaling == "adascale":  # (from the windows measured before this one)
+                factor = gain = noise.gain(samples if c.normalize == "mean" else tokens)
+            elif c.lr_scaling is not None:
                 factor = k / first_k if c.lr_scaling == "linear" else math.sqrt(k / first_k)
             if c.lr_schedule is not None:
                 factor *= warmup_cosine(c.lr_schedule, p)
             if c.windows == "each":  # a window per optimizer, stepped one after the other
+                assert not noise.active, "the fuzzer draws no noise measurement with a window per optimizer"
                 for g, loss in enumerate(_each(c, net, opts, window, tokens, factor, lrs)):  # (each step, in turn)
                     last_loss = last_loss if g else float(loss)  # (`accum/opt0/loss`)
                     ema = _ema(c, net, ema)
                 p["step"] += 1
                 p["samples"] += samples
                 p["items"] += int(tokens)
+                p["scaled_steps"] += 1.0
                 if interval == "step" and due:
                     sched.step(batch_probe(net, data.batch(end))) if step_plateau else sched.step()
                 if c.max_steps != -1 and (p["step"] - step0) * len(opts) >= c.max_steps:
@@ -295,6 +302,8 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
             loss = sum(terms, torch.zeros((), dtype=torch.float64))
             net.zero_grad(set_to_none=False)
             loss.backward()
+            if noise.active:  # the window's own gradient, before the decay's residual joins it
+                noise.measure(net, window, c.world, guide)
             if c.decay is not None:
                 f, mode, bias = c.decay
                 for j, prm in enumerate(net.parameters()):
@@ -314,6 +323,7 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
             p["step"] += 1
             p["samples"] += samples
             p["items"] += int(tokens)
+            p["scaled_steps"] += gain
             if interval == "step" and due:
                 sched.step(batch_probe(net, data.batch(end))) if step_plateau else sched.step()
             if c.max_steps != -1 and (p["step"] - step0) * len(opts) >= c.max_steps:  # (manual: each optimizer's
@@ -341,4 +351,5 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 prm.copy_(a)
     steps = (p["step"] - step0) * len(opts)  # (manual optimization counts each optimizer's step)
     result = Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts), ema)
-    return result, {"net": net, "p": p, "first_k": first_k, "residual": residual, "last_loss": last_loss}
+    return result, {"net": net, "p": p, "first_k": first_k, "residual": residual, "last_loss": last_loss,
+                    "noise": noise}

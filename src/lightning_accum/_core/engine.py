@@ -112,7 +112,7 @@ class WindowEngine:
         self.progress = Progress()
         self.window: Window | None = None
         self.first_k: int | None = None
-        self.first_units: int | None = None  # the first window's samples (or items): AdaScale's base batch
+        self.first_units: int | None = None  # the first stepped window's samples (or items): AdaScale's base batch
         self.adascale = NoiseScaleEstimator()  # AdaScale's noise estimates when the schedule measures none
         self.closing: Closing | None = None  # set between `close` and `advance`
         self._warned_empty = False
@@ -269,16 +269,16 @@ class WindowEngine:
         if measure:
             norm_sq = math.fsum(n * n for n in grad_norms) * (scale / loss_scale()) ** 2  # type: ignore[union-attr]
         units = counts[1] if self.normalize == "mean" else counts[2]
-        if self.first_units is None:
+        empty = not counts[0] or (self.normalize == "items" and not counts[2])
+        if self.first_units is None and not empty:  # (AdaScale's base: the first window stepped)
             self.first_units = units
         gain = 1.0
         if self.lr_scaling == "adascale" and self.probe is not None:  # from the windows measured before this one
-            factor = gain = adascale_gain(self.probe.estimator, units, self.first_units)
+            factor = gain = adascale_gain(self.probe.estimator, units, self.first_units or units)
         else:
             factor = lr_factor(self.lr_scaling, window.k, self.first_k)
         if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
             factor *= self._multiplier() if self._lr_multiplier is None else self._lr_multiplier
-        empty = not counts[0] or (self.normalize == "items" and not counts[2])
         denominator = counts[0] if self.normalize == "mean" else counts[2]
         window_losses = (
             {name: total / denominator for name, total in sums.items()} if read_losses and denominator else None
@@ -503,7 +503,9 @@ class WindowEngine:
                 )
         window = state.get("window")
         self.window = None if window is None else Window.from_state_dict(window)
-        self.first_k, self.first_units = state.get("first_k"), state.get("first_units")
+        # (a base of 0 items, which checkpoints before 0.2 could hold after an empty first window: the next stepped
+        # window's instead)
+        self.first_k, self.first_units = state.get("first_k"), state.get("first_units") or None
         if "adascale" in state:
             self.adascale.load_state_dict(state["adascale"])
         self.closing, self.inflight, self._lr_multiplier = None, None, None

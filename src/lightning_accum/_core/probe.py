@@ -94,15 +94,18 @@ class NoiseProbe:
         and ``counts`` its global (micro-batches, samples, items)."""
         chain = self._fold()
         self._chain = PrefixChain()
-        if not chain.batch:
-            return  # (a window of one micro-batch measures nothing; nor does any rank)
+        world = collectives.world_size(strategy)
+        if counts[0] <= world:
+            return  # (no rank has two micro-batches: no rank took a prefix, and none all-reduces)
         units = counts[1] if self.normalize == "mean" else counts[2]
-        chain.add(units, final_sq * units**2)
-        fit = chain.solve() or (math.nan, math.nan)
-        grad_sq, trace = collectives.mean_over_ranks(strategy, list(fit))
-        steps = counts[0] / collectives.world_size(strategy)  # micro-batches per rank
-        if not steps:
-            return
+        fit: tuple[float, float] = (math.nan, math.nan)
+        if chain.batch:  # (a rank that took no prefix, or none of any item, has no fit: the window measures nothing)
+            chain.add(units, final_sq * units**2)
+            fit = chain.solve() or fit
+        grad_sq, trace = collectives.mean_over_ranks(strategy, list(fit))  # (every rank, whatever its chain)
+        if not (math.isfinite(grad_sq) and math.isfinite(trace)):
+            return  # (nor what its micro-batch steps added: averaged over the measuring windows only)
+        steps = counts[0] / world  # micro-batches per rank
         if isinstance(self.target, NoiseScale):
             self.target.record(grad_sq, trace, counts[0], units / steps)
         else:

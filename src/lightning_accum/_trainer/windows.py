@@ -95,10 +95,12 @@ class MixinWindows:
         return f"accum/opt{'_'.join(map(str, key))}/"
 
     def params(self, key: GroupKey | None = None) -> list[Tensor]:
-        """The parameters of the group's optimizers (all optimizers for ``None``), in order."""
+        """The parameters of the group's optimizers (all optimizers for ``None``), in order, each once (two
+        optimizers of one window may share a parameter: its gradient counts once in the window's norms)."""
         known = self.optimizers()
         chosen = range(len(known)) if key is None else key
-        return [p for i in chosen for p in gradients.optimizer_params(known[i].optimizer)]
+        every = [p for i in chosen for p in gradients.optimizer_params(known[i].optimizer)]
+        return list({id(p): p for p in every}.values())
 
     def check_disjoint(self, new: GroupKey) -> None:
         """Refuse a window group whose parameters another group's window also accumulates into: each
