@@ -31,6 +31,12 @@ def gradient_accumulation_schedulers() -> tuple[type, ...]:
     return tuple(m.GradientAccumulationScheduler for m in modules if m is not None)
 
 
+def builtin_callbacks(name: str) -> tuple[type, ...]:
+    """Lightning's built-in callback class ``name`` from the namespaces already imported (as above)."""
+    modules = (sys.modules.get(n) for n in ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks"))
+    return tuple(getattr(m, name) for m in modules if m is not None and hasattr(m, name))
+
+
 def grad_scaler(trainer: Any) -> Any:
     """The precision plugin's AMP GradScaler (``16-mixed``), ``None`` without one."""
     return getattr(trainer.precision_plugin, "scaler", None)
@@ -52,6 +58,7 @@ __all__ = [
     "Callback",
     "LightningModule",
     "Trainer",
+    "builtin_callbacks",
     "extract_batch_size",
     "grad_scaler",
     "gradient_accumulation_schedulers",

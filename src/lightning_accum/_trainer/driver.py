@@ -27,7 +27,7 @@ from lightning_accum._core.samples import sample_count
 from lightning_accum._lightning import Callback, loss_scale, pl
 from lightning_accum._trainer import recovery, schedulers, steps, window_step
 from lightning_accum._trainer.block import Block
-from lightning_accum._trainer.guards import MixinGuards
+from lightning_accum._trainer.guards import MixinGuards, refuse_callbacks
 from lightning_accum._trainer.windows import GroupKey, MixinWindows
 
 
@@ -73,6 +73,8 @@ class MixinDriver(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._fitting = trainer if stage == "fit" else None  # (a checkpoint validated elsewhere is not refused)
+        if stage == "fit":
+            refuse_callbacks(self.module, trainer.callbacks)  # type: ignore[attr-defined]
         if stage == "fit":  # (the keys Lightning drops in manual optimization, for `step_schedulers=True`)
             _seam.keep_scheduler_keys(self.module, self.schedulers.fresh(), lambda: bool(self.config.step_schedulers))
 

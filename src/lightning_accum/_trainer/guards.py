@@ -9,10 +9,36 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 from lightning_accum import _seam
-from lightning_accum._lightning import rank_zero_warn
+from lightning_accum._lightning import builtin_callbacks, rank_zero_warn
+
+TUNED = {"BatchSizeFinder": "batch size", "LearningRateFinder": "learning rate"}
+
+
+def refuse_callbacks(module: Any, callbacks: Sequence[Any]) -> None:
+    """Lightning callbacks the mixin cannot run beside, refused as a fit sets up (before any batch): the tuners,
+    whose trial steps run without the Trainer's callbacks (the mixin's own among them), and
+    ``StochasticWeightAveraging`` with BatchNorm layers, whose last epoch must run forward passes only."""
+    for name, what in TUNED.items():
+        if any(isinstance(cb, builtin_callbacks(name)) for cb in callbacks):
+            raise RuntimeError(
+                f"`{name}` runs its trial steps with the Trainer's callbacks taken away, the `AccumulationMixin`'s "
+                f"own among them, so `self.accumulate` cannot run there. Search with the `AccumulationScheduler` "
+                f"callback (automatic optimization, where `{name}` works), or set the {what} by hand, and fit "
+                f"`{type(module).__name__}` without `{name}`."
+            )
+    swa = any(isinstance(cb, builtin_callbacks("StochasticWeightAveraging")) for cb in callbacks)
+    if swa and any(isinstance(m, _BatchNorm) for m in module.modules()):
+        raise RuntimeError(
+            "`StochasticWeightAveraging` with BatchNorm layers adds a last epoch that recomputes their running "
+            "statistics with forward passes only (Lightning skips the backward pass in automatic optimization), "
+            "but an `AccumulationMixin` model's `training_step` back-propagates and steps there, moving the "
+            "averaged weights. Use the `AccumulationScheduler` callback (automatic optimization), a model without "
+            "BatchNorm, or update the statistics after the fit yourself (`torch.optim.swa_utils.update_bn`)."
+        )
 
 
 class MixinGuards:
