@@ -6,7 +6,8 @@ each node's script started with ``NODE_RANK`` and ``MASTER_ADDR`` set and starti
 
 Each launch is one process start per rank running ``launched_ranks.py``: every adapter's fit over the union of
 the data equals the float64 single-process reference (``helpers.Reference``) to 1e-12, the fit resumed from
-the checkpoint it saved inside a window equals it bit for bit, only global rank 0 wrote checkpoint files (each
+the checkpoint it saved inside a window equals it bit for bit (the callback on 4 ranks to 1e-12: DDP's reducer,
+see ``check``), only global rank 0 wrote checkpoint files (each
 node saves to its own directory: node 1's stays empty), and every rank of every node resumed from that file.
 """
 
