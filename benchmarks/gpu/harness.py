@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.metadata
 import logging
 import platform
 import subprocess
@@ -58,13 +59,13 @@ class Sizes:
     auto_windows: int
 
 
-def sizes(quick: bool) -> Sizes:
+def sizes(quick: bool, microbatch: int) -> Sizes:
     from lm_loops import LMSize
     from memory_saved import TowerSize
 
     if quick:  # the same code paths, tiny
         return Sizes(LMSize(1, 32, 2, 128, 16, 2), [2], 1, 1, TowerSize(1, 32, 2, (16,), 8, 1), 16, 1, 4, 1)
-    return Sizes(LMSize(), [4, 16], 5, 2, TowerSize(), 1, 5, 64, 3)
+    return Sizes(LMSize(microbatch=microbatch), [4, 16], 5, 2, TowerSize(), 1, 5, 8 * microbatch, 3)
 
 
 @dataclass
@@ -104,13 +105,12 @@ class Results:
 
 
 def versions() -> str:
-    import lightning
-
-    found = [f"Python {platform.python_version()}", f"torch {torch.__version__}", f"Lightning {lightning.__version__}"]
-    for name in ("transformers", "sentence_transformers"):
+    """The libraries' versions as installed (read from their metadata: nothing imported) and the commit."""
+    found = [f"Python {platform.python_version()}", f"torch {torch.__version__}"]
+    for name in ("lightning", "transformers", "sentence-transformers"):
         try:
-            found.append(f"{name} {__import__(name).__version__}")
-        except ImportError:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
             found.append(f"no {name}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
     if commit.returncode == 0:
@@ -120,16 +120,27 @@ def versions() -> str:
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """Lightning's and the package's info logs and the known warnings off, as they were afterwards."""
+    """Lightning's, the package's and transformers' info logs and the known warnings off, the random state
+    forked: as they were afterwards (CI runs the dry run inside its test process)."""
+    try:
+        import transformers
+    except ImportError:  # (recorded as the parts that need it fail)
+        transformers = None
+
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_accum")]
     levels = [logger.level for logger in loggers]
-    with warnings.catch_warnings():
+    verbosity = transformers.logging.get_verbosity() if transformers else None
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
         warnings.filterwarnings("ignore", message=".*(LeafSpec|does not have many workers|GPU available|TF32).*")
+        if transformers:
+            transformers.logging.set_verbosity_error()
         for logger in loggers:
             logger.setLevel(logging.ERROR)
         try:
             yield
         finally:
+            if transformers:
+                transformers.logging.set_verbosity(verbosity)
             for logger, level in zip(loggers, levels, strict=True):
                 logger.setLevel(level)
 
@@ -140,14 +151,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the CPU dry run: tiny sizes, every code path")
     parser.add_argument("--skip", nargs="+", default=[], choices=PARTS, help="parts not to run")
     parser.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--microbatch", type=int, default=8, help="GPT-2 sequences a micro-batch (full run)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda, or cpu with --quick")
     parser.add_argument("--inject-failure", choices=PARTS, help="raise inside this part (checks the recording)")
     args = parser.parse_args(argv)
     name = args.device or ("cpu" if args.quick else "cuda")
     if name == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: the full run needs one (--quick is the CPU dry run)")
-    with quiet():
-        return run(args, name, list(sys.argv[1:] if argv is None else argv))
+    threads = torch.get_num_threads()
+    if name == "cpu":  # (tiny ops on 2 threads of a busy machine wait on each other: 20 times slower)
+        torch.set_num_threads(1)
+    try:
+        with quiet():
+            return run(args, name, list(sys.argv[1:] if argv is None else argv))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run(args: argparse.Namespace, name: str, argv: list[str]) -> int:
@@ -173,7 +191,7 @@ def run(args: argparse.Namespace, name: str, argv: list[str]) -> int:
     if not todo:
         results.write()
         return 0
-    size = sizes(args.quick)
+    size = sizes(args.quick, args.microbatch)
 
     def part(part: str, sections: list[tuple[str, Callable[[], list[Row]]]]) -> None:
         if part not in todo:

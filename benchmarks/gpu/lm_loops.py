@@ -65,7 +65,6 @@ def causal_lm(size: LMSize, device: Device) -> nn.Module:
     """The LM from a config (seeded, float32 weights: bf16-mixed casts inside autocast)."""
     import transformers
 
-    transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(
         vocab_size=size.vocab, n_positions=size.seq, n_embd=size.width, n_layer=size.layers, n_head=size.heads
     )

@@ -50,7 +50,6 @@ def sentence_tower(path: Path, size: TowerSize, device: Device) -> Any:
     from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
-    transformers.logging.set_verbosity_error()
     (path / "vocab.txt").write_text("\n".join(WORDS) + "\n")
     config = transformers.BertConfig(
         vocab_size=len(WORDS), hidden_size=size.width, num_hidden_layers=size.layers, num_attention_heads=size.heads,
