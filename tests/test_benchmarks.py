@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -106,3 +107,25 @@ def test_gpu_harness_records_a_failure_and_skips(tmp_path: Path, gpu_harness: An
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Parts run: none; skipped: loop, syncs, memory, passes." in (tmp_path / "none.md").read_text()
     assert (GPU / "RESULTS.md").read_bytes() == committed
+
+
+def test_gpu_harness_counts_syncs_per_micro_batch_and_window(gpu_harness: Any) -> None:
+    """The plan of a run counts host syncs (on the CPU: reads of tensor values) only in its counted windows,
+    each micro-batch's to that micro-batch (a redone micro-batch's to the same), and times its rounds."""
+    from device_clock import Device
+    from lm_loops import Plan
+
+    plan = Plan(Device("cpu"), k=3, counted=2, rounds=2, per_round=1)
+    assert plan.batches == 3 * (2 + 2 + 2)
+    t = torch.ones(())
+    for i in range(plan.batches):
+        plan.at_batch(i)
+        reads = {0: 2, 1: 0, 2: 1}[i % 3] + (5 if i < 3 or i >= 9 else 0)  # 5 more outside the counted windows
+        for _ in range(reads):
+            t.item()
+        plan.at_batch(i)  # (a piece or a redo of the same micro-batch)
+        bool(t)
+    # each micro-batch: its reads and one bool; inside a window (the first two): (3 + 1) / 2; a window: 3 + 1 + 2
+    assert plan.syncs() == (2.0, 6.0)
+    assert len(plan.times) == 2 and all(s >= 0 for s in plan.times)
+    assert not plan.counting

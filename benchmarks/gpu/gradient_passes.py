@@ -40,6 +40,8 @@ def decay_seconds(device: Device, mode: str, optimizer: torch.optim.Optimizer, g
     params = [p for group in optimizer.param_groups for p in group["params"]]
     decay = GradientDecay(0.9, mode=mode)  # type: ignore[arg-type]
     decay.attach([optimizer])
+    for p in params:  # (the residual its own buffers, not the gradient's: after the step it is these)
+        p.grad = p.grad.clone() if p.grad is not None else None
     decay.combine(optimizer)
     optimizer.step()  # (lr 0: the parameters stay) the residual kept from here on
     decay.after_step()
