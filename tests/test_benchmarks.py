@@ -4,11 +4,14 @@ until the next full run (two were, once)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -32,3 +35,97 @@ def test_every_benchmark_runs(tmp_path: Path) -> None:
     assert "--only comm_calls.py" in table and "from an earlier run" in table
     for row in rows:
         assert row in table, row
+
+
+GPU = BENCHMARKS / "gpu"
+GPU_PARTS = ("loop", "syncs", "memory", "passes")
+
+
+@pytest.fixture
+def gpu_harness(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``benchmarks/gpu/harness.py`` imported here, as ``run.sh`` puts it on the path (in this process: the
+    libraries it needs are imported already, which keeps the dry run within its time budget)."""
+    for path in (BENCHMARKS, GPU):
+        monkeypatch.syspath_prepend(str(path))
+    import harness
+
+    return harness
+
+
+def test_gpu_harness_dry_run(tmp_path: Path, gpu_harness: Any) -> None:
+    """``run.sh --quick``: every part of the GPU harness, every configuration and code path at tiny sizes on
+    the CPU (the out-of-memory back-off of ``microbatch_size="auto"`` included), none failing, into the
+    path given: the committed results stay as they are."""
+    committed = (GPU / "RESULTS.md").read_bytes()
+    out = tmp_path / "RESULTS.md"
+    assert gpu_harness.main(["--quick", "--out", str(out)]) == 0
+    table = out.read_text()
+    assert "FAILED" not in table and "## Failures" not in table, table
+    assert "CPU dry run" in table and "Parts run: loop, syncs, memory, passes." in table
+    for part in GPU_PARTS:
+        assert f"| {part} |" in table, part
+    for row in (
+        "| loop | k=2: bare torch floor (no Lightning) | ms per optimizer step",
+        "| loop | k=2: AccumulationScheduler(k), log=True | time per optimizer step vs Trainer(accumulate_grad_batches",
+        "| loop | k=2: AccumulationScheduler(k), log=False | time per",
+        "| loop | k=2: AccumulationScheduler(k, normalize='items', count=causal_lm_tokens) | time per",
+        "| loop | k=2: AccumulationScheduler(k, microbatch_size=2) (the loader batch) | time per",
+        "| loop | k=2: AccumulationMixin, configure_accumulation(k) | time per optimizer step vs hand-written manual",
+        "| loop | k=2: FabricAccumulator(fabric, model, optimizer, k) | time per optimizer step vs hand-written Fabric",
+        "| syncs | k=2: FabricAccumulator(fabric, model, optimizer, k) | host reads (CPU dry run) per micro-batch",
+        "| memory | cached backward vs sentence-transformers' cached MNRL, batch 16, chunks of 8 | allocator peak",
+        "| memory | multitask, T=4: independent tasks (backward_each) | allocator peak",
+        "| memory | multitask, T=4: shared trunk (backward_heads) | time vs joint",
+        # the loader batch of 4 backed off twice (pieces over 1 refused), 2 refused when picked by hand
+        "(back-offs: halvings from the loader batch) | 1 (2) |",
+        "best hand-picked size, 1 (2: out of memory, 1: ",
+        ": GradientDecay(0.9, mode='ema'): combine and reset | ",
+        ": the window's normalisation (g *= scale) | ",
+    ):
+        assert row in table, row
+    # the syncs: the baselines' counts beside each adapter's, nothing added inside a window
+    assert table.count("(added +0.00 / ") == 6, table
+    assert (GPU / "RESULTS.md").read_bytes() == committed
+
+
+def test_gpu_harness_records_a_failure_and_skips(tmp_path: Path, gpu_harness: Any) -> None:
+    """A part that fails is recorded in the results (its traceback below the table), the parts after it run,
+    the exit status says so; skipped parts are named; ``run.sh`` runs the harness with the interpreter
+    ``PYTHON`` names and writes where ``--out`` says."""
+    out = tmp_path / "RESULTS.md"
+    args = ["--quick", "--skip", "loop", "syncs", "memory", "--inject-failure", "passes", "--out", str(out)]
+    assert gpu_harness.main(args) == 1
+    table = out.read_text()
+    assert "| passes | injected | FAILED | RuntimeError: injected failure in part passes (--inject-failure) |" in table
+    assert "fraction of copy bandwidth" in table  # the part's sections after it ran
+    assert "## Failures" in table and "Traceback" in table
+    assert "skipped: loop, syncs, memory." in table and "| loop |" not in table and "| memory |" not in table
+    committed = (GPU / "RESULTS.md").read_bytes()
+    env = {**os.environ, "PYTHON": sys.executable}
+    command = ["bash", str(GPU / "run.sh"), "--quick", "--skip", *GPU_PARTS, "--out", str(tmp_path / "none.md")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Parts run: none; skipped: loop, syncs, memory, passes." in (tmp_path / "none.md").read_text()
+    assert (GPU / "RESULTS.md").read_bytes() == committed
+
+
+def test_gpu_harness_counts_syncs_per_micro_batch_and_window(gpu_harness: Any) -> None:
+    """The plan of a run counts host syncs (on the CPU: reads of tensor values) only in its counted windows,
+    each micro-batch's to that micro-batch (a redone micro-batch's to the same), and times its rounds."""
+    from device_clock import Device
+    from lm_loops import Plan
+
+    plan = Plan(Device("cpu"), k=3, counted=2, rounds=2, per_round=1)
+    assert plan.batches == 3 * (2 + 2 + 2)
+    t = torch.ones(())
+    for i in range(plan.batches):
+        plan.at_batch(i)
+        reads = {0: 2, 1: 0, 2: 1}[i % 3] + (5 if i < 3 or i >= 9 else 0)  # 5 more outside the counted windows
+        for _ in range(reads):
+            t.item()
+        plan.at_batch(i)  # (a piece or a redo of the same micro-batch)
+        bool(t)
+    # each micro-batch: its reads and one bool; inside a window (the first two): (3 + 1) / 2; a window: 3 + 1 + 2
+    assert plan.syncs() == (2.0, 6.0)
+    assert len(plan.times) == 2 and all(s >= 0 for s in plan.times)
+    assert not plan.counting
