@@ -230,6 +230,9 @@ class Readers:
         unknown: bool = False,
     ) -> None:
         self.log, self.hooks = log, hooks
+        # the hooks that read more than a window's counts and loss (a progress bar's reads those alone: for it
+        # no gradient norm is measured, nor is every number published)
+        full = [hook for hook in hooks if not getattr(hook, COUNTS_ONLY, False)]
         self.loggers, self.every = log and loggers, every
         watched = frozenset(key for key in watched if key.startswith("accum/")) if log else frozenset()
         unknown = log and unknown
@@ -237,12 +240,13 @@ class Readers:
         self.any = bool(self.loggers or (log and bar) or watched or hooks or unknown)
         #: whether someone may read any `callback_metrics` key after any window (a hook, a batch reader); else
         #: every number is published at the loggers' steps and in each epoch's and the fit's last window only
-        self.any_key = bool(hooks) or unknown
+        self.any_key = bool(full) or unknown
         #: whether a window must know if it is an epoch's or the fit's last (then it publishes every number)
         self.asks_last = log and not self.any_key
         self.bar = log and bar
         self._watched = watched
         self._norm_watched = any(key.endswith("grad_norm") for key in watched)
+        self._full = bool(full)
         self._between = self._wants(logs=False, last=False)  # a window neither the loggers' nor the last
 
     @classmethod
@@ -283,8 +287,18 @@ class Readers:
         publish = self.log and (keys is None or bool(keys))
         if not (publish or hooks or self.bar):
             return NOTHING
-        norm = logs or hooks or self._norm_watched
+        norm = logs or self._full or self._norm_watched
         return Wants(publish, logs, True, norm, hooks, self.bar and (not publish or keys is not None), keys)
+
+
+COUNTS_ONLY = "_window_end_reads_counts_only"
+
+
+def reads_counts_only(hook: Callable[..., None]) -> Callable[..., None]:
+    """Mark an ``on_window_end`` that reads only the report's counts, ``k`` and loss (``StepProgressBar``'s): a
+    fit with no other reader measures no gradient norm for it, nor publishes every number each window."""
+    setattr(hook, COUNTS_ONLY, True)
+    return hook
 
 
 _KNOWN = ("lightning.", "pytorch_lightning.", "lightning_accum.")  # whose reads of `callback_metrics` are known
