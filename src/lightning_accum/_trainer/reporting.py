@@ -236,8 +236,9 @@ class Readers:
         self.loggers, self.every = log and loggers, every
         watched = frozenset(key for key in watched if key.startswith("accum/")) if log else frozenset()
         unknown = log and unknown
-        #: whether anyone reads a window's numbers at all (its losses are then kept as it fills)
-        self.any = bool(self.loggers or (log and bar) or watched or hooks or unknown)
+        #: whether anyone reads a window's numbers at all (its losses are then kept as it fills; a counts-only hook
+        #: alone does not: it shows the loss where it is read anyway)
+        self.any = bool(self.loggers or (log and bar) or watched or full or unknown)
         #: whether someone may read any `callback_metrics` key after any window (a hook, a batch reader); else
         #: every number is published at the loggers' steps and in each epoch's and the fit's last window only
         self.any_key = bool(full) or unknown
