@@ -209,3 +209,34 @@ def test_the_bar_asks_for_no_gradient_norm() -> None:
     full = Readers(log=False, loggers=False, every=50, bar=True, hooks=[Seen(bar).on_window_end], watched=())
     assert light.wants(step=3).hooks and not light.wants(step=3).norm
     assert full.wants(step=3).norm
+
+
+class Rates(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, float, float, float]] = []
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: Any) -> None:
+        metrics = trainer.callback_metrics
+        assert window.seconds is not None and window.seconds > 0
+        self.seen.append((
+            float(metrics["accum/tokens_per_second"]), window.items / window.seconds,
+            float(metrics["accum/samples_per_second"]), window.samples / window.seconds,
+        ))  # fmt: skip
+
+
+@pytest.mark.parametrize("mixin", [False, True], ids=["callback", "mixin"])
+def test_throughput_logged_per_window(mixin: bool) -> None:
+    rates = Rates()
+    schedule = Ramp(1, 4, over=20, unit="samples")
+    if mixin:
+        model: Any = ManualTokenModel(schedule=schedule, normalize="items", count=count_tokens, reduction="sum")
+        t = trainer(callbacks=[rates], max_epochs=1)
+    else:
+        model = TokenModel(reduction="sum")
+        accumulation = AccumulationScheduler(schedule, normalize="items", count=count_tokens, reduction="sum")
+        t = trainer(callbacks=[accumulation, rates], max_epochs=1)
+    t.fit(model, loader(DATA, 2))
+    assert len(rates.seen) == 9  # (k 1, 1, 1, 1, 2, 2, 3, 4 and a last window cut to 1 batch by the epoch)
+    for logged_tokens, tokens, logged_samples, samples in rates.seen:
+        assert logged_tokens == pytest.approx(tokens, rel=1e-6) and logged_samples == pytest.approx(samples, rel=1e-6)
+        assert tokens > samples  # (tokens: the windows' counted items)

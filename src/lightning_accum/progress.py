@@ -86,11 +86,6 @@ class _StepBar(pl.callbacks.ProgressBar):
             super().on_train_batch_end(trainer, pl_module, None, None, self._shown)
 
     @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_validation_end(trainer, pl_module)
-        self._count.restart_clock()
-
-    @override
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Lightning's metrics with the last window's ``k``, ``batch``, ``tokens``, ``loss`` and throughput."""
         return self._count.postfix(dict(super().get_metrics(trainer, pl_module)), text=self._counts_as_text)
@@ -127,12 +122,12 @@ class StepProgressBar(_StepBar, pl.callbacks.TQDMProgressBar):
     The postfix shows the last window's ``k``, its effective batch (``batch``, samples over all ranks;
     ``tokens`` too where a ``count`` is given), its ``loss`` (where the losses are read: ``log=True``) and the
     throughput (``samples/s``, or ``tokens/s`` with a ``count``: the window's count over the host time since
-    the previous window ended). A fit resumed inside an epoch (or a window) shows its position and total as
-    the uninterrupted one did (with a checkpoint written by a fit with this bar; without, the steps are
-    counted from the resume). Validation bars are Lightning's. Nothing is read from a device: the numbers are
-    the window reports' (``on_window_end``), which the accumulation reads once per window anyway, and no
-    gradient norm is measured for the bar. With the mixin, the steps are windows (one per window shared by
-    several optimizers; ``max_steps`` is taken as counting windows).
+    the previous window ended, ``WindowReport.seconds``). A fit resumed inside an epoch (or a window) shows its
+    position and total as the uninterrupted one did (with a checkpoint written by a fit with this bar; without,
+    the steps are counted from the resume). Validation bars are Lightning's. Nothing is read from a device: the
+    numbers are the window reports' (``on_window_end``), which the accumulation reads once per window anyway,
+    and no gradient norm is measured for the bar. With the mixin, the steps are windows (one per window shared
+    by several optimizers; ``max_steps`` is taken as counting windows).
 
     Args:
         unit: ``"steps"`` (optimizer steps) or ``"batches"`` (loader batches).

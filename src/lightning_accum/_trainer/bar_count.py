@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, Literal
 
 from lightning_accum._trainer import steps
@@ -63,14 +62,13 @@ class BarCount:
         self._sizes: list[int] | None = None
         self._batches: int | float = math.inf  # the epoch's batches (inf: an iterable loader)
         self.last_batch = -1  # the batch under way, in the epoch
-        self._clock = 0.0
         #: the optimizer steps taken in this epoch (known since the epoch's start)
         self.steps = 0
         #: the training bar's total (inf: unbounded, shown as '?')
         self.total: float = math.inf
         #: the last stepped window
         self.last: WindowReport | None = None
-        #: samples (or items, with a ``count``) per second over the last window (host clock between window ends)
+        #: samples (or items, with a ``count``) per second over the last window (``WindowReport.seconds``)
         self.rate: float | None = None
 
     @property
@@ -118,7 +116,6 @@ class BarCount:
             isinstance(schedule, Constant) or unit in ("epoch", "step") or (unit == "samples" and bool(self._sizes))
         )
         self.steps = progress.step - self._first_step
-        self._clock = time.perf_counter()
         self.total = self._total(trainer, progress, None)
 
     def batch_start(self, trainer: Any, batch_idx: int) -> bool:
@@ -137,21 +134,15 @@ class BarCount:
 
     def window_end(self, trainer: Any, window: WindowReport) -> bool:
         """A window stepped: count it, its throughput; whether the total changed."""
-        now = time.perf_counter()
-        elapsed, self._clock = now - self._clock, now
         self.last = window
         done = window.items if self.counted else window.samples
-        self.rate = done / elapsed if elapsed > 0 else None
+        self.rate = done / window.seconds if window.seconds else None
         self.steps += 1
         if self._exact and self._known:
             return False
         total = self._total(trainer, window.progress, self.last_batch + 1)
         changed, self.total = total != self.total, total
         return changed
-
-    def restart_clock(self) -> None:
-        """After validation: the next window's throughput leaves it out."""
-        self._clock = time.perf_counter()
 
     def _progress(self) -> Progress:
         assert self._accumulating is not None

@@ -62,6 +62,8 @@ class WindowReport:
         optimizers: the indices, in ``trainer.optimizers``, of the optimizers that stepped.
         microbatch_size: the samples per piece the window's last loader batch was cut into
             (``AccumulationScheduler(microbatch_size=...)``; ``None`` without).
+        seconds: the host time from the previous stepped window's end (the fit's start for the first) to this
+            one's, validation between them included (``None`` where not timed): the throughput's denominator.
 
     Example:
 
@@ -85,6 +87,7 @@ class WindowReport:
     noise_scale: float | None = None
     optimizers: tuple[int, ...] = (0,)
     microbatch_size: int | None = None
+    seconds: float | None = None
 
 
 def report(
@@ -111,7 +114,7 @@ def report(
     return WindowReport(
         progress.step, progress.epoch, closing.k, closing.microbatches, closing.samples, closing.items, loss,
         progress, MappingProxyType(tasks) if tasks else _EMPTY, grad_norm, lrs, engine.noise_scale, group,
-        microbatch_size,
+        microbatch_size, engine.seconds,
     )  # fmt: skip
 
 
@@ -152,8 +155,8 @@ def lr_names(
 
 def metric_values(window: WindowReport) -> dict[str, Any]:
     """The window's numbers by metric name (unprefixed: ``k``, ``loss``, ``loss/<task>``, ``grad_norm``,
-    the learning rates, ``effective_batch``, ``samples``, ``items``, ``noise_scale``, ``microbatch_size``), what is
-    logged of it."""
+    the learning rates, ``effective_batch``, ``samples``, ``items``, ``noise_scale``, ``microbatch_size``,
+    ``samples_per_second``, ``tokens_per_second``), what is logged of it."""
     values: dict[str, Any] = {"k": window.k}
     if window.loss is not None:
         values["loss"] = window.loss
@@ -166,6 +169,10 @@ def metric_values(window: WindowReport) -> dict[str, Any]:
         values["noise_scale"] = window.noise_scale
     if window.microbatch_size is not None:
         values["microbatch_size"] = window.microbatch_size
+    if window.seconds:  # (items: the tokens with a `count`, else the samples again, as `accum/items`)
+        values.update(
+            samples_per_second=window.samples / window.seconds, tokens_per_second=window.items / window.seconds
+        )
     return values
 
 
