@@ -131,8 +131,9 @@ class StepProgressBar(_StepBar, pl.callbacks.TQDMProgressBar):
 
     Args:
         unit: ``"steps"`` (optimizer steps) or ``"batches"`` (loader batches).
-        refresh_rate, process_position, leave: as Lightning's ``TQDMProgressBar`` (``refresh_rate`` counts
-            steps under ``unit="steps"``).
+        refresh_rate: as Lightning's ``TQDMProgressBar`` (it counts steps under ``unit="steps"``).
+        process_position: as Lightning's ``TQDMProgressBar``.
+        leave: as Lightning's ``TQDMProgressBar``.
 
     Example:
 
@@ -182,7 +183,9 @@ class RichStepProgressBar(_StepBar, pl.callbacks.RichProgressBar):
 
     Args:
         unit: ``"steps"`` (optimizer steps) or ``"batches"`` (loader batches).
-        refresh_rate, leave, theme, console_kwargs: as Lightning's ``RichProgressBar``.
+        refresh_rate: as Lightning's ``RichProgressBar``.
+        leave: as Lightning's ``RichProgressBar``.
+        **kwargs: Lightning's ``RichProgressBar``'s others (``theme``, ``console_kwargs``).
 
     Example:
 
