@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.overrides import TorchFunctionMode
 
 from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale
+from lightning_accum.progress import StepProgressBar
 
 from helpers import HOST_READS, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
 
@@ -101,3 +102,15 @@ def test_mixin_reads_at_most_once_per_window(tmp_path: Path, builtin: int, name:
     reduction = "sum" if options.get("normalize") == "items" and "mode" not in options else "mean"
     added = reads(tmp_path, ManualTokenModel(reduction=reduction, **options), []) - builtin
     assert added <= 16, f"{added} host reads over 64 micro-batches in 16 windows"
+
+
+# the bar counts from the window reports the accumulation reads anyway: not one read more than Lightning's own bar
+@pytest.mark.parametrize("log", [True, False], ids=["log", "no log"])
+def test_step_progress_bar_adds_no_host_read(tmp_path: Path, log: bool) -> None:
+    def run(bar: Any, model: pl.LightningModule, accumulation: list[Any]) -> int:
+        return reads(tmp_path, model, [*accumulation, bar], enable_progress_bar=True)
+
+    own = run(pl.callbacks.TQDMProgressBar(), TokenModel(), [AccumulationScheduler(4, log=log)])
+    assert run(StepProgressBar(), TokenModel(), [AccumulationScheduler(4, log=log)]) == own
+    own = run(pl.callbacks.TQDMProgressBar(), ManualTokenModel(schedule=4, log=log), [])
+    assert run(StepProgressBar(unit="batches"), ManualTokenModel(schedule=4, log=log), []) == own

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -127,12 +128,16 @@ class WindowEngine:
         self.metrics = WindowMetrics()  # the windows' losses, while logging
         #: the learning rates the closing window's step used: (optimizer, each group's LR)
         self.used_lrs: list[tuple[Any, list[Any]]] = []
+        #: the host seconds from the previous stepped window's end (the fit's start for the first) to the last one's
+        self.seconds: float | None = None
+        self._clock: float | None = None  # (the host clock at the last stepped window's end, from a fit's start)
         self.configure(schedule, normalize, lr_scaling, lr_schedule, reduction)
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         """What a fit gives: its sync plan, and whether the windows' losses are tracked (for logging)."""
         self.plan = plan
         self.metrics.tracking = track
+        self._clock, self.seconds = time.perf_counter(), None
 
     def configure(
         self,
@@ -346,6 +351,9 @@ class WindowEngine:
             progress.microbatches + window.microbatches,
             progress.scaled_steps + (0.0 if closing.empty else closing.gain),
         )
+        if not closing.empty and self._clock is not None:
+            now = time.perf_counter()
+            self.seconds, self._clock = now - self._clock, now
         self.window, self.closing = None, None
         return closing
 

@@ -64,6 +64,8 @@ class WindowReport:
         optimizers: the indices, in ``trainer.optimizers``, of the optimizers that stepped.
         microbatch_size: the samples per piece the window's last loader batch was cut into
             (``AccumulationScheduler(microbatch_size=...)``; ``None`` without).
+        seconds: the host time from the previous stepped window's end (the fit's start for the first) to this
+            one's, validation between them included (``None`` where not timed): the throughput's denominator.
 
     Example:
 
@@ -87,6 +89,7 @@ class WindowReport:
     noise_scale: float | None = None
     optimizers: tuple[int, ...] = (0,)
     microbatch_size: int | None = None
+    seconds: float | None = None
 
 
 def report(
@@ -113,7 +116,7 @@ def report(
     return WindowReport(
         progress.step, progress.epoch, closing.k, closing.microbatches, closing.samples, closing.items, loss,
         progress, MappingProxyType(tasks) if tasks else _EMPTY, grad_norm, lrs, engine.noise_scale, group,
-        microbatch_size,
+        microbatch_size, engine.seconds,
     )  # fmt: skip
 
 
@@ -154,8 +157,8 @@ def lr_names(
 
 def metric_values(window: WindowReport) -> dict[str, Any]:
     """The window's numbers by metric name (unprefixed: ``k``, ``loss``, ``loss/<task>``, ``grad_norm``,
-    the learning rates, ``effective_batch``, ``samples``, ``items``, ``noise_scale``, ``microbatch_size``), what is
-    logged of it."""
+    the learning rates, ``effective_batch``, ``samples``, ``items``, ``noise_scale``, ``microbatch_size``,
+    ``samples_per_second``, ``tokens_per_second``), what is logged of it."""
     values: dict[str, Any] = {"k": window.k}
     if window.loss is not None:
         values["loss"] = window.loss
@@ -168,6 +171,10 @@ def metric_values(window: WindowReport) -> dict[str, Any]:
         values["noise_scale"] = window.noise_scale
     if window.microbatch_size is not None:
         values["microbatch_size"] = window.microbatch_size
+    if window.seconds:  # (items: the tokens with a `count`, else the samples again, as `accum/items`)
+        values.update(
+            samples_per_second=window.samples / window.seconds, tokens_per_second=window.items / window.seconds
+        )
     return values
 
 
@@ -232,19 +239,24 @@ class Readers:
         unknown: bool = False,
     ) -> None:
         self.log, self.hooks = log, hooks
+        # the hooks that read more than a window's counts and loss (a progress bar's reads those alone: for it
+        # no gradient norm is measured, nor is every number published)
+        full = [hook for hook in hooks if not getattr(hook, COUNTS_ONLY, False)]
         self.loggers, self.every = log and loggers, every
         watched = frozenset(key for key in watched if key.startswith("accum/")) if log else frozenset()
         unknown = log and unknown
-        #: whether anyone reads a window's numbers at all (its losses are then kept as it fills)
-        self.any = bool(self.loggers or (log and bar) or watched or hooks or unknown)
+        #: whether anyone reads a window's numbers at all (its losses are then kept as it fills; a counts-only hook
+        #: alone does not: it shows the loss where it is read anyway)
+        self.any = bool(self.loggers or (log and bar) or watched or full or unknown)
         #: whether someone may read any `callback_metrics` key after any window (a hook, a batch reader); else
         #: every number is published at the loggers' steps and in each epoch's and the fit's last window only
-        self.any_key = bool(hooks) or unknown
+        self.any_key = bool(full) or unknown
         #: whether a window must know if it is an epoch's or the fit's last (then it publishes every number)
         self.asks_last = log and not self.any_key
         self.bar = log and bar
         self._watched = watched
         self._norm_watched = any(key.endswith("grad_norm") for key in watched)
+        self._full = bool(full)
         self._between = self._wants(logs=False, last=False)  # a window neither the loggers' nor the last
 
     @classmethod
@@ -285,8 +297,18 @@ class Readers:
         publish = self.log and (keys is None or bool(keys))
         if not (publish or hooks or self.bar):
             return NOTHING
-        norm = logs or hooks or self._norm_watched
+        norm = logs or self._full or self._norm_watched
         return Wants(publish, logs, True, norm, hooks, self.bar and (not publish or keys is not None), keys)
+
+
+COUNTS_ONLY = "_window_end_reads_counts_only"
+
+
+def reads_counts_only(hook: Callable[..., None]) -> Callable[..., None]:
+    """Mark an ``on_window_end`` that reads only the report's counts, ``k`` and loss (``StepProgressBar``'s): a
+    fit with no other reader measures no gradient norm for it, nor publishes every number each window."""
+    setattr(hook, COUNTS_ONLY, True)
+    return hook
 
 
 _KNOWN = ("lightning.", "pytorch_lightning.", "lightning_accum.")  # whose reads of `callback_metrics` are known

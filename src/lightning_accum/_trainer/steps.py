@@ -8,8 +8,11 @@ This walks the fit's windows as the package will form them instead.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_accum import _seam
@@ -125,13 +128,42 @@ def _estimate(trainer: Any) -> int | float:
 def _active_schedule(trainer: Any) -> tuple[Schedule, bool] | None:
     """The schedule of the Trainer's ``AccumulationScheduler`` or of the module's mixin, and
     whether a ``count`` is given."""
+    found = accumulating(trainer)
+    return None if found is None else (found.schedule, found.counted)
+
+
+@dataclass(frozen=True)
+class Accumulating:
+    """What a fit accumulates under, read from its ``AccumulationScheduler`` or its module's mixin: the
+    schedule, whether a ``count`` is given, ``normalize``, and where its ``Progress`` is read."""
+
+    schedule: Schedule
+    counted: bool
+    normalize: str
+    progress: Callable[[], Progress]
+
+
+def accumulating(trainer: Any) -> Accumulating | None:
+    """The fit's accumulation (``None`` without an ``AccumulationScheduler`` or an ``AccumulationMixin``)."""
     for callback in trainer.callbacks:  # an `AccumulationScheduler` (which imports this module)
         if isinstance(getattr(callback, "schedule", None), Schedule) and hasattr(callback, "count"):
-            return callback.schedule, callback.count is not None
-    driver = getattr(trainer.lightning_module, "_accumulation", None)
+            return Accumulating(callback.schedule, callback.count is not None, callback.normalize, _reader(callback))
+    module = getattr(trainer, "lightning_module", None)
+    driver = getattr(module, "_accumulation", None)
     if driver is None:
         return None
-    return driver.config.schedule, driver.config.count is not None
+    config = driver.config
+    return Accumulating(config.schedule, config.count is not None, config.normalize, _reader(module, mixin=True))
+
+
+def _reader(owner: Any, mixin: bool = False) -> Callable[[], Progress]:
+    """Where ``owner``'s ``Progress`` is read: the callback's ``progress``, the mixin's ``accumulation_progress``."""
+
+    def read() -> Progress:
+        progress: Progress = owner.accumulation_progress if mixin else owner.progress
+        return progress
+
+    return read
 
 
 def _samples_per_batch(trainer: Any, batches: int, needed: bool) -> list[int] | None:
@@ -157,21 +189,64 @@ def _samples_per_batch(trainer: Any, batches: int, needed: bool) -> list[int] | 
 def _walk(schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs: int, max_steps: int) -> int:
     """Form the fit's windows as the package will: the schedule asked at each window's start,
     windows cut short at each epoch's end; stop at ``max_steps``."""
-    step = samples = microbatches = 0
+    progress = Progress()
     epoch = 0
     while max_epochs == -1 or epoch < max(max_epochs, 1):
-        start = 0
-        while start < batches:
-            k = schedule(Progress(epoch=epoch, step=step, samples=samples, items=samples, microbatches=microbatches))
-            m = min(k, batches - start)
-            samples += 0 if sizes is None else sum(sizes[start : start + m])
-            microbatches += m
-            step += 1
-            start += m
-            if step == max_steps:
-                return step
+        progress = dataclasses.replace(progress, epoch=epoch)
+        for _, after in windows(schedule, progress, 0, batches, sizes):
+            progress = after
+            if progress.step == max_steps:
+                return progress.step
         epoch += 1
-    return step
+    return progress.step
+
+
+def windows(
+    schedule: Schedule, progress: Progress, start: int, batches: int | float, sizes: Sequence[int] | None
+) -> Iterator[tuple[int, Progress]]:
+    """The windows the package forms from the epoch's batch ``start`` to its end (``batches``; endless for an
+    iterable loader's ``inf``), ``progress`` being where the first opens: each as its micro-batches and the
+    ``Progress`` after it. ``sizes``: each batch's samples over all ranks (``None``: unknown, samples not
+    counted); the items are taken to grow as the samples do. The schedule is asked as the engine asks it."""
+    step, samples, microbatches = progress.step, progress.samples, progress.microbatches
+    extra = progress.items - progress.samples
+    while start < batches:
+        asked = Progress(progress.epoch, step, samples, samples + extra, microbatches, progress.scaled_steps)
+        k = schedule(asked)
+        m = int(min(k, batches - start))
+        samples += 0 if sizes is None else sum(sizes[start : start + m])
+        microbatches += m
+        step += 1
+        start += m
+        yield m, Progress(progress.epoch, step, samples, samples + extra, microbatches, progress.scaled_steps)
+
+
+def windows_ahead(
+    schedule: Schedule,
+    progress: Progress,
+    start: int,
+    batches: int | float,
+    sizes: Sequence[int] | None,
+    limit: int | float,
+) -> tuple[int, int]:
+    """How many windows the package will still close in this epoch from batch ``start`` (``progress`` where the
+    next opens; at most ``limit`` of them, the steps ``max_steps`` leaves), and the batches they take:
+    ``windows`` counted. Exact where the schedule keys on what the walk knows (epochs, steps, micro-batches,
+    and samples with ``sizes``)."""
+    count = taken = 0
+    if limit <= 0:
+        return 0, 0
+    for m, _ in windows(schedule, progress, start, batches, sizes):
+        count, taken = count + 1, taken + m
+        if count >= limit:
+            break
+    return count, taken
+
+
+def samples_per_batch(trainer: Any, batches: int) -> list[int] | None:
+    """Samples of each of an epoch's ``batches`` over all ranks, from the training loader's batch sampler
+    (``None`` where it does not say)."""
+    return _samples_per_batch(trainer, batches, needed=False)
 
 
 def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:

@@ -1,0 +1,115 @@
+"""Host work per refresh of ``StepProgressBar``, in place, against Lightning's own ``TQDMProgressBar``.
+
+One short fit of a tiny MLP (batches of 8, one CPU thread) runs with each bar, its output thrown away; then,
+with the fit's real trainer, module and last ``WindowReport``, each bar's refresh is replayed and timed outside
+Lightning's loop:
+
+* ``lightning``: ``TQDMProgressBar.on_train_batch_end``, Lightning's refresh per batch (the baseline);
+* ``steps, exact``: ``StepProgressBar.on_window_end`` (``unit="steps"``) under a ramp over samples, whose total
+  is known from the epoch's start: the count, the postfix, the draw;
+* ``steps, found per window``: the same under a ramp over items (with a ``count``), whose total is worked out
+  again at each window's end;
+* ``count only``: ``BarCount.window_end`` alone (what the bar adds before drawing).
+
+Each time is the best over rounds of a round's mean (a busy machine only adds time); the ratio is against
+``lightning`` in the same process. Nothing here reads a device (``tests/test_host_reads.py`` counts that).
+
+    python benchmarks/progress_bar.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AccumulationScheduler, Ramp
+from lightning_accum.progress import StepProgressBar
+
+
+class MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Last(pl.Callback):
+    def __init__(self) -> None:
+        self.window: Any = None
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: Any) -> None:
+        self.window = window
+
+
+def fitted(bar: Any, schedule: Any, count: Any = None) -> tuple[pl.Trainer, Any, Any]:
+    torch.manual_seed(0)
+    x = torch.randn(256, 16)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    last = Last()
+    trainer = pl.Trainer(
+        max_epochs=1, callbacks=[AccumulationScheduler(schedule, count=count), bar, last], logger=False,
+        enable_checkpointing=False, enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    module = MLP()
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        trainer.fit(module, data)
+    return trainer, module, last.window
+
+
+def best(call: Any, reps: int, rounds: int) -> float:
+    """The best over ``rounds`` of the mean of ``reps`` calls, in microseconds."""
+    means = []
+    with contextlib.redirect_stderr(io.StringIO()):
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for i in range(reps):
+                call(i)
+            means.append((time.perf_counter() - start) / reps * 1e6)
+    return min(means)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lightning_bar = pl.callbacks.TQDMProgressBar()
+    trainer, module, _ = fitted(lightning_bar, 4)
+    base = best(lambda i: lightning_bar.on_train_batch_end(trainer, module, None, None, i), args.reps, args.rounds)
+    rows = [{"run": "lightning", "us": base, "ratio": 1.0}]
+    for name, schedule, count in (
+        ("steps, exact", Ramp(1, 8, over=128, unit="samples"), None),
+        ("steps, found per window", Ramp(1, 8, over=512, unit="items"), lambda batch: 2 * len(batch[0])),
+    ):
+        bar = StepProgressBar()
+        trainer, module, window = fitted(bar, schedule, count)
+        us = best(lambda i, b=bar, t=trainer, m=module, w=window: b.on_window_end(t, m, w), args.reps, args.rounds)
+        rows.append({"run": name, "us": us, "ratio": us / base})
+    count_us = best(lambda i: bar._count.window_end(trainer, window), args.reps, args.rounds)
+    rows.append({"run": "count only", "us": count_us, "ratio": count_us / base})
+    for row in rows:
+        print(f"{row['run']:>26}: {row['us']:8.1f} us per refresh, {row['ratio']:.3f} x Lightning's")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""``StepProgressBar`` and ``RichStepProgressBar``: the training bar's counter and total against what the fit
+really ran (the windows announced to another callback, the batches Lightning trained), the postfix, resume,
+misuse."""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_accum import AccumulationScheduler, Constant, Lambda, Piecewise, Ramp
+from lightning_accum._trainer.reporting import Readers
+from lightning_accum.progress import RichStepProgressBar, StepProgressBar
+
+from helpers import ManualTokenModel, ResumableLoader, TokenData, TokenModel, count_tokens, loader, params_of, trainer
+
+DATA = TokenData(32, seed=1)  # 16 batches of 2
+
+
+class Seen(pl.Callback):
+    """What the fit ran, epoch by epoch (windows announced, batches trained), and the bar's counter and total
+    at every batch's end (listed after the bar and the accumulation: it sees what they left)."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.epochs: list[dict[str, Any]] = []
+        self.tokens = 0
+
+    def drawn(self) -> tuple[float, float | None]:
+        """(counter, total) as the bar draws them."""
+        if isinstance(self.bar, StepProgressBar):
+            tq = self.bar.train_progress_bar
+            return tq.n, tq.total
+        task = self.bar.progress.tasks[self.bar.train_progress_bar_id]
+        return task.completed, task.total
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.epochs.append({"epoch": trainer.current_epoch, "first_total": self.drawn()[1], "steps": 0, "batches": 0})
+        self.epochs[-1]["passed"] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not self.epochs or self.epochs[-1]["epoch"] != trainer.current_epoch:  # (resumed inside the epoch)
+            self.on_train_epoch_start(trainer, None)
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: Any) -> None:
+        self.epochs[-1]["steps"] += 1
+        self.tokens += window.items
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.epochs[-1]["batches"] += 1
+        n, total = self.drawn()
+        if total is not None and not math.isinf(total) and n > total:
+            self.epochs[-1]["passed"].append((n, total))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.epochs[-1]["last"] = self.drawn()
+
+
+class Endless(IterableDataset[Any]):
+    """An iterable (length-free) loader's data: DATA's batches of 2, again and again."""
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            for i in range(0, len(DATA), 2):
+                yield DATA.batch(slice(i, i + 2))
+
+
+def fit(bar: Any, schedule: Any, *, data: Any = None, model: Any = None, **kwargs: Any) -> Seen:
+    seen = Seen(bar)
+    count = kwargs.pop("count", None)
+    accumulation = [] if model is not None else [AccumulationScheduler(schedule, count=count)]
+    t = trainer(callbacks=[*accumulation, bar, seen], enable_progress_bar=True, **kwargs)
+    t.fit(model or TokenModel(), data if data is not None else loader(DATA, 2))
+    return seen
+
+
+def expected(seen: Seen, unit: str) -> list[int]:
+    return [e["steps" if unit == "steps" else "batches"] for e in seen.epochs]
+
+
+def rich_bar(unit: str) -> RichStepProgressBar:
+    return RichStepProgressBar(unit=unit, console_kwargs={"file": io.StringIO(), "width": 200})
+
+
+BARS = {"tqdm": StepProgressBar, "rich": rich_bar}
+# exact at the epoch's start: the total the schedule gives is what the fit runs
+EXACT: dict[str, tuple[Any, dict[str, Any]]] = {
+    "constant": (3, {}),
+    "piecewise over samples": (Piecewise({0: 1, 12: 3, 20: 4}, unit="samples"), {}),
+    "ramp over samples": (Ramp(1, 5, over=40, unit="samples"), {}),
+    "max_steps cuts an epoch": (Piecewise({0: 2, 3: 3}, unit="step"), {"max_steps": 9, "max_epochs": 4}),
+    "limit_train_batches": (Ramp(1, 4, over=12, unit="step"), {"limit_train_batches": 11}),
+    "iterable, max_steps": (Piecewise({0: 2, 4: 5}, unit="step"), {"max_steps": 7, "data": "endless"}),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+@pytest.mark.parametrize("kind, unit", [("tqdm", "steps"), ("rich", "batches")])
+def test_totals_are_the_fits_steps_or_batches(name: str, kind: str, unit: str) -> None:
+    schedule, kwargs = EXACT[name]
+    kwargs = dict(kwargs)
+    if kwargs.get("data") == "endless":
+        kwargs["data"] = DataLoader(Endless(), batch_size=None)
+    seen = fit(BARS[kind](unit), schedule, **kwargs)
+    realised = expected(seen, unit)
+    assert [e["first_total"] for e in seen.epochs] == realised  # known from the epoch's start
+    assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
+    assert all(not e["passed"] for e in seen.epochs)
+
+
+# the other bar and unit, on the cases where they differ most
+@pytest.mark.parametrize("name", ["piecewise over samples", "iterable, max_steps"])
+@pytest.mark.parametrize("kind, unit", [("tqdm", "batches"), ("rich", "steps")])
+def test_totals_other_unit(name: str, kind: str, unit: str) -> None:
+    test_totals_are_the_fits_steps_or_batches(name, kind, unit)
+
+
+# schedules the walk cannot know ahead: the total is worked out again at each window's end, never passed, met
+@pytest.mark.parametrize(
+    "schedule", [Ramp(1, 5, over=60, unit="items"), Lambda(lambda p: 1 + p.step % 3)], ids=["items", "lambda"]
+)
+@pytest.mark.parametrize("kind, unit", [("tqdm", "steps"), ("rich", "batches")])
+def test_totals_found_as_the_epoch_goes(schedule: Any, kind: str, unit: str) -> None:
+    seen = fit(BARS[kind](unit), schedule, count=count_tokens)
+    realised = expected(seen, unit)
+    assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
+    assert all(not e["passed"] for e in seen.epochs)
+
+
+def test_mixin_steps() -> None:
+    bar = StepProgressBar()
+    seen = fit(bar, None, model=ManualTokenModel(schedule=Piecewise({0: 2, 1: 5}, unit="epoch")), max_epochs=2)
+    assert [e["first_total"] for e in seen.epochs] == [e["steps"] for e in seen.epochs] == [8, 4]
+    assert [e["last"] for e in seen.epochs] == [(8, 8), (4, 4)]
+
+
+def test_rendered_frames_show_the_window() -> None:
+    bar = StepProgressBar()
+    fit(bar, Constant(4), count=count_tokens, max_epochs=1)
+    frame = str(bar.train_progress_bar)
+    for field in ("4/4", "k=4", "batch=8", "tokens=", "loss=", "tokens/s="):
+        assert field in frame, frame
+    rich = rich_bar("steps")
+    fit(rich, Constant(4), max_epochs=1)
+    console = rich.progress.console if rich.progress is not None else None
+    text = console.file.getvalue() if console is not None else ""  # type: ignore[union-attr]
+    for field in ("4/4", "k: 4", "batch: 8", "loss:", "samples/s:"):
+        assert field in text, text
+
+
+class SaveAt(pl.Callback):
+    def __init__(self, at: int, path: Path) -> None:
+        self.at, self.path = at, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.current_epoch == 0 and args[-1] == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+# saved at batch 4 of epoch 0, inside the window of batches 3-5 (k = 3): 6 windows an epoch, 1 stepped then
+@pytest.mark.parametrize("bar_in_checkpoint", [True, False], ids=["bar's state", "none"])
+def test_resume_inside_a_window(tmp_path: Path, bar_in_checkpoint: bool) -> None:
+    path = tmp_path / "inside.ckpt"
+    saved_with = [StepProgressBar()] if bar_in_checkpoint else []
+    callbacks = [AccumulationScheduler(3), *saved_with, SaveAt(4, path)]
+    t = trainer(callbacks=callbacks, max_epochs=1, enable_progress_bar=bar_in_checkpoint)
+    t.fit(TokenModel(), ResumableLoader(DATA, 2))
+    bar = StepProgressBar()
+    seen = Seen(bar)
+    t = trainer(callbacks=[AccumulationScheduler(3), bar, seen], enable_progress_bar=True, max_epochs=2)
+    t.fit(TokenModel(), ResumableLoader(DATA, 2), ckpt_path=path)
+    if bar_in_checkpoint:  # the position as the uninterrupted fit showed it
+        assert [e["first_total"] for e in seen.epochs] == [6, 6]
+        assert [e["last"] for e in seen.epochs] == [(6, 6), (6, 6)]
+    else:  # counted from the resume: the window under way and the 4 after it
+        assert [e["last"] for e in seen.epochs] == [(5, 5), (6, 6)]
+    assert all(not e["passed"] for e in seen.epochs)
+
+
+@pytest.mark.parametrize(
+    "unit, error",
+    [("step", ValueError), ("Steps", ValueError), ("batch", ValueError), ("", ValueError), (0, TypeError),
+     (None, TypeError), (float("nan"), TypeError), (["steps"], TypeError)],
+)  # fmt: skip
+@pytest.mark.parametrize("cls", [StepProgressBar, RichStepProgressBar])
+def test_unit_refused(cls: type, unit: Any, error: type) -> None:
+    with pytest.raises(error, match=r"unit=.*'steps'.*'batches'"):
+        cls(unit=unit)
+
+
+def test_a_fit_without_accumulation_is_refused_before_training() -> None:
+    model = TokenModel()
+    before = [p.detach().clone() for p in params_of(model)]
+    with pytest.raises(RuntimeError, match="StepProgressBar counts the windows of an `AccumulationScheduler`"):
+        trainer(callbacks=[StepProgressBar()], enable_progress_bar=True).fit(model, loader(DATA, 2))
+    assert all(torch.equal(a, b) for a, b in zip(before, params_of(model), strict=True))
+
+
+def test_the_bar_asks_for_no_gradient_norm() -> None:
+    bar = StepProgressBar()
+    light = Readers(log=False, loggers=False, every=50, bar=True, hooks=[bar.on_window_end], watched=())
+    full = Readers(log=False, loggers=False, every=50, bar=True, hooks=[Seen(bar).on_window_end], watched=())
+    assert light.wants(step=3).hooks and not light.wants(step=3).norm
+    assert full.wants(step=3).norm
+
+
+class Rates(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, float, float, float]] = []
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: Any) -> None:
+        metrics = trainer.callback_metrics
+        assert window.seconds is not None and window.seconds > 0
+        self.seen.append((
+            float(metrics["accum/tokens_per_second"]), window.items / window.seconds,
+            float(metrics["accum/samples_per_second"]), window.samples / window.seconds,
+        ))  # fmt: skip
+
+
+@pytest.mark.parametrize("mixin", [False, True], ids=["callback", "mixin"])
+def test_throughput_logged_per_window(mixin: bool) -> None:
+    rates = Rates()
+    schedule = Ramp(1, 4, over=20, unit="samples")
+    if mixin:
+        model: Any = ManualTokenModel(schedule=schedule, normalize="items", count=count_tokens, reduction="sum")
+        t = trainer(callbacks=[rates], max_epochs=1)
+    else:
+        model = TokenModel(reduction="sum")
+        accumulation = AccumulationScheduler(schedule, normalize="items", count=count_tokens, reduction="sum")
+        t = trainer(callbacks=[accumulation, rates], max_epochs=1)
+    t.fit(model, loader(DATA, 2))
+    assert len(rates.seen) == 9  # (k 1, 1, 1, 1, 2, 2, 3, 4 and a last window cut to 1 batch by the epoch)
+    for logged_tokens, tokens, logged_samples, samples in rates.seen:
+        assert logged_tokens == pytest.approx(tokens, rel=1e-6) and logged_samples == pytest.approx(samples, rel=1e-6)
+        assert tokens > samples  # (tokens: the windows' counted items)
