@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_accum import _seam
 from lightning_accum._core import gradients, sync
+from lightning_accum._core.batchnorm import BatchNormMode, WindowBatchNorm, check_batchnorm
 from lightning_accum._core.checkpoint import PartialWindow
 from lightning_accum._core.engine import WindowEngine
 from lightning_accum._core.metrics import weigh
@@ -86,6 +87,10 @@ class AccumulationScheduler(Callback):
             ``"auto"`` (the loader batch, halved on out-of-memory; the window is kept exact). ``k`` still
             counts loader batches and nothing but memory (and BatchNorm's statistics) changes: see the
             guide's "Micro-batches that fit". Not under DeepSpeed or Lightning's FSDP.
+        batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every micro-batch, as
+            Lightning) or ``"window"`` (updated once per window, with the statistics of all its samples pooled
+            exactly, ``num_batches_tracked`` counting windows; each micro-batch is still normalised by its own
+            statistics). See the guide's "BatchNorm and accumulation".
 
     Example:
 
@@ -107,6 +112,7 @@ class AccumulationScheduler(Callback):
         log: bool = True,
         sync: SyncMode = "auto",
         microbatch_size: MicrobatchSize | None = None,
+        batchnorm: BatchNormMode = "micro-batch",
     ) -> None:
         self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         self.normalize, self.reduction = normalize, check_callback_items(normalize, count, reduction)
@@ -115,7 +121,11 @@ class AccumulationScheduler(Callback):
         self._log = check_flag("log", log)  # not `self.log`: Lightning binds `log` on callbacks
         self.sync = sync
         self.microbatch_size = check_microbatch_size(microbatch_size)
+        self.batchnorm = check_batchnorm(batchnorm)
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
+        # `batchnorm="window"`: the model's BatchNorm statistics, advanced by the engine with each window
+        self._batchnorm = WindowBatchNorm() if batchnorm == "window" else None
+        self._engine.pool_batchnorm(self._batchnorm)
         # `microbatch_size`: each loader batch's `training_step` run piece by piece (None: no split, no work)
         self._split = None if self.microbatch_size is None else Pieces(self.microbatch_size)
         self._unroute: Any = None  # gives the module its own `training_step` back
@@ -182,6 +192,8 @@ class AccumulationScheduler(Callback):
                 self._split.fresh_fit()
         self._restored = False
         check_noise_under(plan, self.schedule, self.lr_scaling)
+        if self._batchnorm is not None:
+            self._batchnorm.attach(pl_module)
 
     # ------------------------------------------------------------------ fit lifetime
     @override
@@ -297,6 +309,8 @@ class AccumulationScheduler(Callback):
             self._lr_hook.remove()
             self._lr_hook = None
         self._optimizer = None
+        if self._batchnorm is not None:
+            self._batchnorm.detach()
 
     # ------------------------------------------------------------------ one window
     @override
@@ -317,6 +331,8 @@ class AccumulationScheduler(Callback):
             if _seam.backward_skipped(trainer):
                 if self._split is not None:
                     self._split.begin_forward_only()
+                if self._batchnorm is not None:  # (its forwards update BatchNorm themselves)
+                    self._batchnorm.enabled = False
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
             self._open(trainer, batch_idx)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
@@ -342,6 +358,8 @@ class AccumulationScheduler(Callback):
 
     def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
         window = self._engine.open(trainer.current_epoch, batch_idx, self._strategy)
+        if self._batchnorm is not None:
+            self._batchnorm.enabled = True
         divisor = lightning_divisor(batch_idx, window.k)
         if divisor != self._divisor:  # (in force since train start, or set by an earlier window)
             set_divisor(trainer, divisor)
