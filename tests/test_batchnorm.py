@@ -266,7 +266,11 @@ class _Wrapped(nn.Module):
         return forward(self.inner, x)
 
 
-def fabric_run(k: int, stop: int | None = None, save: Path | None = None, resume: Path | None = None) -> nn.Module:
+def fabric_run(
+    k: int, stop: int | None = None, save: Path | None = None, resume: Path | None = None, fail: int | None = None
+) -> nn.Module:
+    """The loop a user writes; ``stop``: save after that many micro-batches and return; ``fail``: that
+    micro-batch's first try raises after its forward (before its backward) and is tried again."""
     fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
     net = _Wrapped(make_net())
     train_mode(net.inner)
@@ -282,6 +286,10 @@ def fabric_run(k: int, stop: int | None = None, save: Path | None = None, resume
             if done < start:
                 done += 1
                 continue
+            if done == fail:
+                with pytest.raises(RuntimeError, match="boom"), acc.accumulate(batch, epoch=epoch) as step:
+                    model(batch["x"])
+                    raise RuntimeError("boom")
             with acc.accumulate(batch, epoch=epoch, last=i == len(each) - 1) as step:
                 step.backward(nn.functional.mse_loss(model(batch["x"]), batch["y"]))
             done += 1
@@ -294,7 +302,7 @@ def fabric_run(k: int, stop: int | None = None, save: Path | None = None, resume
 
 @pytest.mark.usefixtures("float64_outputs")
 def test_fabric_window_statistics_and_resume_inside_a_window(tmp_path: Path) -> None:
-    full = fabric_run(3)
+    full = fabric_run(3, fail=4)  # (a micro-batch's forward that failed adds nothing)
     assert max_diff(state(full), state(reference(windows_of(3)))) <= 1e-12
     path = tmp_path / "inside.ckpt"
     fabric_run(3, stop=5, save=path)
