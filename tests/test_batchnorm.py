@@ -97,12 +97,13 @@ def max_diff(a: list[Tensor], b: list[Tensor]) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def reference(windows: list[list[Batch]], lr: float = 0.1) -> nn.Module:
+def reference(windows: list[list[Batch]], lr: float = 0.1, piece: int | None = None) -> nn.Module:
     """The plain loop: each window's gradient the mean of its micro-batches', and each BatchNorm layer's update
     one forward of that layer alone over everything the window's micro-batches gave it, as a single batch (the
     buffers put back by hand after the micro-batches' forwards). (A layer after another BatchNorm is given
     activations each micro-batch normalised by its own statistics: the window as one batch through the whole
-    model would give it others; the first layer's are the same either way.)"""
+    model would give it others; the first layer's are the same either way.) ``piece``: each batch runs in pieces
+    of that many samples, each weighted by its share."""
     net = make_net()
     train_mode(net)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
@@ -110,8 +111,11 @@ def reference(windows: list[list[Batch]], lr: float = 0.1) -> nn.Module:
         before = buffers(net)
         inputs: dict[str, list[Tensor]] = {"bn2": [], "bn1": []}
         for batch in window:
-            out = forward(net, batch["x"], inputs)
-            (nn.functional.mse_loss(out, batch["y"]) / len(window)).backward()
+            n = len(batch["x"])
+            for i in range(0, n, piece or n):
+                x, y = batch["x"][i : i + (piece or n)], batch["y"][i : i + (piece or n)]
+                out = forward(net, x, inputs)
+                (nn.functional.mse_loss(out, y) * len(x) / n / len(window)).backward()
         with torch.no_grad():
             for name, b in net.named_buffers():
                 b.copy_(before[name])
@@ -226,19 +230,50 @@ def test_callback_failed_window_leaves_the_statistics_as_before_it() -> None:
     assert model.net["bn2"].momentum == 0.1 and model.net["bn1"].momentum is None
 
 
+def test_callback_pieces_pool_with_their_loader_batch() -> None:
+    """``microbatch_size=2``: each loader batch of 4 runs as two pieces, whose statistics join its window."""
+    model = Model()
+    trainer(callbacks=[AccumulationScheduler(3, batchnorm="window", microbatch_size=2)], max_epochs=1).fit(
+        model, ResumableLoader(DATA, 4)
+    )
+    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1), piece=2))) <= 1e-12
+
+
+def test_window_option_refused_where_it_cannot_be_exact() -> None:
+    for bad in ("window ", "Window", "micro_batch", None, 1, float("nan"), "batch"):
+        with pytest.raises(ValueError, match="`batchnorm` must be 'micro-batch' or 'window'"):
+            AccumulationScheduler(2, batchnorm=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="did you mean 'micro-batch'"):
+        AccumulationScheduler(2, batchnorm="micro_batch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="microbatch_size='auto'"):
+        AccumulationScheduler(2, batchnorm="window", microbatch_size="auto")
+    with pytest.raises(ValueError, match="`batchnorm` must be"):
+        MixinModel(2, batchnorm="windows")
+
+
 # ---------------------------------------------------------------------- the mixin
 class MixinModel(AccumulationMixin, pl.LightningModule):
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, batchnorm: Any = "window", cached: bool = False) -> None:
         super().__init__()
         self.net = make_net()
-        self.configure_accumulation(k, batchnorm="window")
+        self.cached = cached
+        self.configure_accumulation(k, batchnorm=batchnorm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.net["frozen"].eval()  # (Lightning puts the module back in training mode after validation)
 
     def training_step(self, batch: Batch, batch_idx: int) -> None:
         with self.accumulate(batch) as acc:
-            acc.backward(loss_of(self.net, batch))
+            if self.cached:  # chunks of 2: a graph-free pass, then each chunk replayed (the one that counts)
+                y = batch["y"]
+                acc.backward_cached(
+                    encoders=[lambda x: forward(self.net, x)],
+                    inputs=[batch["x"]],
+                    loss_fn=lambda out: nn.functional.mse_loss(out, y),
+                    chunk_size=2,
+                )
+            else:
+                acc.backward(loss_of(self.net, batch))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -248,6 +283,12 @@ def test_mixin_window_statistics_equal_the_whole_window_as_one_batch() -> None:
     model = MixinModel(3)
     trainer(max_epochs=2).fit(model, ResumableLoader(DATA, 4))
     assert max_diff(state(model.net), state(reference(windows_of(3)))) <= 1e-12
+
+
+def test_mixin_cached_backward_counts_each_sample_once() -> None:
+    model = MixinModel(3, cached=True)
+    trainer(max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1), piece=2))) <= 1e-12
 
 
 # ---------------------------------------------------------------------- Fabric

@@ -21,7 +21,8 @@ adds nothing. Nothing is read on the host: counts are shapes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -184,6 +185,16 @@ class WindowBatchNorm:
     @staticmethod
     def _put_back(layer: _BatchNorm, own: tuple[Tensor, Tensor, Tensor | None, float | None]) -> None:
         layer.running_mean, layer.running_var, layer.num_batches_tracked, layer.momentum = own
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Forwards inside add nothing and leave the buffers as they are (the graph-free pass of the cached
+        backward, whose replay is the one that counts)."""
+        paused, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = paused
 
     # ------------------------------------------------------------------ the window
     def accept(self) -> None:

@@ -122,6 +122,12 @@ class AccumulationScheduler(Callback):
         self.sync = sync
         self.microbatch_size = check_microbatch_size(microbatch_size)
         self.batchnorm = check_batchnorm(batchnorm)
+        if batchnorm == "window" and microbatch_size == "auto":
+            raise ValueError(
+                "`batchnorm='window'` with `microbatch_size='auto'` is not supported: a piece cut short by an "
+                "out-of-memory error has run part of its forward, whose BatchNorm statistics cannot be told apart "
+                "from the retried piece's. Give `microbatch_size` an int, or use `batchnorm='micro-batch'`."
+            )
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
         # `batchnorm="window"`: the model's BatchNorm statistics, advanced by the engine with each window
         self._batchnorm = WindowBatchNorm() if batchnorm == "window" else None
