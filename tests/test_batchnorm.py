@@ -209,6 +209,10 @@ def test_callback_resumed_inside_a_window_is_bit_identical(tmp_path: Path) -> No
     saved = torch.load(path, weights_only=False)["callbacks"]
     (held,) = [v["batchnorm"] for v in saved.values() if "batchnorm" in v]
     assert {n: s["count"] for n, s in held.items()} == {"net.bn2": 2 * 4 * 16, "net.bn1": 2 * 4}
+    with pytest.warns(UserWarning, match="batchnorm='window'; this run has batchnorm='micro-batch'"):
+        trainer(callbacks=[AccumulationScheduler(3)], max_epochs=1, limit_train_batches=6).fit(
+            Model(), ResumableLoader(DATA, 4), ckpt_path=path
+        )
 
 
 class Failing(Model):

@@ -536,3 +536,13 @@ class WindowEngine:
         self.metrics.load_sums(list(losses), list(losses.values()))
         if self.batchnorm is not None:
             self.batchnorm.load_state_dict(state.get("batchnorm", {}) if self.window is not None else {})
+        held = "batchnorm" in state
+        if self.window is not None and self.window.microbatches and held != (self.batchnorm is not None):
+            saved, now = ("'window'", "'micro-batch'") if held else ("'micro-batch'", "'window'")
+            warnings.warn(
+                f"The checkpoint was written inside an accumulation window under batchnorm={saved}; this run has "
+                f"batchnorm={now}, so the BatchNorm statistics of the window's micro-batches before the checkpoint "
+                + ("are dropped." if held else "are not in the window's (its buffers were updated by each of them).")
+                + f" Resume with batchnorm={saved}, or from a checkpoint written at an optimizer step.",
+                stacklevel=3,
+            )
