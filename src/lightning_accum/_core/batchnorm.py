@@ -162,9 +162,11 @@ class WindowBatchNorm:
         assert var is not None
         self._inflight[self._names[layer]] = (mean, var, layer.num_batches_tracked, layer.momentum)
         # BatchNorm's kernel writes this micro-batch's mean and unbiased variance into zeroed buffers
-        layer.running_mean, layer.running_var = torch.zeros_like(mean), torch.zeros_like(var)
-        layer.num_batches_tracked = None
-        layer.momentum = 1.0
+        # (straight into the module's dicts: `nn.Module.__setattr__` costs more than the rest of the hook)
+        held = layer._buffers
+        held["running_mean"], held["running_var"] = torch.zeros_like(mean), torch.zeros_like(var)
+        held["num_batches_tracked"] = None
+        layer.__dict__["momentum"] = 1.0
 
     def _after_forward(self, layer: _BatchNorm, args: Any, output: Any) -> None:
         name = self._names[layer]
@@ -184,7 +186,8 @@ class WindowBatchNorm:
 
     @staticmethod
     def _put_back(layer: _BatchNorm, own: tuple[Tensor, Tensor, Tensor | None, float | None]) -> None:
-        layer.running_mean, layer.running_var, layer.num_batches_tracked, layer.momentum = own
+        held = layer._buffers
+        held["running_mean"], held["running_var"], held["num_batches_tracked"], layer.__dict__["momentum"] = own
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
