@@ -28,6 +28,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_accum._core import gradients
+from lightning_accum._core.batchnorm import BatchNormMode, WindowBatchNorm, check_batchnorm
 from lightning_accum._core.checkpoint import PartialWindow, check_world
 from lightning_accum._core.engine import WindowEngine
 from lightning_accum._core.errors import NonFiniteWindowError
@@ -143,6 +144,9 @@ class FabricAccumulator:
             its last keep FSDP2's unsharded gradient: give ``last=True`` to the data's last ``accumulate``),
             ``"every"`` after every micro-batch. DDP always all-reduces once per window.
         log: report each window (``accum/*`` through ``fabric.log_dict``, and ``step.window``).
+        batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every forward, as in a plain
+            loop) or ``"window"`` (updated once per window with the pooled statistics of its micro-batches; the
+            model's layers are hooked from here on). See the guide's "BatchNorm and accumulation".
 
     A loop must end its last window with ``flush()`` (or ``last=True`` on the data's last block): an accumulator
     garbage-collected, or alive when the process ends, with micro-batches in an unstepped window warns once
@@ -175,6 +179,7 @@ class FabricAccumulator:
         gradient_clip_algorithm: str = "norm",
         sync: SyncMode = "auto",
         log: bool = True,
+        batchnorm: BatchNormMode = "micro-batch",
     ) -> None:
         check_set_up(fabric, model, optimizer)
         self.schedule = check_common("FabricAccumulator", schedule, normalize, count, lr_scaling, sync, lr_schedule)
@@ -189,6 +194,11 @@ class FabricAccumulator:
         self.clip_val, self.clip_algorithm = gradient_clip_val, gradient_clip_algorithm
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
         self._engine.start_fit(self._plan, log)
+        self.batchnorm = check_batchnorm(batchnorm)
+        if batchnorm == "window":  # (the module's own names: a checkpoint's statistics are keyed by them)
+            stats = WindowBatchNorm()
+            stats.attach(getattr(model, "module", model))
+            self._engine.pool_batchnorm(stats)
         # Fabric's own backward (refused to the user inside a block, where the instance's attribute is set)
         self._fabric_backward = functools.partial(type(fabric).backward, fabric)
         self._guard = WindowGuard(fabric, model, optimizer, optimizer.optimizer)
@@ -261,6 +271,7 @@ class FabricAccumulator:
         finally:
             step._open, self._block = False, None
             if not finished:
+                engine.batch_done()  # (the statistics of its forwards stay out)
                 self._abandon(step, skip, "An exception inside an `accumulate` block after its `step.backward`")
         if not step.passes:
             self._abandon(step, skip, "An `accumulate` block that made no `step.backward`", always=True)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_accum._core import microbatch
+from lightning_accum._core.batchnorm import BatchNormMode
 from lightning_accum._core.options import AccumulationConfig, Reduction, Reset
 from lightning_accum._core.sync import SyncMode
 from lightning_accum._core.window import Normalize
@@ -108,6 +109,7 @@ class AccumulationMixin(_ModuleBase):
         log: bool = True,
         sync: SyncMode = "auto",
         step_schedulers: bool | None = None,
+        batchnorm: BatchNormMode = "micro-batch",
     ) -> None:
         """Set the schedule and the window-end policy.
 
@@ -149,6 +151,9 @@ class AccumulationMixin(_ModuleBase):
                 after the model's ``on_train_epoch_end``); the configurations that loop refuses are
                 refused at the fit's start, and a step the model takes itself is refused before any
                 optimizer step uses it.
+            batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every forward, as
+                Lightning) or ``"window"`` (updated once per window with the pooled statistics of the
+                micro-batches that went in; one window group only). See "BatchNorm and accumulation".
 
         Example:
 
@@ -173,6 +178,7 @@ class AccumulationMixin(_ModuleBase):
                 lr_schedule,
                 step_schedulers,
                 reduction,
+                batchnorm,
             )
         )
 

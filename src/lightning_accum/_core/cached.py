@@ -444,6 +444,7 @@ def run(
     world: int = 1,
     modules: Sequence[nn.Module] = (),
     loss_chunk_size: int | None = None,
+    uncounted: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> Tensor:
     """The cached backward of planned towers.
 
@@ -455,8 +456,9 @@ def run(
     rank's blocks cover its own rows, each part multiplied by ``world`` (the ranks' mean of a loss
     parameter's gradient is then the whole loss's), and ``reduce`` sums the representations'
     gradients and the parts over ranks; the loss returned is then every rank's sum. The buffers of
-    ``modules`` move once per sample; the RNG ends where the whole batch's forward and loss leave it.
-    Returns the loss, detached.
+    ``modules`` move once per sample; the RNG ends where the whole batch's forward and loss leave it; the
+    graph-free pass of a tower that is replayed runs under ``uncounted()`` (``batchnorm="window"``: the
+    replay's forward is the one that counts). Returns the loss, detached.
     """
     local = gather is not None and loss_chunk_size is not None  # each rank scores its own rows
     if local and reduce is None:
@@ -476,7 +478,8 @@ def run(
             for j in range(len(tower.chunks)):
                 if not tower.frozen:
                     states[tower.index].append(_RNG())
-                outs.append(tower.encode(tower.part(j)))
+                with contextlib.nullcontext() if tower.frozen else uncounted():
+                    outs.append(tower.encode(tower.part(j)))
             reps = _join(outs, tower)
             del outs  # (the chunks' outputs: one copy of the representations is enough)
             offset = 0

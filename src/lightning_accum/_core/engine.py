@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum._core import collectives, sync
+from lightning_accum._core.batchnorm import WindowBatchNorm
 from lightning_accum._core.gradients import norms, squared_norm
 from lightning_accum._core.metrics import WindowMetrics
 from lightning_accum._core.probe import NoiseProbe, measured
@@ -131,7 +132,14 @@ class WindowEngine:
         #: the host seconds from the previous stepped window's end (the fit's start for the first) to the last one's
         self.seconds: float | None = None
         self._clock: float | None = None  # (the host clock at the last stepped window's end, from a fit's start)
+        #: `batchnorm="window"`: the BatchNorm statistics that advance with this engine's windows
+        self.batchnorm: WindowBatchNorm | None = None
         self.configure(schedule, normalize, lr_scaling, lr_schedule, reduction)
+
+    def pool_batchnorm(self, stats: WindowBatchNorm | None) -> None:
+        """``batchnorm="window"``: ``stats`` take each micro-batch whose backward finished, and step with the
+        window (``None``: BatchNorm is left to itself)."""
+        self.batchnorm = stats
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         """What a fit gives: its sync plan, and whether the windows' losses are tracked (for logging)."""
@@ -188,12 +196,16 @@ class WindowEngine:
     def backward_done(self) -> None:
         """The counted micro-batch's backward pass finished: its gradient (and loss) is in the window."""
         self.backward_finished = True
+        if self.batchnorm is not None and self.inflight is not None:  # (not a batch trained again: uncounted)
+            self.batchnorm.accept()
         if self.metrics.tracking:  # (else nothing was added)
             self.metrics.commit()
 
     def batch_done(self) -> None:
         """The batch is over (nothing of it can be trained again)."""
         self.inflight, self.redo = None, None
+        if self.batchnorm is not None:  # (forwards of a micro-batch that did not go in)
+            self.batchnorm.drop_pending()
 
     def wants_prefix(self) -> bool:
         """Whether the noise probe measures after the micro-batch just counted (1, 4, 16, ...):
@@ -355,6 +367,8 @@ class WindowEngine:
             now = time.perf_counter()
             self.seconds, self._clock = now - self._clock, now
         self.window, self.closing = None, None
+        if self.batchnorm is not None:
+            self.batchnorm.commit()
         return closing
 
     def settle(
@@ -365,6 +379,9 @@ class WindowEngine:
         ``open_pass``: a backward pass ran in a block that did not finish (the mixin); ``rescaled``: a closing
         window's gradient was changed in place for its step. Returns what a checkpoint written now loses,
         if anything."""
+        if self.batchnorm is not None:  # the buffers as before the window; the failed micro-batch's statistics out
+            self.batchnorm.recover()
+            self.batchnorm.drop_pending()
         if self.closing is not None and not rescaled and not processed:
             self.closing = None  # the step had not touched the gradient: the window is as it was
         window, inflight = self.window, self.inflight
@@ -402,6 +419,8 @@ class WindowEngine:
         self.metrics.clear()
         if self.probe is not None:
             self.probe.forget()
+        if self.batchnorm is not None:
+            self.batchnorm.discard()
 
     @property
     def noise_scale(self) -> float | None:
@@ -478,6 +497,8 @@ class WindowEngine:
             state["probe"] = self.probe.state_dict()
         if window is not None and self.redo is not None:
             state["redo"] = list(self.redo)
+        if window is not None and self.batchnorm is not None:
+            state["batchnorm"] = self.batchnorm.state_dict()
         if window is not None and self.metrics.tracking:
             state["losses"] = dict(zip(self.metrics.names(), (float(v) for v in self.metrics.sums()), strict=True))
         return state
@@ -523,3 +544,15 @@ class WindowEngine:
             self.probe.load_state_dict(state.get("probe", {}))
         losses = state.get("losses", {})
         self.metrics.load_sums(list(losses), list(losses.values()))
+        if self.batchnorm is not None:
+            self.batchnorm.load_state_dict(state.get("batchnorm", {}) if self.window is not None else {})
+        held = "batchnorm" in state
+        if self.window is not None and self.window.microbatches and held != (self.batchnorm is not None):
+            saved, now = ("'window'", "'micro-batch'") if held else ("'micro-batch'", "'window'")
+            warnings.warn(
+                f"The checkpoint was written inside an accumulation window under batchnorm={saved}; this run has "
+                f"batchnorm={now}, so the BatchNorm statistics of the window's micro-batches before the checkpoint "
+                + ("are dropped." if held else "are not in the window's (its buffers were updated by each of them).")
+                + f" Resume with batchnorm={saved}, or from a checkpoint written at an optimizer step.",
+                stacklevel=3,
+            )

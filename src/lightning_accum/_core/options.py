@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
+from lightning_accum._core.batchnorm import check_batchnorm
 from lightning_accum._core.decay import ResidualDecay
 from lightning_accum._core.sync import SyncMode, check_sync_mode
 from lightning_accum._core.window import NORMALIZE
@@ -246,6 +247,7 @@ class AccumulationConfig:
     lr_schedule: LRMultiplier | None = None
     step_schedulers: bool | None = None
     reduction: Reduction | None = None
+    batchnorm: str = "micro-batch"
 
     def __post_init__(self) -> None:
         args = (self.schedule, self.normalize, self.count, self.lr_scaling, self.sync, self.lr_schedule)
@@ -253,6 +255,7 @@ class AccumulationConfig:
         check_mixin_items(self.normalize, self.count, self.reduction)
         check_flag("log", self.log)
         check_mode(self.step_schedulers)
+        check_batchnorm(self.batchnorm)
         reset = self.reset
         if not (isinstance(reset, ResidualDecay) or reset in ("zero", "none")):
             raise ValueError(f"`reset` must be 'zero', 'none' or a `GradientDecay`; got {reset!r}.")

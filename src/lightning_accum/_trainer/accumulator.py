@@ -196,6 +196,8 @@ class Accumulator:
             for p in self._block.params():
                 p.grad = None
             self._block.engine.metrics.clear()  # (the window is redone from its start)
+            if self._block.engine.batchnorm is not None:  # (and its BatchNorm statistics with it)
+                self._block.engine.batchnorm.discard()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             auto.halve(size)
@@ -334,6 +336,7 @@ class Accumulator:
             world=world,
             modules=[block.module],
             loss_chunk_size=None if loss_chunk_size is None else int(loss_chunk_size),
+            uncounted=block.uncounted,
         )
         block.record_loss(loss if weight is None else weigh(loss, weight))
         return loss

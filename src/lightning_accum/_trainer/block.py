@@ -88,6 +88,11 @@ class Block:
         with self._no_sync():
             multitask._autograd_backward(features, grad)
 
+    def uncounted(self) -> contextlib.AbstractContextManager[None]:
+        """Where forwards add no BatchNorm statistics to the window (``batchnorm="window"``; else nothing)."""
+        stats = self.engine.batchnorm
+        return contextlib.nullcontext() if stats is None else stats.uncounted()
+
     def record_loss(self, loss: Tensor, name: str = "loss") -> None:
         """A pass's loss (before the window's division), or a task's, for the logged window loss."""
         if not self.redoing:

@@ -88,6 +88,8 @@ class MixinDriver(Callback):
             self._forget_open_windows()  # (stopped or failed inside it; Lightning zeroes the gradients next)
         self._restored = False
         check_noise_under(self.plan, self.config.schedule, self.config.lr_scaling)
+        if self.windows.batchnorm is not None:
+            self.windows.batchnorm.attach(self.module)
         sync.refuse_fsdp_root(self.plan, trainer.strategy.model)
         custom_step = type(self.module).lr_scheduler_step is not pl.LightningModule.lr_scheduler_step
         self.schedulers.check_fit(trainer.lr_scheduler_configs, self.module, self.config.step_schedulers, custom_step)
@@ -141,6 +143,8 @@ class MixinDriver(Callback):
         if self.config.decay is not None:
             self.config.decay.detach()
         self.guards.detach()
+        if self.windows.batchnorm is not None:
+            self.windows.batchnorm.detach()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -164,6 +168,8 @@ class MixinDriver(Callback):
             self.config.decay.settle(processed)
             self.config.decay.detach(restore_residual=False)
         self.guards.detach()
+        if self.windows.batchnorm is not None:
+            self.windows.batchnorm.detach()
 
     # ------------------------------------------------------------------ one batch
     @override

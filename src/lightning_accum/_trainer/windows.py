@@ -11,6 +11,7 @@ from torch import Tensor
 
 from lightning_accum import _seam
 from lightning_accum._core import gradients, sync
+from lightning_accum._core.batchnorm import WindowBatchNorm
 from lightning_accum._core.engine import WindowEngine, samples_needed_by
 from lightning_accum._core.options import AccumulationConfig
 from lightning_accum.schedules import as_schedule
@@ -35,11 +36,18 @@ class MixinWindows:
         self._plan = sync.SyncPlan()
         self._track = False  # whether the windows' losses are tracked (while logging)
         self._optimizers: list[Any] | None = None  # the fit's (Lightning asks its strategy on every call)
+        #: `batchnorm="window"`: the module's BatchNorm statistics, advanced with the (one) group's windows
+        self.batchnorm: WindowBatchNorm | None = None
 
     def configure(self, config: AccumulationConfig) -> None:
         self.config = config
+        if config.batchnorm != "window":
+            self.batchnorm = None
+        elif self.batchnorm is None:
+            self.batchnorm = WindowBatchNorm()
         for engine in self.engines.values():
             engine.configure(config.schedule, config.normalize, config.lr_scaling, config.lr_schedule, config.reduction)
+            engine.pool_batchnorm(self.batchnorm)
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         self._plan, self._track = plan, track
@@ -51,9 +59,16 @@ class MixinWindows:
         """The group's engine (made now if it has none)."""
         engine = self.engines.get(key)
         if engine is None:
+            if self.batchnorm is not None and self.engines:
+                raise ValueError(
+                    "`batchnorm='window'` advances BatchNorm's statistics with one window, but this model opens "
+                    f"windows of optimizers {list(key)} and {list(next(iter(self.engines)))}: keep one window "
+                    "(`self.accumulate(batch)` with no `optimizer=`), or use `batchnorm='micro-batch'`."
+                )
             c = self.config
             engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule, c.reduction)
             engine.start_fit(self._plan, self._track)
+            engine.pool_batchnorm(self.batchnorm)
         return engine
 
     def samples_needed_by(self) -> str | None:

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_accum import _seam
 from lightning_accum._core import gradients, sync
+from lightning_accum._core.batchnorm import BatchNormMode, WindowBatchNorm, check_batchnorm
 from lightning_accum._core.checkpoint import PartialWindow
 from lightning_accum._core.engine import WindowEngine
 from lightning_accum._core.metrics import weigh
@@ -92,6 +93,10 @@ class AccumulationScheduler(Callback):
         split: with ``microbatch_size``, ``split(path, leaf) -> bool`` says which leaves of a loader batch are cut
             along dim 0 (``True``) and which every piece gets whole (``False``: a per-class weight, a shared
             prompt). ``None``: every tensor is cut (one whose dim 0 matches the batch's only by chance too).
+        batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every micro-batch, as
+            Lightning) or ``"window"`` (updated once per window, with the statistics of all its samples pooled
+            exactly, ``num_batches_tracked`` counting windows; each micro-batch is still normalised by its own
+            statistics). See the guide's "BatchNorm and accumulation".
 
     Example:
 
@@ -115,6 +120,7 @@ class AccumulationScheduler(Callback):
         sync: SyncMode = "auto",
         microbatch_size: MicrobatchSize | None = None,
         split: Split | None = None,
+        batchnorm: BatchNormMode = "micro-batch",
     ) -> None:
         self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         self.normalize, self.reduction = normalize, check_callback_items(normalize, count, reduction)
@@ -129,7 +135,17 @@ class AccumulationScheduler(Callback):
                 "`split` says how `microbatch_size` cuts each loader batch, but `microbatch_size` is None (no batch is "
                 "cut): give `microbatch_size` too, or leave `split` out."
             )
+        self.batchnorm = check_batchnorm(batchnorm)
+        if batchnorm == "window" and microbatch_size == "auto":
+            raise ValueError(
+                "`batchnorm='window'` with `microbatch_size='auto'` is not supported: a piece cut short by an "
+                "out-of-memory error has run part of its forward, whose BatchNorm statistics cannot be told apart "
+                "from the retried piece's. Give `microbatch_size` an int, or use `batchnorm='micro-batch'`."
+            )
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
+        # `batchnorm="window"`: the model's BatchNorm statistics, advanced by the engine with each window
+        self._batchnorm = WindowBatchNorm() if batchnorm == "window" else None
+        self._engine.pool_batchnorm(self._batchnorm)
         # `microbatch_size`: each loader batch's `training_step` run piece by piece (None: no split, no work)
         self._split = None if self.microbatch_size is None else Pieces(self.microbatch_size, self.split)
         self._unroute: Any = None  # gives the module its own `training_step` back
@@ -196,6 +212,8 @@ class AccumulationScheduler(Callback):
                 self._split.fresh_fit()
         self._restored = False
         check_noise_under(plan, self.schedule, self.lr_scaling)
+        if self._batchnorm is not None:
+            self._batchnorm.attach(pl_module)
 
     # ------------------------------------------------------------------ fit lifetime
     @override
@@ -309,6 +327,8 @@ class AccumulationScheduler(Callback):
             self._lr_hook.remove()
             self._lr_hook = None
         self._optimizer = None
+        if self._batchnorm is not None:
+            self._batchnorm.detach()
 
     # ------------------------------------------------------------------ one window
     @override
@@ -329,6 +349,8 @@ class AccumulationScheduler(Callback):
             if _seam.backward_skipped(trainer):
                 if self._split is not None:
                     self._split.begin_forward_only()
+                if self._batchnorm is not None:  # (its forwards update BatchNorm themselves)
+                    self._batchnorm.enabled = False
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
             self._open(trainer, batch_idx)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
@@ -357,6 +379,8 @@ class AccumulationScheduler(Callback):
 
     def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
         window = self._engine.open(trainer.current_epoch, batch_idx, self._strategy)
+        if self._batchnorm is not None:
+            self._batchnorm.enabled = True
         divisor = lightning_divisor(batch_idx, window.k)
         if divisor != self._divisor:  # (in force since train start, or set by an earlier window)
             set_divisor(trainer, divisor)

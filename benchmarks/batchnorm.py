@@ -1,0 +1,107 @@
+"""Cost of ``batchnorm="window"`` against BatchNorm's own per-micro-batch update.
+
+A small ResNet-style CPU model (a stem and four residual blocks, 9 BatchNorm2d layers, 16-32 channels,
+16x16 images): one window is k micro-batches of forward and backward, then the optimizer step. Under
+``"window"`` the package's ``WindowBatchNorm`` hooks every layer (the buffers swapped for each forward,
+each micro-batch's statistics pooled at its backward's end, one update per window); the baseline is the
+same loop with BatchNorm left to itself. Rounds are interleaved; the figure is the ratio of the best
+round times (target <= 1.03).
+
+    python benchmarks/batchnorm.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_accum._core.batchnorm import WindowBatchNorm
+
+
+class Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.skip = nn.Identity() if stride == 1 and c_in == c_out else nn.Conv2d(c_in, c_out, 1, stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.skip(x))
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        Block(16, 16, 1), Block(16, 32, 2), Block(32, 32, 1), Block(32, 32, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    )  # fmt: skip
+
+
+def window_loop(mode: str, k: int, batch: int) -> Callable[[], None]:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    stats = WindowBatchNorm() if mode == "window" else None
+    if stats is not None:
+        stats.attach(model)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(batch, 3, 16, 16, generator=g) for _ in range(k)]
+    ys = [torch.randint(0, 10, (batch,), generator=g) for _ in range(k)]
+
+    def window() -> None:
+        for x, y in zip(xs, ys, strict=True):
+            (nn.functional.cross_entropy(model(x), y) / k).backward()
+            if stats is not None:
+                stats.accept()
+        opt.step()
+        opt.zero_grad()
+        if stats is not None:
+            stats.commit()
+
+    return window
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--json", type=Path, default=Path(__file__).with_name("batchnorm.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    loops = {mode: window_loop(mode, args.k, args.batch) for mode in ("micro-batch", "window")}
+    for loop in loops.values():
+        loop()  # (warm-up)
+    best = dict.fromkeys(loops, float("inf"))
+    for _ in range(max(1, args.rounds)):
+        for mode, loop in loops.items():
+            start = time.process_time()
+            for _ in range(args.windows):
+                loop()
+            best[mode] = min(best[mode], (time.process_time() - start) / args.windows)
+    ratio = best["window"] / best["micro-batch"]
+    result = {
+        "k": args.k,
+        "batch": args.batch,
+        "ms_per_window_micro_batch": best["micro-batch"] * 1e3,
+        "ms_per_window_window": best["window"] * 1e3,
+        "ratio_best": ratio,
+        "target": 1.03,
+    }
+    print(json.dumps(result, indent=2))
+    if str(args.json) not in ("", "."):
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
