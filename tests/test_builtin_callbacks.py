@@ -331,14 +331,7 @@ def _unfreeze(net: nn.Module, opt: torch.optim.Optimizer, epoch: int) -> None:
 
 @pytest.mark.parametrize(
     "adapter",
-    [
-        "callback",
-        pytest.param(
-            "pieces",
-            marks=pytest.mark.xfail(strict=True, reason="issue 42 item 1, fixed on h42a"),
-        ),
-        "mixin",
-    ],
+    ["callback", "pieces", "mixin"],
 )
 def test_backbone_finetuning_unfreezes_into_a_new_group(adapter: str) -> None:
     """BaseFinetuning/BackboneFinetuning: the backbone frozen at fit start, unfrozen at epoch 1 into a param
