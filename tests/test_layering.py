@@ -21,6 +21,7 @@ TOP_LEVEL = {
     "_seam": MACHINERY,
     "mixin": ADAPTERS,
     "fabric": ADAPTERS,
+    "progress": ADAPTERS,
     "types": ADAPTERS,
     "__init__": ADAPTERS,
 }

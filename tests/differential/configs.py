@@ -244,9 +244,11 @@ def _noise(c: Config) -> None:
     configuration's own (the other configurations' draws stay as they were). Not where the package refuses them:
     `estimated_stepping_batches` under `NoiseScale` or a schedule on `"scaled_steps"`, AdaScale beside a schedule
     of k = 1 throughout (their refusals have unit tests); nor in Lightning's own loop (`plain`: no package
-    callback) or with a window per optimizer (``windows="each"``)."""
+    callback) or with a window per optimizer (``windows="each"``), nor with a param group added during the fit
+    (``unfreeze``: a window whose parameters change inside it has no one measurement; the package measures each
+    prefix over the parameters of its moment, "Adaptive k" in the docs)."""
     rng = random.Random(f"noise/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
-    if c.plain or c.windows == "each":
+    if c.plain or c.windows == "each" or c.unfreeze is not None:
         return
     if rng.random() < 0.2:
         low = rng.choice([2, 2, 3])

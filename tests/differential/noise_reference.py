@@ -110,7 +110,7 @@ class NoiseReference:
     ) -> None:
         """(2)-(4) One stepped window: ``window`` its micro-batches (rank r's are ``window[r::world]``), the net's
         ``.grad`` its whole normalised gradient over all ranks (before decay, clipping and the step)."""
-        params = [prm for prm in net.parameters()]
+        params = [prm for prm in net.parameters() if prm.requires_grad]  # (a frozen layer is in no optimizer)
         whole = sum(float((prm.grad.double() ** 2).sum()) for prm in params if prm.grad is not None)
         units = [self._units(b) for b in window]
         total = sum(units)
