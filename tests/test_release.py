@@ -51,7 +51,9 @@ def test_help_shows_the_public_modules_only() -> None:
 
     modules = {m.name for m in pkgutil.iter_modules(lightning_accum.__path__)}
     public = {name for name in modules if not name.startswith("_")}
-    assert public == {"callbacks", "count", "fabric", "lr", "mixin", "multitask", "noise", "progress", "schedules", "types"}
+    assert public == {
+        "callbacks", "count", "fabric", "lr", "mixin", "multitask", "noise", "progress", "schedules", "types"
+    }  # fmt: skip
     assert {name for name in modules if name.startswith("_")} == {"_core", "_fabric", "_lightning", "_seam", "_trainer"}
     shown = [name for name in dir(lightning_accum) if not name.startswith("_")]
     assert set(shown) <= set(lightning_accum.__all__) | public, set(shown) - set(lightning_accum.__all__) - public
