@@ -415,6 +415,7 @@ def fabric_config(c: Config, rng: random.Random) -> Config:
     c.plain = c.estimate = c.zero_grad = False
     c.refit = None
     c.microbatch_size, c.oom, c.fail_piece = None, None, 0
+    c.unfreeze, c.mutate = None, False  # (the callback's draws: the helper's param groups have unit tests)
     c.passes = rng.choice([1, 1, 2])
     c.resave = bool(c.interruptions) and rng.random() < 0.5
     # (a `Lambda` reading the epoch cannot be seen to: without `epoch=` its epoch would stay 0)
