@@ -303,24 +303,25 @@ def test_rich_progress_bar(adapter: str) -> None:
 
 
 # ---------------------------------------------------------------------------- callbacks that change the run
-class Backboned(TokenModel):
+class _Backbone:
     """The first layer is the backbone; the optimizer holds what trains at fit start, as BaseFinetuning asks."""
 
+    net: nn.Sequential
+
     @property
     def backbone(self) -> nn.Module:
         return self.net[0]
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)  # type: ignore[attr-defined]
 
 
-class BackbonedManual(Returning):
-    @property
-    def backbone(self) -> nn.Module:
-        return self.net[0]
+class Backboned(_Backbone, TokenModel):
+    pass
 
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+class BackbonedManual(_Backbone, Returning):
+    pass
 
 
 def _unfreeze(net: nn.Module, opt: torch.optim.Optimizer, epoch: int) -> None:

@@ -139,9 +139,7 @@ class WindowBatchNorm:
                 self._names[layer], self._layers[name] = name, layer
                 self._handles.append(layer.register_forward_pre_hook(self._before_forward))
                 self._handles.append(layer.register_forward_hook(self._after_forward))
-        self._names_unknown(self._loaded)
-        for name, moments in self._loaded.items():
-            self._window[name] = moments.to(self._layers[name].running_mean.device)  # type: ignore[union-attr]
+        self._adopt(self._loaded)
         self._loaded = {}
 
     def detach(self) -> None:
@@ -260,16 +258,17 @@ class WindowBatchNorm:
         self.discard()
         loaded = {name: Moments(int(s["count"]), s["mean"].clone(), s["m2"].clone()) for name, s in dict(state).items()}
         if self._layers:
-            self._names_unknown(loaded)
-            layers = self._layers
-            self._window = {n: m.to(layers[n].running_mean.device) for n, m in loaded.items()}  # type: ignore[union-attr]
+            self._adopt(loaded)
         else:
             self._loaded = loaded
 
-    def _names_unknown(self, loaded: Mapping[str, Moments]) -> None:
+    def _adopt(self, loaded: Mapping[str, Moments]) -> None:
+        """A checkpoint's window statistics into the attached layers' window, on their devices."""
         unknown = sorted(set(loaded) - set(self._layers))
         if unknown:
             raise ValueError(
                 f"The checkpoint holds the window's BatchNorm statistics of layers {unknown} that this model does "
                 "not have: resume with the model the checkpoint was written with."
             )
+        for name, moments in loaded.items():
+            self._window[name] = moments.to(self._layers[name].running_mean.device)  # type: ignore[union-attr]

@@ -121,9 +121,7 @@ def _slice(obj: Any, start: int, stop: int, rule: Split | None = None, path: tup
             f.name: _slice(getattr(obj, f.name), start, stop, rule, (*path, f.name)) for f in dataclasses.fields(obj)
         }
         return dataclasses.replace(obj, **fields)
-    if rule is None:
-        return obj[start:stop] if isinstance(obj, Tensor) else obj
-    return obj[start:stop] if rule(path, obj) else obj
+    return obj[start:stop] if _cuts(rule, path, obj) else obj
 
 
 def split(batch: Any, size: int, rule: Split | None = None) -> list[Any]:

@@ -62,6 +62,9 @@ class BarCount:
         self._sizes: list[int] | None = None
         self._batches: int | float = math.inf  # the epoch's batches (inf: an iterable loader)
         self.last_batch = -1  # the batch under way, in the epoch
+        #: whether this fit's epoch under way was started (Lightning skips `on_train_epoch_start` for an epoch
+        #: resumed inside it)
+        self.started = False
         #: the optimizer steps taken in this epoch (known since the epoch's start)
         self.steps = 0
         #: the training bar's total (inf: unbounded, shown as '?')
@@ -89,9 +92,7 @@ class BarCount:
         if not self._loaded:  # (a fit not resumed from a checkpoint of this bar)
             self._epoch = -1
         self._loaded = False
-        self.last, self.rate = None, None
-        self.started = False  # whether this fit's epoch under way was started (Lightning skips `on_train_epoch_start`
-        # for an epoch resumed inside it)
+        self.last, self.rate, self.started = None, None, False
 
     def start_epoch(self, trainer: Any) -> None:
         """At an epoch's start: where it begins and its total."""
@@ -125,10 +126,10 @@ class BarCount:
         first, self.last_batch = self.last_batch < 0, batch_idx
         if not (first and batch_idx > 0 and self._fresh):
             return False
-        assert self._accumulating is not None
+        progress = self._progress()
         self._known, self._fresh = False, False
-        self._first_step, self.steps = self._accumulating.progress().step, 0
-        total = self._total(trainer, self._accumulating.progress(), batch_idx)
+        self._first_step, self.steps = progress.step, 0
+        total = self._total(trainer, progress, batch_idx)
         changed, self.total = total != self.total, total
         return changed
 

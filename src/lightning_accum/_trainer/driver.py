@@ -75,7 +75,7 @@ class MixinDriver(Callback):
         self._fitting = trainer if stage == "fit" else None  # (a checkpoint validated elsewhere is not refused)
         if stage == "fit":
             refuse_callbacks(self.module, trainer.callbacks)  # type: ignore[attr-defined]
-        if stage == "fit":  # (the keys Lightning drops in manual optimization, for `step_schedulers=True`)
+            # (the keys Lightning drops in manual optimization, for `step_schedulers=True`)
             _seam.keep_scheduler_keys(self.module, self.schedulers.fresh(), lambda: bool(self.config.step_schedulers))
 
     @override
