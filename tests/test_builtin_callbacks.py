@@ -74,16 +74,17 @@ class Plain:
         batches = rank_batches(DATA, batch_size)[0]
         self.after: list[dict[str, Tensor]] = []  # the state after each step
         self.losses: list[float] = []  # each window's loss (the mean of its batches' token means)
-        self.batch_losses: list[tuple[float, int]] = []  # each batch's token mean, and its window's size
+        self.batch_losses: list[tuple[float, int]] = []  # each batch's token mean, and its window's k
         step = 0
         for epoch in range(2):
             if epoch_start is not None:
                 epoch_start(self.net, opt, epoch)
             i = 0
             while i < len(batches):
-                window = batches[i : i + SCHEDULE(Progress(epoch=epoch, step=step))]
+                k = SCHEDULE(Progress(epoch=epoch, step=step))
+                window = batches[i : i + k]
                 parts = [(lambda t: t[0] / t[1])(token_losses(self.net, b)) for b in window]
-                self.batch_losses += [(float(p.detach()), len(window)) for p in parts]
+                self.batch_losses += [(float(p.detach()), k) for p in parts]
                 loss = sum(parts) / len(window)
                 opt.zero_grad()
                 loss.backward()  # type: ignore[union-attr]
@@ -489,13 +490,13 @@ def test_timer_stopping_inside_a_window_steps_nothing(adapter: str) -> None:
     assert diff(state(model.net), state(make_net())) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="outputs['loss'] is divided by trainer.accumulate_grad_batches (r + k); see "
-                   "docs/guide/lightning-callbacks.md, not fixed in issue 42 item 4")  # fmt: skip
-def test_outputs_loss_is_divided_by_the_windows_k() -> None:
-    """What ``on_train_batch_end`` hands callbacks (``SpikeDetection``) is the batch's loss divided by Lightning's
-    ``trainer.accumulate_grad_batches``: k in Lightning's own loop; under the callback the value it sets, which is
-    r + k for a window opening at batch r not a multiple of k (5 for the window of 2 at batch 3, 7 for the last)."""
+@pytest.mark.parametrize("adapter", ["callback", "pieces"])
+def test_outputs_loss_is_divided_by_the_windows_k(adapter: str) -> None:
+    """What ``on_train_batch_end`` hands callbacks (``SpikeDetection``) is the batch's loss divided by the window's
+    k, as in Lightning's own loop (its short last window included: k, not the batches it holds), also for a window
+    opening at batch r not a multiple of k, where the callback steers Lightning's stepping with
+    ``accumulate_grad_batches = r + k`` (the window of 2 at batch 3; the last one, of 1 batch, divided by 2)."""
     seen = Outputs()
-    fit("callback", [seen])
+    fit(adapter, [seen])
     want = [loss / k for loss, k in REFERENCE.batch_losses]
     assert max(abs(a - b) for a, b in zip(seen.losses, want, strict=True)) <= EXACT

@@ -99,6 +99,36 @@ def test_lightning_loop_arithmetic() -> None:
     assert divided == [2, 2, 5, 5, 5, 10, 10, 10, 10, 10, 10]
 
 
+class DividedByK(RawLossModel):
+    """Sets the divisor to the window's k as ``training_step`` returns, as the callback's routed ``training_step``
+    does for an unaligned window (windows of 2, 3, 5, 1 as in ``test_lightning_loop_arithmetic``)."""
+
+    K = [2, 2, 3, 3, 3, 5, 5, 5, 5, 5, 1]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        self.stepping = self.trainer.accumulate_grad_batches
+        set_divisor(self.trainer, self.K[batch_idx])
+        return loss
+
+
+class PutsBack(Recorder):
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: Any) -> None:
+        super().on_before_backward(trainer, pl_module, loss)
+        set_divisor(trainer, pl_module.stepping)
+
+
+def test_loss_divisor_is_read_as_training_step_returns() -> None:
+    """Lightning divides the loss by the value in force when ``training_step`` returns, and reads it for nothing
+    else before the loss's backward: the callback sets the window's k there and puts the stepping value back in
+    ``on_before_backward`` (``AccumulationScheduler._training_step``); steps and zeroing stay where they were."""
+    recorder = PutsBack({0: 2, 2: 5, 5: 10})
+    trainer(callbacks=[recorder], max_epochs=1).fit(DividedByK(), loader(TokenData(44), 4))
+    assert [i for what, i in recorder.events if what == "step"] == [1, 4, 9, 10]
+    assert [i for what, i in recorder.events if what == "zero"] == [0, 10]
+    assert [d for what, d in recorder.events if what == "divided_by"] == DividedByK.K
+
+
 class Seams(pl.Callback):
     """Reads the other seams at the points the package reads them."""
 

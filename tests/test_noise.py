@@ -142,6 +142,17 @@ def test_schedule_every_warmup_hysteresis_and_state() -> None:
     assert eval(repr(s)) == NoiseScale(2, 16, every=3, warmup=2, hysteresis=0.2, beta=0.0, max_ratio=8)
 
 
+@pytest.mark.parametrize(("b_simple", "k"), [(59.2, 7), (60.8, 8), (75.2, 9), (76.8, 10), (1000.0, 16)])
+def test_k_is_the_noise_scale_in_micro_batches_rounded_to_nearest(b_simple: float, k: int) -> None:
+    """``k = clamp(round(B_simple / u), min_k, max_k)`` as documented: 7.4 micro-batches of 8 give 7, 7.6 give 8
+    (neither floor nor ceiling), 9.4 gives 9, 9.6 gives 10, and max_k bounds it. The differential fuzzer's draws
+    rarely land near a half, so the rounding is pinned here (floor or ceiling in its place fails two cases each)."""
+    s = NoiseScale(2, 16, every=1, warmup=1, hysteresis=0.0, beta=0.0, max_ratio=8)
+    s.observe(small_sq=1 + b_simple / 8, small_batch=8, big_sq=1 + b_simple / 16, big_batch=16, per_microbatch=8)
+    assert s.noise_scale == pytest.approx(b_simple, rel=1e-12)
+    assert s(Progress(step=1)) == k
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -5,7 +5,10 @@ Lightning 2.x (read off 2.6) steps the optimizer after the batch where
 gradients before the backward of the batch where ``batch_idx % trainer.accumulate_grad_batches
 == 0`` and divides every loss by ``trainer.accumulate_grad_batches``. Setting that attribute
 at a window's first batch, to ``lightning_accum._core.window.lightning_divisor``, makes the loop
-close the window exactly where the schedule says. It also reads the loop's batch progress
+close the window exactly where the schedule says. Lightning reads the divisor of the loss as
+``training_step`` returns (``_AutomaticOptimization._training_step``: ``from_training_step_output``) and
+nothing of it again before the loss's backward, so the callback sets the window's k there and puts the
+stepping value back in ``on_before_backward``. It also reads the loop's batch progress
 (which part of a batch had run when an exception came) and holds its step and epoch-end counters for
 a window's end (``LoopCounters``), calls the loop's zero-grad path and writes the metrics its logger
 connector keeps (progress bar, callbacks', logged). Around the

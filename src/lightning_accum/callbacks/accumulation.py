@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -150,7 +151,11 @@ class AccumulationScheduler(Callback):
         self._split = None if self.microbatch_size is None else Pieces(self.microbatch_size, self.split)
         self._unroute: Any = None  # gives the module its own `training_step` back
         self._closed = False  # the window was closed (its gradient all-reduced) before Lightning's step
-        self._divisor = 1  # the trainer.accumulate_grad_batches value in force
+        self._divisor = 1  # the trainer.accumulate_grad_batches value in force: where Lightning steps and zeroes
+        # what Lightning divides each loss by: the window's k (its own loop's divisor), in force from `training_step`'s
+        # return to the loss's backward; `_divisor` again after it (`_training_step`, `on_before_backward`)
+        self._loss_divisor = 1
+        self._dividing: pl.Trainer | None = None  # the trainer whose divisor is the loss divisor now
         self._partial = PartialWindow()  # a resumed window's part a checkpoint held
         self._strategy: Any = None
         self._fitting: pl.Trainer | None = None  # the fit being set up, till train start (its checkpoint checked)
@@ -252,6 +257,8 @@ class AccumulationScheduler(Callback):
             self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
         if self._split is not None:
             self._attach_pieces(trainer, pl_module)
+        else:
+            self._unroute = _seam.route_training_step(pl_module, functools.partial(self._training_step, trainer))
 
     def _attach_pieces(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``microbatch_size``: Lightning's ``training_step`` calls go to the pieces until the fit ends."""
@@ -269,7 +276,20 @@ class AccumulationScheduler(Callback):
             put_back=self._put_back,
         )
         self._split.attach(fit)
-        self._unroute = _seam.route_training_step(pl_module, self._split.step)
+        split = self._split
+        self._unroute = _seam.route_training_step(
+            pl_module, lambda *args, **kwargs: self._training_step(trainer, split.step, *args, **kwargs)
+        )
+
+    def _training_step(self, trainer: pl.Trainer, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``training_step`` call: Lightning divides what it returns by ``accumulate_grad_batches``,
+        read as it returns, so that value is the window's k till the loss's backward (an unaligned window steers
+        Lightning's stepping with another: ``_open``), and the loss every hook and callback sees is Lightning's own."""
+        output = step(*args, **kwargs)
+        if self._loss_divisor != self._divisor and output is not None:  # (None: nothing divided, no backward)
+            set_divisor(trainer, self._loss_divisor)
+            self._dividing = trainer
+        return output
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -279,6 +299,9 @@ class AccumulationScheduler(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning runs checkpoint callbacks' `on_exception` after this one: leave the state (and the optimizer
         # whose gradient a checkpoint saves) as a checkpoint written now must hold to resume exactly
+        if self._dividing is not None:  # (raised between `training_step`'s return and its loss's backward)
+            set_divisor(trainer, self._divisor)
+            self._dividing = None
         self._release()
         self._uncount = False
         self._engine.restore_lr()
@@ -313,6 +336,7 @@ class AccumulationScheduler(Callback):
         """Leave the Trainer, the model's sync flags and the LR scheduler configs as the user made them."""
         self._release()
         self._closed = self._lean = False
+        self._dividing = None  # (the user's divisor goes back below)
         if self._unroute is not None:
             self._unroute()
             self._unroute = None
@@ -363,7 +387,13 @@ class AccumulationScheduler(Callback):
         self._counts = (samples, samples if self.count is None else self.count(batch))
         self._batch_idx = batch_idx
         # what the short hooks leave out: a resumed window's gradient to put back, a batch trained again, a factor
-        self._lean = self._plain and self._loss_factor == 1.0 and engine.redo is None and not self._partial.pending
+        self._lean = (
+            self._plain
+            and self._loss_factor == 1.0
+            and self._loss_divisor == self._divisor  # (else Lightning's divisor goes back in `on_before_backward`)
+            and engine.redo is None
+            and not self._partial.pending
+        )
         if self._deepspeed:
             sync.deepspeed_boundary(trainer.strategy, self._closes_window(trainer))
         if self._split is not None:
@@ -373,7 +403,7 @@ class AccumulationScheduler(Callback):
                 final=self._closes_window(trainer),
                 zeroes_after=_seam.zeroes_after_training_step(trainer, batch_idx),
                 redoing=self._redoing,
-                divisor=self._divisor,
+                divisor=self._loss_divisor,
                 factor=self._loss_factor,
             )
 
@@ -388,13 +418,14 @@ class AccumulationScheduler(Callback):
         if batch_idx % self._divisor:  # Lightning will not zero this window's first batch: do it
             assert self._optimizer is not None
             zero_grad_like_lightning(trainer, batch_idx, self._optimizer)
-        # Lightning divides each loss by `_divisor` (start + k on an unaligned window); undone on the loss's gradient
-        # so that no float16 gradient is divided by more than k
+        # Lightning divides each loss by k (`_training_step`); under DeepSpeed each micro-batch's whole weight is put
+        # on the loss's gradient
+        self._loss_divisor = window.divisor
         if self._deepspeed:
             length = sync.deepspeed_window_length(trainer.num_training_batches, batch_idx, window.k)
         else:
             length = window.divisor
-        self._loss_factor = self._divisor / length
+        self._loss_factor = self._loss_divisor / length
         if self._split is not None:
             self._split.forget_window()
 
@@ -404,8 +435,11 @@ class AccumulationScheduler(Callback):
             samples, items = self._counts
             self._engine.count(samples, items)
             if self._engine.metrics.tracking:
-                self._engine.metrics.add_loss(loss, factor=self._divisor)
+                self._engine.metrics.add_loss(loss, factor=self._loss_divisor)
             return
+        if self._dividing is not None:  # (Lightning read it: its stepping divisor back, before its next read)
+            set_divisor(self._dividing, self._divisor)
+            self._dividing = None
         engine, window = self._engine, self._engine.window
         if window is None:
             return
@@ -433,8 +467,8 @@ class AccumulationScheduler(Callback):
             self._holding = True
             window.mark_synced(final)
         engine.count(*self._counts)
-        if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by `_divisor`)
-            engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._divisor)
+        if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by k)
+            engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._loss_divisor)
 
     def _count_pieces(self, trainer: pl.Trainer, loss: Tensor) -> None:
         """``microbatch_size``: the pieces' backward passes ran in ``training_step``; Lightning's, of ``loss``, adds
@@ -449,7 +483,7 @@ class AccumulationScheduler(Callback):
         engine.count(*self._counts)
         if engine.metrics.tracking:
             mean = self.reduction == "mean"
-            engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._divisor)
+            engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._loss_divisor)
         engine.backward_done()
 
     @override
@@ -630,6 +664,7 @@ class AccumulationScheduler(Callback):
             self._split.load_state_dict(state_dict.get("pieces", {}))
         self._partial.load(state_dict)
         window = self._engine.window
-        self._loss_factor = 1.0 if window is None else self._divisor / window.divisor
+        self._loss_divisor = 1 if window is None else window.divisor
+        self._loss_factor = 1.0
         if window is not None and window.microbatches and not self._partial.loaded:
             rank_zero_warn("The checkpoint was saved inside an accumulation window without its gradients.")
