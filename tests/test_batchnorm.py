@@ -378,3 +378,32 @@ def test_layers_left_alone_and_an_exception_inside_a_forward() -> None:
     forward(net, x)  # detached: BatchNorm's own update per forward again
     forward(net2, x)
     assert all(torch.equal(a, b) for a, b in zip(buffers(net).values(), buffers(net2).values(), strict=True))
+
+
+def test_sync_batchnorm_on_one_process_and_suspended_statistics() -> None:
+    """A ``SyncBatchNorm`` on one process (it normalises as ``BatchNorm``; it refuses a ``num_batches_tracked`` of
+    None inside its forward) pools its window; ``suspend`` hands the updates back to the layers till ``resume``."""
+    net = nn.Sequential(nn.Linear(2, 3), nn.SyncBatchNorm(3, momentum=None)).double()
+    ref = copy.deepcopy(net)
+    stats = WindowBatchNorm()
+    stats.attach(net)
+    x = DATA.x[:12, :, 0, 0]
+    for part in x.split(4):
+        net(part)
+        stats.accept()
+    stats.commit()
+    with torch.no_grad():
+        ref(x)  # the window as one batch
+    assert max_diff(list(buffers(net).values()), list(buffers(ref).values())) <= 1e-12
+    stats.suspend()  # (Stochastic Weight Averaging's BatchNorm epoch: every forward its own update)
+    net(x[:4])
+    with torch.no_grad():
+        ref(x[:4])
+    stats.resume()
+    net(x[4:])
+    stats.accept()
+    stats.commit()
+    with torch.no_grad():
+        ref(x[4:])
+    assert int(net[1].num_batches_tracked) == 3
+    assert max_diff(list(buffers(net).values()), list(buffers(ref).values())) <= 1e-12
