@@ -64,14 +64,23 @@ def make_net(seed: int = 0) -> nn.Module:
 
 def forward(net: nn.Module, x: Tensor, inputs: dict[str, list[Tensor]] | None = None) -> Tensor:
     """The model; ``inputs``: where the reference keeps what each tracked BatchNorm layer was given."""
+    return head_of(net, trunk(net, x, inputs))
+
+
+def trunk(net: nn.Module, x: Tensor, inputs: dict[str, list[Tensor]] | None = None) -> Tensor:
+    """The model's tracked BatchNorm layers, into features."""
     h = net["conv"](x)
     if inputs is not None:
         inputs["bn2"].append(h.detach())
     h = net["lin"](torch.relu(net["bn2"](h)).mean(dim=(2, 3)))
     if inputs is not None:
         inputs["bn1"].append(h.detach())
-    h = net["untracked"](net["frozen"](torch.relu(net["bn1"](h))))
-    out: Tensor = net["head"](h)
+    return torch.relu(net["bn1"](h))
+
+
+def head_of(net: nn.Module, features: Tensor) -> Tensor:
+    """The rest: a frozen BatchNorm layer, one that tracks nothing, a linear head."""
+    out: Tensor = net["head"](net["untracked"](net["frozen"](features)))
     return out
 
 
@@ -97,13 +106,14 @@ def max_diff(a: list[Tensor], b: list[Tensor]) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def reference(windows: list[list[Batch]], lr: float = 0.1, piece: int | None = None) -> nn.Module:
+def reference(windows: list[list[Batch]], lr: float = 0.1, piece: int | None = None, repeat: int = 1) -> nn.Module:
     """The plain loop: each window's gradient the mean of its micro-batches', and each BatchNorm layer's update
     one forward of that layer alone over everything the window's micro-batches gave it, as a single batch (the
     buffers put back by hand after the micro-batches' forwards). (A layer after another BatchNorm is given
     activations each micro-batch normalised by its own statistics: the window as one batch through the whole
     model would give it others; the first layer's are the same either way.) ``piece``: each batch runs in pieces
-    of that many samples, each weighted by its share."""
+    of that many samples, each weighted by its share; ``repeat``: each piece runs that many forwards (each loss
+    weighted ``1 / repeat``), all of which BatchNorm is given."""
     net = make_net()
     train_mode(net)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
@@ -114,8 +124,9 @@ def reference(windows: list[list[Batch]], lr: float = 0.1, piece: int | None = N
             n = len(batch["x"])
             for i in range(0, n, piece or n):
                 x, y = batch["x"][i : i + (piece or n)], batch["y"][i : i + (piece or n)]
-                out = forward(net, x, inputs)
-                (nn.functional.mse_loss(out, y) * len(x) / n / len(window)).backward()
+                for _ in range(repeat):
+                    out = forward(net, x, inputs)
+                    (nn.functional.mse_loss(out, y) * len(x) / n / len(window) / repeat).backward()
         with torch.no_grad():
             for name, b in net.named_buffers():
                 b.copy_(before[name])
@@ -257,25 +268,40 @@ def test_window_option_refused_where_it_cannot_be_exact() -> None:
 
 # ---------------------------------------------------------------------- the mixin
 class MixinModel(AccumulationMixin, pl.LightningModule):
-    def __init__(self, k: int, batchnorm: Any = "window", cached: bool = False) -> None:
+    """``way``: how each micro-batch back-propagates (``acc.backward``, or one of the mixin's several-pass ways)."""
+
+    def __init__(self, k: int, batchnorm: Any = "window", way: str = "backward") -> None:
         super().__init__()
         self.net = make_net()
-        self.cached = cached
+        self.way = way
         self.configure_accumulation(k, batchnorm=batchnorm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.net["frozen"].eval()  # (Lightning puts the module back in training mode after validation)
 
     def training_step(self, batch: Batch, batch_idx: int) -> None:
+        x, y = batch["x"], batch["y"]
+
+        def mse(rows: slice) -> Any:
+            return lambda: nn.functional.mse_loss(forward(self.net, x[rows]), y[rows])
+
         with self.accumulate(batch) as acc:
-            if self.cached:  # chunks of 2: a graph-free pass, then each chunk replayed (the one that counts)
-                y = batch["y"]
+            if self.way == "cached":  # chunks of 2: a graph-free pass, then each chunk replayed (the one that counts)
                 acc.backward_cached(
                     encoders=[lambda x: forward(self.net, x)],
-                    inputs=[batch["x"]],
+                    inputs=[x],
                     loss_fn=lambda out: nn.functional.mse_loss(out, y),
                     chunk_size=2,
                 )
+            elif self.way == "parts":  # parts of 2, each weighted by its share
+                acc.backward_microbatches(lambda part: loss_of(self.net, part), size=2)
+            elif self.way == "heads":  # the trunk once, two heads of half weight each
+                heads = [lambda f: nn.functional.mse_loss(head_of(self.net, f), y)] * 2
+                acc.backward_heads(trunk(self.net, x), heads, weights=[0.5, 0.5])
+            elif self.way == "each-halves":  # two closures, each running half of the samples
+                acc.backward_each([mse(slice(0, 2)), mse(slice(2, 4))], weights=[0.5, 0.5])
+            elif self.way == "each-same":  # two closures running the same samples: each forward counts
+                acc.backward_each([mse(slice(None)), mse(slice(None))], weights=[0.5, 0.5])
             else:
                 acc.backward(loss_of(self.net, batch))
 
@@ -289,10 +315,17 @@ def test_mixin_window_statistics_equal_the_whole_window_as_one_batch() -> None:
     assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1)))) <= 1e-12
 
 
-def test_mixin_cached_backward_counts_each_sample_once() -> None:
-    model = MixinModel(3, cached=True)
+@pytest.mark.parametrize(
+    ("way", "piece", "repeat"),
+    [("cached", 2, 1), ("parts", 2, 1), ("heads", None, 1), ("each-halves", 2, 1), ("each-same", None, 2)],
+)
+def test_mixin_passes_count_each_forward_once(way: str, piece: int | None, repeat: int) -> None:
+    """``backward_cached``'s graph-free pass adds nothing (its replay counts); ``backward_microbatches``' parts and
+    ``backward_each``'s closures over different rows pool into their micro-batch; ``backward_heads`` runs the trunk
+    once; ``backward_each``'s closures over the same rows each count (as the documented loop that runs them)."""
+    model = MixinModel(3, way=way)
     trainer(max_epochs=1).fit(model, ResumableLoader(DATA, 4))
-    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1), piece=2))) <= 1e-12
+    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1), piece=piece, repeat=repeat))) <= 1e-12
 
 
 # ---------------------------------------------------------------------- Fabric
