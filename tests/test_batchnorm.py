@@ -106,32 +106,41 @@ def max_diff(a: list[Tensor], b: list[Tensor]) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def reference(windows: list[list[Batch]], lr: float = 0.1, piece: int | None = None, repeat: int = 1) -> nn.Module:
+def reference(
+    windows: list[list[Batch]], lr: float = 0.1, piece: int | None = None, repeat: int = 1, own: int = 0
+) -> nn.Module:
     """The plain loop: each window's gradient the mean of its micro-batches', and each BatchNorm layer's update
     one forward of that layer alone over everything the window's micro-batches gave it, as a single batch (the
     buffers put back by hand after the micro-batches' forwards). (A layer after another BatchNorm is given
     activations each micro-batch normalised by its own statistics: the window as one batch through the whole
     model would give it others; the first layer's are the same either way.) ``piece``: each batch runs in pieces
     of that many samples, each weighted by its share; ``repeat``: each piece runs that many forwards (each loss
-    weighted ``1 / repeat``), all of which BatchNorm is given."""
+    weighted ``1 / repeat``), all of which BatchNorm is given; ``own``: the first that many micro-batches update
+    the buffers themselves, as under ``"micro-batch"``."""
     net = make_net()
     train_mode(net)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
+    seen = 0
     for window in windows:
-        before = buffers(net)
+        before: dict[str, Tensor] | None = None
         inputs: dict[str, list[Tensor]] = {"bn2": [], "bn1": []}
         for batch in window:
+            if seen >= own and before is None:
+                before = buffers(net)
+            counted = inputs if seen >= own else None
+            seen += 1
             n = len(batch["x"])
             for i in range(0, n, piece or n):
                 x, y = batch["x"][i : i + (piece or n)], batch["y"][i : i + (piece or n)]
                 for _ in range(repeat):
-                    out = forward(net, x, inputs)
+                    out = forward(net, x, counted)
                     (nn.functional.mse_loss(out, y) * len(x) / n / len(window) / repeat).backward()
-        with torch.no_grad():
-            for name, b in net.named_buffers():
-                b.copy_(before[name])
-            for name, given in inputs.items():
-                net[name](torch.cat(given))  # the window as one batch
+        if before is not None:
+            with torch.no_grad():
+                for name, b in net.named_buffers():
+                    b.copy_(before[name])
+                for name, given in inputs.items():
+                    net[name](torch.cat(given))  # the window as one batch
         opt.step()
         opt.zero_grad()
     return net
@@ -224,6 +233,26 @@ def test_callback_resumed_inside_a_window_is_bit_identical(tmp_path: Path) -> No
         trainer(callbacks=[AccumulationScheduler(3)], max_epochs=1, limit_train_batches=6).fit(
             Model(), ResumableLoader(DATA, 4), ckpt_path=path
         )
+
+
+def test_callback_checkpoint_of_the_other_mode_resumed(tmp_path: Path) -> None:
+    """Written inside a window under one mode, resumed under the other (documented, warned): under
+    ``"micro-batch"`` from a ``"window"`` checkpoint the window's partial statistics are dropped and each later
+    micro-batch updates the buffers; under ``"window"`` from a ``"micro-batch"`` checkpoint the window's earlier
+    micro-batches have updated the buffers already, and the window pools the later ones only."""
+    path = tmp_path / "micro.ckpt"  # after batch 4: batches 3 and 4 of the window 3-5 ran
+    trainer(callbacks=[AccumulationScheduler(3), SaveAt(4, path)], max_epochs=1).fit(
+        Model(), ResumableLoader(DATA, 4)
+    )
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    assert int(saved["net.bn2.num_batches_tracked"]) == 5  # one update per micro-batch
+    resumed = Model()
+    with pytest.warns(UserWarning, match="batchnorm='micro-batch'; this run has batchnorm='window'"):
+        trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(
+            resumed, ResumableLoader(DATA, 4), ckpt_path=path
+        )
+    assert int(resumed.net["bn2"].num_batches_tracked) == 5 + 3  # the windows 3-5 (batch 5 only), 6-8, 9-10
+    assert max_diff(state(resumed.net), state(reference(windows_of(3, epochs=1), own=5))) <= 1e-12
 
 
 class Failing(Model):
@@ -345,10 +374,16 @@ class _Wrapped(nn.Module):
 
 
 def fabric_run(
-    k: int, stop: int | None = None, save: Path | None = None, resume: Path | None = None, fail: int | None = None
+    k: int,
+    stop: int | None = None,
+    save: Path | None = None,
+    resume: Path | None = None,
+    fail: int | None = None,
+    resave: Path | None = None,
 ) -> nn.Module:
     """The loop a user writes; ``stop``: save after that many micro-batches and return; ``fail``: that
-    micro-batch's first try raises after its forward (before its backward) and is tried again."""
+    micro-batch's first try raises after its forward (before its backward) and is tried again; ``resave``: save
+    right after loading ``resume`` (before any batch) and return."""
     fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
     net = _Wrapped(make_net())
     train_mode(net.inner)
@@ -358,6 +393,9 @@ def fabric_run(
     if resume is not None:
         loaded = fabric.load(resume, {"accumulation": acc, "model": model, "optimizer": opt})
         start = loaded["done"]
+        if resave is not None:
+            fabric.save(resave, {"accumulation": acc, "model": model, "optimizer": opt, "done": start})
+            return net.inner
     done = 0
     for epoch in range(2):
         for i, batch in enumerate(each):
@@ -385,6 +423,9 @@ def test_fabric_window_statistics_and_resume_inside_a_window(tmp_path: Path) -> 
     path = tmp_path / "inside.ckpt"
     fabric_run(3, stop=5, save=path)
     assert max_diff(state(fabric_run(3, resume=path)), state(full)) == 0.0
+    again = tmp_path / "again.ckpt"  # saved right after the load, before any batch: the window's statistics kept
+    fabric_run(3, resume=path, resave=again)
+    assert max_diff(state(fabric_run(3, resume=again)), state(full)) == 0.0
 
 
 # ---------------------------------------------------------------------- the object alone

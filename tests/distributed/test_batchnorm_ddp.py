@@ -21,14 +21,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_accum import AccumulationScheduler
 from lightning_accum._core.batchnorm import WindowBatchNorm
 
-from helpers import trainer
+from helpers import ChildLauncher, trainer
+
+pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
+from torch.distributed.fsdp import fully_shard
 
 pytestmark = pytest.mark.slow
 
@@ -62,17 +65,18 @@ class CPUSyncBatchNorm(nn.SyncBatchNorm):
         return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
 
 
-def make_net() -> nn.ModuleDict:
+class Net(nn.Module):
     """Both BatchNorm layers take the input itself (what they are given does not depend on training)."""
-    torch.manual_seed(0)
-    return nn.ModuleDict(
-        {"sync": CPUSyncBatchNorm(2), "plain": nn.BatchNorm1d(2, momentum=None), "head": nn.Linear(4, 1)}
-    ).double()
 
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.sync, self.plain, self.head = CPUSyncBatchNorm(2), nn.BatchNorm1d(2, momentum=None), nn.Linear(4, 1)
+        self.double()
 
-def run(net: nn.ModuleDict, x: Tensor) -> Tensor:
-    out: Tensor = net["head"](torch.cat([net["sync"](x), net["plain"](x)], dim=1))
-    return out
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(torch.cat([self.sync(x), self.plain(x)], dim=1))
+        return out
 
 
 def reference(windows: list[list[Tensor]], momentum: float | None, start: nn.BatchNorm1d | None = None) -> Tensor:
@@ -107,41 +111,41 @@ def _ranks(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         report: dict[str, Any] = {}
-        net = make_net()
+        net = Net()
         stats = WindowBatchNorm()
         stats.attach(net)
         saved = None
         for i, x in enumerate(X[rank]):
-            run(net, x)
+            net(x)
             stats.accept()
             if i == 4:  # inside the second window, after 2 of its micro-batches: every rank asks
                 saved = stats.state_dict()
             if i % K == K - 1:
                 stats.commit()
-        report["sync"] = bn_state(net["sync"]).tolist()
+        report["sync"] = bn_state(net.sync).tolist()
         report["saved_count"] = saved["sync"]["count"] if saved else None
         # resumed from that checkpoint (rank 0's, as Lightning and Fabric write it): the second window ends alike
-        resumed = make_net()
+        resumed = Net()
         resumed.load_state_dict(net.state_dict())
-        resumed["sync"].load_state_dict(first_window_state())
+        resumed.sync.load_state_dict(first_window_state())
         stats = WindowBatchNorm()
         stats.attach(resumed)
         stats.load_state_dict(broadcast(saved))
-        run(resumed, X[rank][5])
+        resumed(X[rank][5])
         stats.accept()
         stats.commit()
-        report["resumed"] = bn_state(resumed["sync"]).tolist()
+        report["resumed"] = bn_state(resumed.sync).tolist()
         # a checkpoint written by one process (its SyncBatchNorm is plain there) resumed on 2 ranks
         one = {"sync": {"count": 10, "mean": torch.tensor([1.0, -2.0], dtype=torch.float64),
                         "m2": torch.tensor([9.0, 18.0], dtype=torch.float64)}}  # fmt: skip
-        grown = make_net()
+        grown = Net()
         stats = WindowBatchNorm()
         stats.load_state_dict(one)  # (before attaching: kept till then)
         stats.attach(grown)
-        run(grown, X[rank][0])
+        grown(X[rank][0])
         stats.accept()
         stats.commit()
-        report["grown"] = bn_state(grown["sync"]).tolist()
+        report["grown"] = bn_state(grown.sync).tolist()
         Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -219,17 +223,40 @@ class RankData(DataLoader[Any]):
 class Model(pl.LightningModule):
     def __init__(self, out: Path) -> None:
         super().__init__()
-        self.net, self.out = make_net(), out
+        self.net, self.out = Net(), out
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        return nn.functional.mse_loss(run(self.net, batch[0]), batch[1])
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def on_train_end(self) -> None:
-        report = {name: bn_state(self.net[name]).tolist() for name in ("sync", "plain")}
+        report = {"sync": bn_state(self.net.sync).tolist(), "plain": bn_state(self.net.plain).tolist()}
         (self.out / f"rank{self.global_rank}.json").write_text(json.dumps(report))
+
+
+def fit_ranks(tmp_path: Path, model: Model, strategy: Any, precision: str = "64-true") -> list[dict[str, Any]]:
+    t = trainer(
+        callbacks=[AccumulationScheduler(K, batchnorm="window")],
+        max_epochs=1,
+        devices=WORLD,
+        strategy=strategy,
+        use_distributed_sampler=False,
+        precision=precision,
+    )
+    t.fit(model, RankData())
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def check_union_and_own(reports: list[dict[str, Any]], rank1_plain: Tensor) -> None:
+    """``SyncBatchNorm``: the union's on both ranks; plain BatchNorm: rank 0 its own, rank 1 ``rank1_plain``."""
+    union = reference(windows(None), 0.1)
+    for report in reports:
+        assert float((torch.tensor(report["sync"], dtype=torch.float64) - union).abs().max()) <= 1e-12
+    own = reference(windows(0), None)
+    assert float((torch.tensor(reports[0]["plain"], dtype=torch.float64) - own).abs().max()) <= 1e-12
+    assert float((torch.tensor(reports[1]["plain"], dtype=torch.float64) - rank1_plain).abs().max()) <= 1e-12
 
 
 @pytest.mark.parametrize("broadcast_buffers", [True, False])
@@ -241,27 +268,36 @@ def test_ddp_plain_batchnorm_and_broadcast_buffers(
     # (DDP refuses a SyncBatchNorm on a CPU module: the stand-in is one, so that the hooks take it as such)
     monkeypatch.setattr(nn.parallel.DistributedDataParallel, "_passing_sync_batchnorm_handle", lambda *a: None)
     strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", broadcast_buffers=broadcast_buffers)
-    t = trainer(
-        callbacks=[AccumulationScheduler(K, batchnorm="window")],
-        max_epochs=1,
-        devices=WORLD,
-        strategy=strategy,
-        use_distributed_sampler=False,
-    )
-    t.fit(Model(tmp_path), RankData())
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    union = reference(windows(None), 0.1)
-    for report in reports:
-        assert float((torch.tensor(report["sync"], dtype=torch.float64) - union).abs().max()) <= 1e-12
-    own = [reference(windows(r), None) for r in range(WORLD)]
-    assert float((torch.tensor(reports[0]["plain"], dtype=torch.float64) - own[0]).abs().max()) <= 1e-12
+    reports = fit_ranks(tmp_path, Model(tmp_path), strategy)
+    own = reference(windows(1), None)
     if broadcast_buffers:  # rank 0's first window reached rank 1 at the second window's first forward
         after_first = nn.BatchNorm1d(2, momentum=None).double()
         with torch.no_grad():
             after_first(torch.cat(windows(0)[0]))
         expected = reference(windows(1)[1:], None, start=after_first)
+        assert float((expected - own).abs().max()) > 1e-3  # (the two really differ)
     else:  # each rank its own
-        expected = own[1]
-    assert float((torch.tensor(reports[1]["plain"], dtype=torch.float64) - expected).abs().max()) <= 1e-12
-    if broadcast_buffers:
-        assert float((expected - own[1]).abs().max()) > 1e-3  # (the two really differ)
+        expected = own
+    check_union_and_own(reports, expected)
+
+
+class ForkedModelParallel(ModelParallelStrategy):
+    """FSDP2 over the ranks (a 1-D data-parallel mesh), the ranks forked (as ``test_fsdp2.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__(data_parallel_size=WORLD, tensor_parallel_size=1)
+
+    def _configure_launcher(self) -> None:
+        self._launcher = ChildLauncher(self, start_method="fork")
+
+
+class ShardedModel(Model):
+    def configure_model(self) -> None:
+        fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+
+def test_fsdp2_sync_batchnorm_union_and_plain_batchnorm_per_rank(tmp_path: Path) -> None:
+    """FSDP2 shards parameters, not buffers, and does not broadcast them: ``SyncBatchNorm`` the union's, plain
+    BatchNorm each rank its own window statistics (exact, as under DDP with ``broadcast_buffers=False``)."""
+    reports = fit_ranks(tmp_path, ShardedModel(tmp_path), ForkedModelParallel(), precision="32-true")
+    check_union_and_own(reports, reference(windows(1), None))
