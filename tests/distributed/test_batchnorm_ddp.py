@@ -111,6 +111,14 @@ def _ranks(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         report: dict[str, Any] = {}
+        gathers = [0]
+        all_gather = dist.all_gather
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            gathers[0] += 1
+            return all_gather(*args, **kwargs)
+
+        dist.all_gather = counted  # (this forked rank's own module)
         net = Net()
         stats = WindowBatchNorm()
         stats.attach(net)
@@ -122,6 +130,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
                 saved = stats.state_dict()
             if i % K == K - 1:
                 stats.commit()
+        report["gathers"] = gathers[0]  # (one per window, one for the checkpoint's state)
         report["sync"] = bn_state(net.sync).tolist()
         report["saved_count"] = saved["sync"]["count"] if saved else None
         # resumed from that checkpoint (rank 0's, as Lightning and Fabric write it): the second window ends alike
@@ -174,6 +183,7 @@ def test_sync_batchnorm_pools_the_union_of_ranks_with_unequal_sizes(tmp_path: Pa
         assert float((torch.tensor(report["sync"], dtype=torch.float64) - union).abs().max()) <= 1e-12
         assert float((torch.tensor(report["resumed"], dtype=torch.float64) - union).abs().max()) <= 1e-12
     assert reports[0]["saved_count"] == 4 + 4 + 3 + 3  # the union's 2 micro-batches, not rank 0's
+    assert [r["gathers"] for r in reports] == [2 + 1] * WORLD  # 2 windows, 1 checkpoint: one all-gather each
     # one process's partial window (10 samples, mean (1, -2), m2 (9, 18)) and both ranks' first micro-batch
     x = torch.cat([X[0][0], X[1][0]])
     n = 10 + len(x)
