@@ -64,14 +64,23 @@ def make_net(seed: int = 0) -> nn.Module:
 
 def forward(net: nn.Module, x: Tensor, inputs: dict[str, list[Tensor]] | None = None) -> Tensor:
     """The model; ``inputs``: where the reference keeps what each tracked BatchNorm layer was given."""
+    return head_of(net, trunk(net, x, inputs))
+
+
+def trunk(net: nn.Module, x: Tensor, inputs: dict[str, list[Tensor]] | None = None) -> Tensor:
+    """The model's tracked BatchNorm layers, into features."""
     h = net["conv"](x)
     if inputs is not None:
         inputs["bn2"].append(h.detach())
     h = net["lin"](torch.relu(net["bn2"](h)).mean(dim=(2, 3)))
     if inputs is not None:
         inputs["bn1"].append(h.detach())
-    h = net["untracked"](net["frozen"](torch.relu(net["bn1"](h))))
-    out: Tensor = net["head"](h)
+    return torch.relu(net["bn1"](h))
+
+
+def head_of(net: nn.Module, features: Tensor) -> Tensor:
+    """The rest: a frozen BatchNorm layer, one that tracks nothing, a linear head."""
+    out: Tensor = net["head"](net["untracked"](net["frozen"](features)))
     return out
 
 
@@ -97,30 +106,41 @@ def max_diff(a: list[Tensor], b: list[Tensor]) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def reference(windows: list[list[Batch]], lr: float = 0.1, piece: int | None = None) -> nn.Module:
+def reference(
+    windows: list[list[Batch]], lr: float = 0.1, piece: int | None = None, repeat: int = 1, own: int = 0
+) -> nn.Module:
     """The plain loop: each window's gradient the mean of its micro-batches', and each BatchNorm layer's update
     one forward of that layer alone over everything the window's micro-batches gave it, as a single batch (the
     buffers put back by hand after the micro-batches' forwards). (A layer after another BatchNorm is given
     activations each micro-batch normalised by its own statistics: the window as one batch through the whole
     model would give it others; the first layer's are the same either way.) ``piece``: each batch runs in pieces
-    of that many samples, each weighted by its share."""
+    of that many samples, each weighted by its share; ``repeat``: each piece runs that many forwards (each loss
+    weighted ``1 / repeat``), all of which BatchNorm is given; ``own``: the first that many micro-batches update
+    the buffers themselves, as under ``"micro-batch"``."""
     net = make_net()
     train_mode(net)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
+    seen = 0
     for window in windows:
-        before = buffers(net)
+        before: dict[str, Tensor] | None = None
         inputs: dict[str, list[Tensor]] = {"bn2": [], "bn1": []}
         for batch in window:
+            if seen >= own and before is None:
+                before = buffers(net)
+            counted = inputs if seen >= own else None
+            seen += 1
             n = len(batch["x"])
             for i in range(0, n, piece or n):
                 x, y = batch["x"][i : i + (piece or n)], batch["y"][i : i + (piece or n)]
-                out = forward(net, x, inputs)
-                (nn.functional.mse_loss(out, y) * len(x) / n / len(window)).backward()
-        with torch.no_grad():
-            for name, b in net.named_buffers():
-                b.copy_(before[name])
-            for name, given in inputs.items():
-                net[name](torch.cat(given))  # the window as one batch
+                for _ in range(repeat):
+                    out = forward(net, x, counted)
+                    (nn.functional.mse_loss(out, y) * len(x) / n / len(window) / repeat).backward()
+        if before is not None:
+            with torch.no_grad():
+                for name, b in net.named_buffers():
+                    b.copy_(before[name])
+                for name, given in inputs.items():
+                    net[name](torch.cat(given))  # the window as one batch
         opt.step()
         opt.zero_grad()
     return net
@@ -215,6 +235,26 @@ def test_callback_resumed_inside_a_window_is_bit_identical(tmp_path: Path) -> No
         )
 
 
+def test_callback_checkpoint_of_the_other_mode_resumed(tmp_path: Path) -> None:
+    """Written inside a window under one mode, resumed under the other (documented, warned): under
+    ``"micro-batch"`` from a ``"window"`` checkpoint the window's partial statistics are dropped and each later
+    micro-batch updates the buffers; under ``"window"`` from a ``"micro-batch"`` checkpoint the window's earlier
+    micro-batches have updated the buffers already, and the window pools the later ones only."""
+    path = tmp_path / "micro.ckpt"  # after batch 4: batches 3 and 4 of the window 3-5 ran
+    trainer(callbacks=[AccumulationScheduler(3), SaveAt(4, path)], max_epochs=1).fit(
+        Model(), ResumableLoader(DATA, 4)
+    )
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    assert int(saved["net.bn2.num_batches_tracked"]) == 5  # one update per micro-batch
+    resumed = Model()
+    with pytest.warns(UserWarning, match="batchnorm='micro-batch'; this run has batchnorm='window'"):
+        trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(
+            resumed, ResumableLoader(DATA, 4), ckpt_path=path
+        )
+    assert int(resumed.net["bn2"].num_batches_tracked) == 5 + 3  # the windows 3-5 (batch 5 only), 6-8, 9-10
+    assert max_diff(state(resumed.net), state(reference(windows_of(3, epochs=1), own=5))) <= 1e-12
+
+
 class Failing(Model):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         if batch_idx == 4:
@@ -257,25 +297,40 @@ def test_window_option_refused_where_it_cannot_be_exact() -> None:
 
 # ---------------------------------------------------------------------- the mixin
 class MixinModel(AccumulationMixin, pl.LightningModule):
-    def __init__(self, k: int, batchnorm: Any = "window", cached: bool = False) -> None:
+    """``way``: how each micro-batch back-propagates (``acc.backward``, or one of the mixin's several-pass ways)."""
+
+    def __init__(self, k: int, batchnorm: Any = "window", way: str = "backward") -> None:
         super().__init__()
         self.net = make_net()
-        self.cached = cached
+        self.way = way
         self.configure_accumulation(k, batchnorm=batchnorm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.net["frozen"].eval()  # (Lightning puts the module back in training mode after validation)
 
     def training_step(self, batch: Batch, batch_idx: int) -> None:
+        x, y = batch["x"], batch["y"]
+
+        def mse(rows: slice) -> Any:
+            return lambda: nn.functional.mse_loss(forward(self.net, x[rows]), y[rows])
+
         with self.accumulate(batch) as acc:
-            if self.cached:  # chunks of 2: a graph-free pass, then each chunk replayed (the one that counts)
-                y = batch["y"]
+            if self.way == "cached":  # chunks of 2: a graph-free pass, then each chunk replayed (the one that counts)
                 acc.backward_cached(
                     encoders=[lambda x: forward(self.net, x)],
-                    inputs=[batch["x"]],
+                    inputs=[x],
                     loss_fn=lambda out: nn.functional.mse_loss(out, y),
                     chunk_size=2,
                 )
+            elif self.way == "parts":  # parts of 2, each weighted by its share
+                acc.backward_microbatches(lambda part: loss_of(self.net, part), size=2)
+            elif self.way == "heads":  # the trunk once, two heads of half weight each
+                heads = [lambda f: nn.functional.mse_loss(head_of(self.net, f), y)] * 2
+                acc.backward_heads(trunk(self.net, x), heads, weights=[0.5, 0.5])
+            elif self.way == "each-halves":  # two closures, each running half of the samples
+                acc.backward_each([mse(slice(0, 2)), mse(slice(2, 4))], weights=[0.5, 0.5])
+            elif self.way == "each-same":  # two closures running the same samples: each forward counts
+                acc.backward_each([mse(slice(None)), mse(slice(None))], weights=[0.5, 0.5])
             else:
                 acc.backward(loss_of(self.net, batch))
 
@@ -289,10 +344,17 @@ def test_mixin_window_statistics_equal_the_whole_window_as_one_batch() -> None:
     assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1)))) <= 1e-12
 
 
-def test_mixin_cached_backward_counts_each_sample_once() -> None:
-    model = MixinModel(3, cached=True)
+@pytest.mark.parametrize(
+    ("way", "piece", "repeat"),
+    [("cached", 2, 1), ("parts", 2, 1), ("heads", None, 1), ("each-halves", 2, 1), ("each-same", None, 2)],
+)
+def test_mixin_passes_count_each_forward_once(way: str, piece: int | None, repeat: int) -> None:
+    """``backward_cached``'s graph-free pass adds nothing (its replay counts); ``backward_microbatches``' parts and
+    ``backward_each``'s closures over different rows pool into their micro-batch; ``backward_heads`` runs the trunk
+    once; ``backward_each``'s closures over the same rows each count (as the documented loop that runs them)."""
+    model = MixinModel(3, way=way)
     trainer(max_epochs=1).fit(model, ResumableLoader(DATA, 4))
-    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1), piece=2))) <= 1e-12
+    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1), piece=piece, repeat=repeat))) <= 1e-12
 
 
 # ---------------------------------------------------------------------- Fabric
@@ -312,10 +374,16 @@ class _Wrapped(nn.Module):
 
 
 def fabric_run(
-    k: int, stop: int | None = None, save: Path | None = None, resume: Path | None = None, fail: int | None = None
+    k: int,
+    stop: int | None = None,
+    save: Path | None = None,
+    resume: Path | None = None,
+    fail: int | None = None,
+    resave: Path | None = None,
 ) -> nn.Module:
     """The loop a user writes; ``stop``: save after that many micro-batches and return; ``fail``: that
-    micro-batch's first try raises after its forward (before its backward) and is tried again."""
+    micro-batch's first try raises after its forward (before its backward) and is tried again; ``resave``: save
+    right after loading ``resume`` (before any batch) and return."""
     fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
     net = _Wrapped(make_net())
     train_mode(net.inner)
@@ -325,6 +393,9 @@ def fabric_run(
     if resume is not None:
         loaded = fabric.load(resume, {"accumulation": acc, "model": model, "optimizer": opt})
         start = loaded["done"]
+        if resave is not None:
+            fabric.save(resave, {"accumulation": acc, "model": model, "optimizer": opt, "done": start})
+            return net.inner
     done = 0
     for epoch in range(2):
         for i, batch in enumerate(each):
@@ -352,6 +423,9 @@ def test_fabric_window_statistics_and_resume_inside_a_window(tmp_path: Path) -> 
     path = tmp_path / "inside.ckpt"
     fabric_run(3, stop=5, save=path)
     assert max_diff(state(fabric_run(3, resume=path)), state(full)) == 0.0
+    again = tmp_path / "again.ckpt"  # saved right after the load, before any batch: the window's statistics kept
+    fabric_run(3, resume=path, resave=again)
+    assert max_diff(state(fabric_run(3, resume=again)), state(full)) == 0.0
 
 
 # ---------------------------------------------------------------------- the object alone
@@ -378,3 +452,32 @@ def test_layers_left_alone_and_an_exception_inside_a_forward() -> None:
     forward(net, x)  # detached: BatchNorm's own update per forward again
     forward(net2, x)
     assert all(torch.equal(a, b) for a, b in zip(buffers(net).values(), buffers(net2).values(), strict=True))
+
+
+def test_sync_batchnorm_on_one_process_and_suspended_statistics() -> None:
+    """A ``SyncBatchNorm`` on one process (it normalises as ``BatchNorm``; it refuses a ``num_batches_tracked`` of
+    None inside its forward) pools its window; ``suspend`` hands the updates back to the layers till ``resume``."""
+    net = nn.Sequential(nn.Linear(2, 3), nn.SyncBatchNorm(3, momentum=None)).double()
+    ref = copy.deepcopy(net)
+    stats = WindowBatchNorm()
+    stats.attach(net)
+    x = DATA.x[:12, :, 0, 0]
+    for part in x.split(4):
+        net(part)
+        stats.accept()
+    stats.commit()
+    with torch.no_grad():
+        ref(x)  # the window as one batch
+    assert max_diff(list(buffers(net).values()), list(buffers(ref).values())) <= 1e-12
+    stats.suspend()  # (Stochastic Weight Averaging's BatchNorm epoch: every forward its own update)
+    net(x[:4])
+    with torch.no_grad():
+        ref(x[:4])
+    stats.resume()
+    net(x[4:])
+    stats.accept()
+    stats.commit()
+    with torch.no_grad():
+        ref(x[4:])
+    assert int(net[1].num_batches_tracked) == 3
+    assert max_diff(list(buffers(net).values()), list(buffers(ref).values())) <= 1e-12

@@ -10,10 +10,15 @@ spawned (see ``CPUDeepSpeed``). The same tests run on a GPU in ``tests/gpu/test_
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler, Constant, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule
 
@@ -101,3 +106,44 @@ def test_what_needs_the_gradient_after_backward_is_refused(tmp_path: Path, callb
     with pytest.raises(Exception, match=match):  # raised in the spawned rank, re-raised here
         fit(tmp_path, 2, callbacks)
     assert not (tmp_path / "started").exists()  # before any batch
+
+
+class BatchNormModel(pl.LightningModule):
+    """A ``BatchNorm1d`` on the input itself (what it is given does not depend on training), then a linear head;
+    its running statistics written to ``out/bn{rank}.json`` at the fit's end."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+        self.norm, self.head = torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 1)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return torch.nn.functional.mse_loss(self.head(self.norm(batch[0])), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_train_end(self) -> None:
+        state = [self.norm.running_mean.tolist(), self.norm.running_var.tolist(), int(self.norm.num_batches_tracked)]
+        (self.out / f"bn{self.global_rank}.json").write_text(json.dumps(state))
+
+
+def test_window_batchnorm_statistics_under_deepspeed(tmp_path: Path) -> None:
+    """DeepSpeed's engine runs the module's forward and leaves its buffers alone: ``batchnorm="window"`` gives
+    each window's statistics as one batch (ZeRO stage 2, windows of 3, 3 and a short one of 1). (On 2 ranks each
+    keeps its own: ``tests/distributed/test_deepspeed_ranks.py``.)"""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(28, 3, generator=g) * 2 + 1, torch.randn(28, 1, generator=g)
+    strategy = CPUDeepSpeed(config=deepspeed_config(2), process_group_backend="gloo")
+    callbacks = [AccumulationScheduler(3, batchnorm="window")]
+    options: dict[str, Any] = {"precision": "32-true", "use_distributed_sampler": False, "max_epochs": 1}
+    t = trainer(strategy=strategy, callbacks=callbacks, **options)
+    t.fit(BatchNormModel(tmp_path), DataLoader(TensorDataset(x, y), batch_size=4))
+    mean, var, tracked = json.loads((tmp_path / "bn0.json").read_text())
+    ref = torch.nn.BatchNorm1d(3).double()
+    with torch.no_grad():
+        for window in x.double().split(12):
+            ref(window)
+    assert tracked == 3
+    expected = [*ref.running_mean.tolist(), *ref.running_var.tolist()]
+    assert max(abs(a - b) for a, b in zip(mean + var, expected, strict=True)) < 1e-6

@@ -17,6 +17,15 @@ O(channels) tensors, so that the only rounding in the buffers' dtype is the one 
 micro-batch's statistics are first pooled into the micro-batch under way and join the window only when
 its backward pass finished (``accept``): a micro-batch that failed, or one trained again after a resume,
 adds nothing. Nothing is read on the host: counts are shapes.
+
+``SyncBatchNorm`` on several ranks normalises each forward with the statistics of all ranks' samples, and
+its kernel writes those (the mean and the variance unbiased over the global count) into the buffers. Each
+rank pools them weighted by its own count, with ``count * variance`` as the forward's sum of squared
+deviations (``RankMoments``), and keeps the sum of the forwards' variances. At the window's end one
+all-gather per process group (every synchronised layer's count, mean and ``m2`` in one flat tensor) pools
+the ranks: their ``m2`` summed with the spread of their means, less that sum of variances once (the
+``-1`` each forward's unbiased variance owes over the global count, not per rank), which is the window's
+``m2`` over the union exactly, whatever each rank's micro-batch sizes.
 """
 
 from __future__ import annotations
@@ -26,9 +35,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
 BatchNormMode = Literal["micro-batch", "window"]
 """How BatchNorm's running statistics follow accumulation: ``"micro-batch"`` (once per micro-batch, as
@@ -91,6 +102,74 @@ class Moments:
         return Moments(self.count, self.mean.to(device), self.m2.to(device))
 
 
+class RankMoments(Moments):
+    """One rank's part of a ``SyncBatchNorm`` layer's window: each forward's statistics are those of all ranks'
+    samples, weighted by this rank's count (``m2`` takes ``count * variance``), and ``once`` sums the forwards'
+    unbiased variances, subtracted once when the ranks are pooled (``union``).
+
+    Example:
+
+        >>> a = RankMoments.of(3, torch.tensor([1.0]), torch.tensor([2.0]))  # 3 of this rank's samples
+        >>> a.m2.tolist(), a.once.tolist()
+        ([6.0], [2.0])
+    """
+
+    __slots__ = ("once",)
+
+    def __init__(self, count: int, mean: Tensor, m2: Tensor, once: Tensor) -> None:
+        super().__init__(count, mean, m2)
+        self.once = once
+
+    @classmethod
+    @override
+    def of(cls, count: int, mean: Tensor, unbiased_var: Tensor) -> RankMoments:
+        dtype = _pool_dtype(mean)
+        var = unbiased_var.to(dtype, copy=True)
+        return cls(count, mean.to(dtype, copy=True), var * count, var)
+
+    @override
+    def add(self, count: int, mean: Tensor, spread: Tensor, *, m2: bool = False) -> None:
+        if m2:
+            raise TypeError("RankMoments pool forwards (a mean and an unbiased variance) or `merge` another part")
+        var = spread.to(self.mean.dtype)
+        super().add(count, mean, var * count, m2=True)
+        self.once.add_(var)
+
+    @override
+    def merge(self, other: Moments) -> None:
+        assert isinstance(other, RankMoments)
+        super().add(other.count, other.mean, other.m2, m2=True)
+        self.once.add_(other.once)
+
+    @override
+    def to(self, device: torch.device) -> RankMoments:
+        return RankMoments(self.count, self.mean.to(device), self.m2.to(device), self.once.to(device))
+
+
+def union(parts: Tensor, once: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The ranks' parts of one ``SyncBatchNorm`` layer's window (``parts``: a row per rank, ``[count, mean...,
+    m2...]``) pooled: the global count, mean and sum of squared deviations, on the device (no host read).
+    ``once``: the sum of the window's forwards' variances (the same on every rank).
+
+    Example:
+
+        >>> x = torch.tensor([[1.0], [2.0], [4.0], [7.0]], dtype=torch.float64)  # rank 0: 1 sample, rank 1: 3
+        >>> var = x.var(0)  # what SyncBatchNorm's kernel wrote on both ranks (one forward)
+        >>> rows = torch.stack([torch.cat([torch.tensor([n], dtype=torch.float64), var.new_tensor(x[s].mean(0)),
+        ...                                n * var]) for n, s in ((1, slice(0, 1)), (3, slice(1, 4)))])
+        >>> rows[:, 1] = x.mean()  # (a SyncBatchNorm forward gives every rank the union's mean)
+        >>> count, mean, m2 = union(rows, var)
+        >>> int(count), mean.tolist() == x.mean(0).tolist(), bool(torch.allclose(m2 / 3, var))
+        (4, True, True)
+    """
+    width = (parts.shape[1] - 1) // 2
+    counts, means, m2s = parts[:, :1], parts[:, 1 : 1 + width], parts[:, 1 + width :]
+    total = counts.sum()
+    mean = (counts * means).sum(0) / total
+    m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0) - once
+    return total, mean, m2
+
+
 def _pool_dtype(t: Tensor) -> torch.dtype:
     return t.dtype if t.device.type == "mps" else torch.float64  # (MPS has no float64)
 
@@ -124,8 +203,11 @@ class WindowBatchNorm:
         #: layers inside their forward: their own running buffers, ``num_batches_tracked`` and momentum
         self._inflight: dict[str, tuple[Tensor, Tensor, Tensor | None, float | None]] = {}
         self._loaded: dict[str, Moments] = {}  # a checkpoint's window, till its layers are attached
+        #: `SyncBatchNorm` layers that synchronise (several ranks in their group): their process group
+        self._groups: dict[str, Any] = {}
+        self._scratch: dict[str, Tensor] = {}  # a `SyncBatchNorm`'s `num_batches_tracked` inside its forward
         self.paused = False  # forwards that must not count (a replayed forward): buffers kept, nothing pooled
-        self.enabled = True  # False: the layers update their statistics themselves (SWA's BatchNorm epoch)
+        self._suspended = False  # the layers update their statistics themselves (SWA's BatchNorm epoch)
 
     @property
     def attached(self) -> bool:
@@ -137,6 +219,11 @@ class WindowBatchNorm:
         for name, layer in model.named_modules():
             if isinstance(layer, _BatchNorm):
                 self._names[layer], self._layers[name] = name, layer
+                if isinstance(layer, nn.SyncBatchNorm):  # (it refuses a `num_batches_tracked` of None)
+                    self._scratch[name] = torch.zeros((), dtype=torch.long, device=layer.num_batches_tracked.device)  # type: ignore[union-attr]
+                    group = layer.process_group or (dist.group.WORLD if dist.is_initialized() else None)
+                    if group is not None and dist.get_world_size(group) > 1:
+                        self._groups[name] = group
                 self._handles.append(layer.register_forward_pre_hook(self._before_forward))
                 self._handles.append(layer.register_forward_hook(self._after_forward))
         self._adopt(self._loaded)
@@ -150,11 +237,20 @@ class WindowBatchNorm:
         self._handles = []
         self._loaded.update(self._window)
         self._window = {}
-        self._names, self._layers = {}, {}
+        self._names, self._layers, self._groups, self._scratch = {}, {}, {}, {}
 
     # ------------------------------------------------------------------ the hooks
+    def suspend(self) -> None:
+        """Till ``resume``: the layers update their statistics themselves, every forward (a loop of forwards with
+        no backward, such as Stochastic Weight Averaging's BatchNorm epoch)."""
+        self._suspended = True
+
+    def resume(self) -> None:
+        """The window's statistics again (after ``suspend``)."""
+        self._suspended = False
+
     def _before_forward(self, layer: _BatchNorm, args: Any) -> None:
-        if not (self.enabled and layer.training and layer.track_running_stats) or layer.running_mean is None:
+        if not (not self._suspended and layer.training and layer.track_running_stats) or layer.running_mean is None:
             return
         mean, var = layer.running_mean, layer.running_var
         assert var is not None
@@ -163,7 +259,7 @@ class WindowBatchNorm:
         # (straight into the module's dicts: `nn.Module.__setattr__` costs more than the rest of the hook)
         held = layer._buffers
         held["running_mean"], held["running_var"] = torch.zeros_like(mean), torch.zeros_like(var)
-        held["num_batches_tracked"] = None
+        held["num_batches_tracked"] = self._scratch.get(self._names[layer])
         layer.__dict__["momentum"] = 1.0
 
     def _after_forward(self, layer: _BatchNorm, args: Any, output: Any) -> None:
@@ -178,7 +274,7 @@ class WindowBatchNorm:
             count = x.numel() // x.shape[1]
             pending = self._pending.get(name)
             if pending is None:
-                self._pending[name] = Moments.of(count, mean, var)
+                self._pending[name] = (RankMoments if name in self._groups else Moments).of(count, mean, var)
             else:
                 pending.add(count, mean, var)
 
@@ -214,10 +310,15 @@ class WindowBatchNorm:
         self._pending = {}
 
     def commit(self) -> None:
-        """The window stepped: one BatchNorm update of each layer it reached, with its pooled statistics."""
+        """The window stepped: one BatchNorm update of each layer it reached, with its pooled statistics (those
+        of all ranks for a synchronising ``SyncBatchNorm``: one all-gather per process group)."""
         self.recover()
         self.drop_pending()
-        for name, pooled in self._window.items():
+        stats = {
+            name: (pooled.mean, pooled.variance()) for name, pooled in self._window.items() if name not in self._groups
+        }
+        stats.update({name: (mean, m2 / (count - 1)) for name, (count, mean, m2) in self._union().items()})
+        for name, (stat_mean, stat_var) in stats.items():
             layer = self._layers.get(name)
             if layer is None:  # (detached: kept for a fit that goes on)
                 continue
@@ -228,12 +329,44 @@ class WindowBatchNorm:
                 nbt.add_(1)
             if layer.momentum is None:  # the cumulative average, over windows (read on the device)
                 assert nbt is not None
-                factor = nbt.to(pooled.mean.dtype).reciprocal()
+                factor = nbt.to(stat_mean.dtype).reciprocal()
             else:
                 factor = float(layer.momentum)
-            mean.copy_(pooled.mean * factor + mean.to(pooled.mean.dtype) * (1 - factor))
-            var.copy_(pooled.variance() * factor + var.to(pooled.mean.dtype) * (1 - factor))
+            mean.copy_(stat_mean * factor + mean.to(stat_mean.dtype) * (1 - factor))
+            var.copy_(stat_var * factor + var.to(stat_mean.dtype) * (1 - factor))
         self._window = {}
+
+    def _union(self) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+        """The synchronising ``SyncBatchNorm`` layers' window over all ranks (its count, mean and ``m2``): every
+        such layer of a process group in one flat tensor (zeros for a layer this window did not reach), one
+        all-gather."""
+        out: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+        by_group: dict[int, list[str]] = {}
+        for name in sorted(self._groups):
+            by_group.setdefault(id(self._groups[name]), []).append(name)
+        for names in by_group.values():
+            group = self._groups[names[0]]
+            rows, once = [], {}
+            for name in names:
+                layer, pooled = self._layers[name], self._window.get(name)
+                width = layer.num_features
+                device = layer.running_mean.device  # type: ignore[union-attr]
+                if isinstance(pooled, RankMoments):
+                    count = torch.tensor([pooled.count], dtype=pooled.mean.dtype, device=device)
+                    rows.append(torch.cat([count, pooled.mean, pooled.m2]))
+                    once[name] = pooled.once
+                else:
+                    rows.append(torch.zeros(1 + 2 * width, dtype=_pool_dtype(layer.running_mean), device=device))  # type: ignore[arg-type]
+            flat = torch.cat(rows)
+            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, flat, group=group)
+            table = torch.stack(gathered)
+            offset = 0
+            for name, row in zip(names, rows, strict=True):
+                if name in once:
+                    out[name] = union(table[:, offset : offset + len(row)], once[name])
+                offset += len(row)
+        return out
 
     def discard(self) -> None:
         """The window was not stepped: its statistics are forgotten, the buffers hold the last window's."""
@@ -250,9 +383,14 @@ class WindowBatchNorm:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The open window's pooled statistics, by layer name."""
+        """The open window's pooled statistics, by layer name. A synchronising ``SyncBatchNorm``'s are those of
+        all ranks (one all-gather: every rank must ask, as Lightning's and Fabric's checkpoints do), so that the
+        checkpoint rank 0 writes holds the whole window's, on any world size it is resumed on."""
         held = {**self._loaded, **self._window}
-        return {name: {"count": m.count, "mean": m.mean.clone(), "m2": m.m2.clone()} for name, m in held.items()}
+        out = {name: {"count": m.count, "mean": m.mean.clone(), "m2": m.m2.clone()} for name, m in held.items()}
+        for name, (count, mean, m2) in self._union().items():
+            out[name] = {"count": round(float(count)), "mean": mean, "m2": m2}
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.discard()
@@ -263,7 +401,9 @@ class WindowBatchNorm:
             self._loaded = loaded
 
     def _adopt(self, loaded: Mapping[str, Moments]) -> None:
-        """A checkpoint's window statistics into the attached layers' window, on their devices."""
+        """A checkpoint's window statistics into the attached layers' window, on their devices. A synchronising
+        ``SyncBatchNorm`` layer's (the whole window's, over the ranks that wrote it) go to the first rank of its
+        group only, as its part before this run's forwards (no variance owed: ``once`` zero)."""
         unknown = sorted(set(loaded) - set(self._layers))
         if unknown:
             raise ValueError(
@@ -271,4 +411,10 @@ class WindowBatchNorm:
                 "not have: resume with the model the checkpoint was written with."
             )
         for name, moments in loaded.items():
-            self._window[name] = moments.to(self._layers[name].running_mean.device)  # type: ignore[union-attr]
+            device = self._layers[name].running_mean.device  # type: ignore[union-attr]
+            group = self._groups.get(name)
+            if group is None:
+                self._window[name] = moments.to(device)
+            elif dist.get_rank(group) == 0:
+                m = moments.to(device)
+                self._window[name] = RankMoments(m.count, m.mean, m.m2, torch.zeros_like(m.mean))

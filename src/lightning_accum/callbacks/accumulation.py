@@ -374,7 +374,7 @@ class AccumulationScheduler(Callback):
                 if self._split is not None:
                     self._split.begin_forward_only()
                 if self._batchnorm is not None:  # (its forwards update BatchNorm themselves)
-                    self._batchnorm.enabled = False
+                    self._batchnorm.suspend()
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
             self._open(trainer, batch_idx)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
@@ -410,7 +410,7 @@ class AccumulationScheduler(Callback):
     def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
         window = self._engine.open(trainer.current_epoch, batch_idx, self._strategy)
         if self._batchnorm is not None:
-            self._batchnorm.enabled = True
+            self._batchnorm.resume()
         divisor = lightning_divisor(batch_idx, window.k)
         if divisor != self._divisor:  # (in force since train start, or set by an earlier window)
             set_divisor(trainer, divisor)
