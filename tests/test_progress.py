@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,17 @@ class Seen(pl.Callback):
         self.bar = bar
         self.epochs: list[dict[str, Any]] = []
         self.tokens = 0
+        self.fit: list[tuple[int, float]] = []  # the fit's steps (done, total) as drawn at every batch's end
+
+    def drawn_fit(self) -> tuple[int, float] | None:
+        """(done, total) of the fit's steps as the bar draws them (TQDM's postfix, Rich's overall bar)."""
+        if isinstance(self.bar, StepProgressBar):
+            found = re.search(r"step=(\d+)/(\d+|\?)", self.bar.train_progress_bar.postfix or "")
+            if found is None:
+                return None
+            return int(found[1]), math.inf if found[2] == "?" else int(found[2])
+        task = self.bar.fit_progress_bar
+        return None if task is None else (int(task.completed), task.total)
 
     def drawn(self) -> tuple[float, float | None]:
         """(counter, total) as the bar draws them."""
@@ -58,6 +70,9 @@ class Seen(pl.Callback):
         n, total = self.drawn()
         if total is not None and not math.isinf(total) and n > total:
             self.epochs[-1]["passed"].append((n, total))
+        fit = self.drawn_fit()
+        if fit is not None:
+            self.fit.append(fit)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.epochs[-1]["last"] = self.drawn()
@@ -113,6 +128,11 @@ def test_totals_are_the_fits_steps_or_batches(name: str, kind: str, unit: str) -
     assert [e["first_total"] for e in seen.epochs] == realised  # known from the epoch's start
     assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
     assert all(not e["passed"] for e in seen.epochs)
+    # the fit's steps: the total (min of max_steps and the schedule's over max_epochs) from the first draw on
+    fit_steps = sum(e["steps"] for e in seen.epochs)
+    assert seen.fit and {total for _, total in seen.fit} == {fit_steps}
+    assert [done for done, _ in seen.fit] == sorted(done for done, _ in seen.fit)
+    assert seen.fit[-1] == (fit_steps, fit_steps)
 
 
 # the other bar and unit, on the cases where they differ most
@@ -132,6 +152,16 @@ def test_totals_found_as_the_epoch_goes(schedule: Any, kind: str, unit: str) -> 
     realised = expected(seen, unit)
     assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
     assert all(not e["passed"] for e in seen.epochs)
+    # the fit's total is not known in advance: unbounded without max_steps
+    assert seen.fit[-1] == (sum(e["steps"] for e in seen.epochs), math.inf)
+    assert {total for _, total in seen.fit} == {math.inf}
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_fit_total_found_in_no_walk_is_max_steps(kind: str) -> None:
+    seen = fit(BARS[kind]("steps"), Ramp(1, 5, over=60, unit="items"), count=count_tokens, max_steps=5)
+    assert sum(e["steps"] for e in seen.epochs) == 5
+    assert {total for _, total in seen.fit} == {5} and seen.fit[-1] == (5, 5)
 
 
 def test_mixin_steps() -> None:
@@ -139,6 +169,7 @@ def test_mixin_steps() -> None:
     seen = fit(bar, None, model=ManualTokenModel(schedule=Piecewise({0: 2, 1: 5}, unit="epoch")), max_epochs=2)
     assert [e["first_total"] for e in seen.epochs] == [e["steps"] for e in seen.epochs] == [8, 4]
     assert [e["last"] for e in seen.epochs] == [(8, 8), (4, 4)]
+    assert {total for _, total in seen.fit} == {12} and seen.fit[-1] == (12, 12)
 
 
 def test_rendered_frames_show_the_window() -> None:
@@ -182,6 +213,41 @@ def test_resume_inside_a_window(tmp_path: Path, bar_in_checkpoint: bool) -> None
     else:  # counted from the resume: the window under way and the 4 after it
         assert [e["last"] for e in seen.epochs] == [(5, 5), (6, 6)]
     assert all(not e["passed"] for e in seen.epochs)
+    # the fit's steps count the window stepped before the checkpoint: 2 at the first window's end after it
+    assert seen.fit[0] == (2, 12) and seen.fit[-1] == (12, 12)
+
+
+class SaveAtStart(pl.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+# resumed from a checkpoint saved inside a window (batch 4, the window of batches 3-5), a checkpoint written at
+# once (at the train start, or at the first batch's end, which closes that window), then resumed from that one
+@pytest.mark.parametrize("when", ["train start", "first batch"])
+@pytest.mark.parametrize("bar_in_checkpoint", [True, False], ids=["bar's state", "none"])
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_checkpoint_right_after_a_resume(tmp_path: Path, kind: str, bar_in_checkpoint: bool, when: str) -> None:
+    first, second = tmp_path / "first.ckpt", tmp_path / "second.ckpt"
+    saved_with = [BARS[kind]("steps")] if bar_in_checkpoint else []  # (a bar's state is its class's)
+    t = trainer(callbacks=[AccumulationScheduler(3), *saved_with, SaveAt(4, first)], max_epochs=1,
+                enable_progress_bar=bar_in_checkpoint)  # fmt: skip
+    t.fit(TokenModel(), ResumableLoader(DATA, 2))
+    save = SaveAtStart(second) if when == "train start" else SaveAt(5, second)
+    t = trainer(callbacks=[AccumulationScheduler(3), BARS[kind]("steps"), save], max_epochs=1, enable_progress_bar=True)
+    t.fit(TokenModel(), ResumableLoader(DATA, 2), ckpt_path=first)
+    bar = BARS[kind]("steps")
+    seen = Seen(bar)
+    t = trainer(callbacks=[AccumulationScheduler(3), bar, seen], enable_progress_bar=True, max_epochs=2)
+    t.fit(TokenModel(), ResumableLoader(DATA, 2), ckpt_path=second)
+    # as the first resumed fit showed it: the epoch's 6 windows where the first checkpoint knew where the epoch
+    # began; else counted from the first resume (the window under way at batch 4 and the 4 after it)
+    assert [e["last"] for e in seen.epochs] == [(6, 6) if bar_in_checkpoint else (5, 5), (6, 6)]
+    assert all(not e["passed"] for e in seen.epochs)
+    assert seen.fit[-1] == (12, 12) and {total for _, total in seen.fit} == {12}
 
 
 @pytest.mark.parametrize(

@@ -243,6 +243,30 @@ def windows_ahead(
     return count, taken
 
 
+def walk_is_exact(schedule: Schedule, sizes: Sequence[int] | None) -> bool:
+    """Whether ``windows`` forms the windows the package will for ``schedule``: keyed on what the walk knows
+    (``Constant``, epochs, steps, and samples where ``sizes`` gives each batch's). Not for items, ``Lambda`` (it may
+    read anything), ``NoiseScale`` (measured), or samples of a loader that does not say its batch sizes."""
+    if isinstance(schedule, NoiseScale):
+        return False
+    unit = getattr(schedule, "unit", None)
+    return isinstance(schedule, Constant) or unit in ("epoch", "step") or (unit == "samples" and bool(sizes))
+
+
+def fit_windows(schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs: int, max_steps: int) -> int:
+    """The windows a whole fit of ``max_epochs`` epochs of ``batches`` batches forms from its start, at most
+    ``max_steps`` (-1: unbounded; not both unbounded): ``estimated_stepping_batches``'s walk, for a schedule
+    ``walk_is_exact`` takes (``Constant`` counted without walking: ``ceil(batches / k)`` windows an epoch)."""
+    if max_steps == 0 or batches == 0:
+        return 0
+    if isinstance(schedule, Constant):
+        if max_epochs == -1:
+            return max_steps
+        total = max(max_epochs, 1) * -(-batches // schedule(Progress()))
+        return total if max_steps < 0 else min(total, max_steps)
+    return _walk(schedule, batches, sizes, max_epochs, max_steps)
+
+
 def samples_per_batch(trainer: Any, batches: int) -> list[int] | None:
     """Samples of each of an epoch's ``batches`` over all ranks, from the training loader's batch sampler
     (``None`` where it does not say)."""
