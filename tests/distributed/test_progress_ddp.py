@@ -1,5 +1,5 @@
-"""``StepProgressBar`` on 2 gloo ranks: the total from a schedule keyed on the samples of both ranks is the
-windows the fit runs."""
+"""``StepProgressBar`` on 2 gloo ranks: the totals (the epoch's and the fit's) from a schedule keyed on the samples
+of both ranks are the windows the fit runs."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class Report(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.epochs[-1]["last"] = [self.bar.train_progress_bar.n, self.bar.train_progress_bar.total]
+        self.epochs[-1]["postfix"] = getattr(self.bar.train_progress_bar, "postfix", None)  # (rank 0 draws)
         if trainer.is_global_zero:
             (self.out / "rank0.json").write_text(json.dumps(self.epochs))
 
@@ -54,3 +55,5 @@ def test_two_ranks(tmp_path: Path) -> None:
     assert steps == [7, 3]
     assert [e["first"] for e in epochs] == steps
     assert [e["last"] for e in epochs] == [[n, n] for n in steps]
+    # the fit's steps, its total walked at the start with the samples of both ranks
+    assert [e["postfix"].split(",")[0] for e in epochs] == ["step=7/10", "step=10/10"]
