@@ -524,3 +524,32 @@ def test_throughput_is_the_windows_tokens_over_its_time(mixin: bool, monkeypatch
         if done in logged:
             assert logged[done]["accum/tokens_per_second"] == pytest.approx(tokens / seconds, rel=1e-12)
             assert logged[done]["accum/samples_per_second"] == pytest.approx(samples / seconds, rel=1e-12)
+
+
+# the fit's total as `FitCount` gets it: the windows `estimated_stepping_batches`'s walk forms (counted per epoch
+# for `Constant` and epoch-keyed schedules), or `None` past the walk's budget
+@pytest.mark.parametrize(
+    "schedule",
+    [Constant(3), Piecewise({0: 2, 2: 5}, unit="epoch"), Ramp(1, 4, over=3, unit="epoch"),
+     Ramp(1, 5, over=40, unit="step"), Ramp(1, 5, over=60, unit="samples")],
+    ids=["constant", "piecewise epochs", "ramp epochs", "ramp steps", "ramp samples"],
+)  # fmt: skip
+@pytest.mark.parametrize("max_epochs, max_steps", [(4, -1), (4, 30), (1, 5), (-1, 23)])
+def test_fit_windows_is_the_walk(schedule: Any, max_epochs: int, max_steps: int) -> None:
+    from lightning_accum._trainer import steps
+
+    sizes = [2] * 16 + [1]
+    walked = steps._walk(schedule, 17, sizes, max_epochs, max_steps)
+    assert steps.fit_windows(schedule, 17, sizes, max_epochs, max_steps) == walked
+
+
+def test_fit_windows_past_the_budget(monkeypatch: Any) -> None:
+    from lightning_accum._trainer import steps
+
+    monkeypatch.setattr(steps, "WALK_BUDGET", 50)
+    ramp = Ramp(1, 5, over=40, unit="step")
+    assert steps.fit_windows(ramp, 17, None, 7, -1) == 46  # (the walk: 14, 22, 28, 33, 38, 42, 46, 50 windows)
+    assert steps.fit_windows(ramp, 17, None, 8, -1) is None
+    assert steps.fit_windows(ramp, 17, None, 8, 60) is None and steps.fit_windows(ramp, 17, None, 8, 49) == 49
+    assert steps.fit_windows(Constant(2), 17, None, 10**9, -1) == 9 * 10**9  # (counted, not walked)
+    assert steps.fit_windows(Piecewise({0: 2, 2: 5}, unit="epoch"), 17, None, 40, -1) == 9 * 2 + 4 * 38  # (per epoch)

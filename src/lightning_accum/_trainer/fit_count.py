@@ -4,8 +4,9 @@ Done: ``Progress.step`` (the windows that stepped since the fit began, those bef
 at the fit's start and from each window's report. Total: for a schedule whose windows the walk knows
 (``steps.walk_is_exact``: ``Constant``, epochs, steps, samples of a loader that says its batch sizes) and a sized
 loader, the windows of the whole fit from its start (``estimated_stepping_batches``'s walk, once, at the fit's
-start), capped by ``max_steps``; otherwise ``max_steps``, or unbounded (``inf``, drawn ``?``) without it. Host
-arithmetic only: nothing here reads a device.
+start; at most ``steps.WALK_BUDGET`` windows, counted per epoch for ``Constant`` and epoch-keyed schedules),
+capped by ``max_steps``; otherwise ``max_steps``, or unbounded (``inf``, drawn ``?``) without it. Host arithmetic
+only: nothing here reads a device.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class FitCount:
         if not steps.walk_is_exact(accumulating.schedule, sizes):
             self.total = bound
             return
-        self.total = steps.fit_windows(accumulating.schedule, int(batches), sizes, max_epochs, max_steps)
+        walked = steps.fit_windows(accumulating.schedule, int(batches), sizes, max_epochs, max_steps)
+        self.total = bound if walked is None else walked  # (None: longer than the walk's budget)
 
     def window_end(self, window: WindowReport) -> None:
         """A window stepped."""
