@@ -221,8 +221,9 @@ class RichStepProgressBar(_StepBar, pl.callbacks.RichProgressBar):
     """Lightning's ``RichProgressBar`` counting as ``StepProgressBar`` does (the same counter and total, the same
     postfix), with an overall bar above the epoch's: ``Steps``, the fit's optimizer steps done of its total (the
     total of ``StepProgressBar``'s ``step=``; ``--`` and a pulsing bar where unbounded), with its elapsed time,
-    the time left and the steps per second. Needs ``rich`` (``pip install rich``): refused at construction
-    without it.
+    the time left and the steps per second (with ``leave=True`` each epoch's display draws it again, below the
+    epoch's bar from the second epoch on, its times from that epoch's start). Needs ``rich``
+    (``pip install rich``): refused at construction without it.
 
     Args:
         unit: ``"steps"`` (optimizer steps) or ``"batches"`` (loader batches).
