@@ -11,6 +11,7 @@ Lightning's loop:
 * ``steps, found per window``: the same under a ramp over items (with a ``count``), whose total is worked out
   again at each window's end;
 * ``count only``: ``BarCount.window_end`` alone (what the bar adds before drawing);
+* ``fit's steps only``: ``FitCount.window_end`` and the postfix's ``step=done/total`` (what the fit's figure adds);
 * ``rich: lightning`` and ``rich: steps, exact``: the same two with Rich (``RichProgressBar.on_train_batch_end``,
   the baseline of ``RichStepProgressBar.on_window_end``, which also moves the overall bar);
 * ``fit total at start``: ``FitCount.start_fit``, once per fit: the walk of the whole fit's windows (a ramp over
@@ -113,6 +114,8 @@ def main() -> None:
         rows.append({"run": name, "us": us, "ratio": us / base})
     count_us = best(lambda i: bar._count.window_end(trainer, window), args.reps, args.rounds)
     rows.append({"run": "count only", "us": count_us, "ratio": count_us / base})
+    fit_us = best(lambda i: (bar._fit.window_end(window), bar._fit.text()), args.reps, args.rounds)
+    rows.append({"run": "fit's steps only", "us": fit_us, "ratio": fit_us / base})
     console = {"file": io.StringIO(), "width": 200}
     rich = pl.callbacks.RichProgressBar(console_kwargs=console)
     trainer, module, _ = fitted(rich, 4)
