@@ -553,3 +553,10 @@ def test_fit_windows_past_the_budget(monkeypatch: Any) -> None:
     assert steps.fit_windows(ramp, 17, None, 8, 60) is None and steps.fit_windows(ramp, 17, None, 8, 49) == 49
     assert steps.fit_windows(Constant(2), 17, None, 10**9, -1) == 9 * 10**9  # (counted, not walked)
     assert steps.fit_windows(Piecewise({0: 2, 2: 5}, unit="epoch"), 17, None, 40, -1) == 9 * 2 + 4 * 38  # (per epoch)
+
+
+def test_a_checkpoint_of_the_bar_without_known_is_read_as_known() -> None:
+    """(A checkpoint written before the bar's state said whether the epoch's start was known: it was.)"""
+    bar = StepProgressBar()
+    bar.load_state_dict({"epoch": 0, "first_step": 1, "first_microbatches": 3})
+    assert bar.state_dict() == {"epoch": 0, "first_step": 1, "first_microbatches": 3, "known": True}
