@@ -1,4 +1,5 @@
-"""Host work per refresh of ``StepProgressBar``, in place, against Lightning's own ``TQDMProgressBar``.
+"""Host work per refresh of ``StepProgressBar`` and ``RichStepProgressBar``, in place, against Lightning's own
+``TQDMProgressBar`` and ``RichProgressBar``; and the one walk of the fit's windows at its start.
 
 One short fit of a tiny MLP (batches of 8, one CPU thread) runs with each bar, its output thrown away; then,
 with the fit's real trainer, module and last ``WindowReport``, each bar's refresh is replayed and timed outside
@@ -6,10 +7,15 @@ Lightning's loop:
 
 * ``lightning``: ``TQDMProgressBar.on_train_batch_end``, Lightning's refresh per batch (the baseline);
 * ``steps, exact``: ``StepProgressBar.on_window_end`` (``unit="steps"``) under a ramp over samples, whose total
-  is known from the epoch's start: the count, the postfix, the draw;
+  is known from the epoch's start: the counts (the epoch's and the fit's), the postfix, the draw;
 * ``steps, found per window``: the same under a ramp over items (with a ``count``), whose total is worked out
   again at each window's end;
-* ``count only``: ``BarCount.window_end`` alone (what the bar adds before drawing).
+* ``count only``: ``BarCount.window_end`` alone (what the bar adds before drawing);
+* ``fit's steps only``: ``FitCount.window_end`` and the postfix's ``step=done/total`` (what the fit's figure adds);
+* ``rich: lightning`` and ``rich: steps, exact``: the same two with Rich (``RichProgressBar.on_train_batch_end``,
+  the baseline of ``RichStepProgressBar.on_window_end``, which also moves the overall bar);
+* ``fit total at start``: ``FitCount.start_fit``, once per fit: the walk of the whole fit's windows (a ramp over
+  samples, 1000 batches an epoch, ``--epochs`` epochs), in microseconds per fit and per window walked.
 
 Each time is the best over rounds of a round's mean (a busy machine only adds time); the ratio is against
 ``lightning`` in the same process. Nothing here reads a device (``tests/test_host_reads.py`` counts that).
@@ -32,8 +38,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accum import AccumulationScheduler, Ramp
-from lightning_accum.progress import StepProgressBar
+from lightning_accum import AccumulationScheduler, Progress, Ramp
+from lightning_accum._trainer import steps
+from lightning_accum._trainer.fit_count import FitCount
+from lightning_accum.progress import RichStepProgressBar, StepProgressBar
 
 
 class MLP(pl.LightningModule):
@@ -88,6 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=10, help="of the walk at the fit's start (1000 batches each)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -105,10 +114,45 @@ def main() -> None:
         rows.append({"run": name, "us": us, "ratio": us / base})
     count_us = best(lambda i: bar._count.window_end(trainer, window), args.reps, args.rounds)
     rows.append({"run": "count only", "us": count_us, "ratio": count_us / base})
+    fit_us = best(lambda i: (bar._fit.window_end(window), bar._fit.text()), args.reps, args.rounds)
+    rows.append({"run": "fit's steps only", "us": fit_us, "ratio": fit_us / base})
+    console = {"file": io.StringIO(), "width": 200}
+    rich = pl.callbacks.RichProgressBar(console_kwargs=console)
+    trainer, module, _ = fitted(rich, 4)
+    rich_base = best(lambda i: rich.on_train_batch_end(trainer, module, None, None, i), args.reps, args.rounds)
+    rows.append({"run": "rich: lightning", "us": rich_base, "ratio": 1.0})
+    rich_bar = RichStepProgressBar(console_kwargs=console)
+    trainer, module, window = fitted(rich_bar, Ramp(1, 8, over=128, unit="samples"))
+    us = best(lambda i: rich_bar.on_window_end(trainer, module, window), args.reps, args.rounds)
+    rows.append({"run": "rich: steps, exact", "us": us, "ratio": us / rich_base})
     for row in rows:
         print(f"{row['run']:>26}: {row['us']:8.1f} us per refresh, {row['ratio']:.3f} x Lightning's")
+    start = fit_start(args.epochs, max(1, args.rounds))
+    print(f"{'fit total at start':>26}: {start['us']:8.0f} us per fit, {start['us_per_window']:.2f} us per window "
+          f"({start['windows']} windows)")  # fmt: skip
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "fit_start": start}, indent=1))
+
+
+class Walked:
+    """What ``FitCount.start_fit`` reads of a Trainer: a sized loader of 1000 batches of 8, ``epochs`` epochs."""
+
+    def __init__(self, epochs: int) -> None:
+        self.max_steps, self.max_epochs, self.num_training_batches, self.world_size = -1, epochs, 1000, 1
+        self.train_dataloader = DataLoader(TensorDataset(torch.zeros(8000, 1)), batch_size=8)
+
+
+def fit_start(epochs: int, rounds: int) -> dict[str, Any]:
+    """``FitCount.start_fit`` under a ramp over samples (k 1 to 8 over the first 40 000 samples): the best time."""
+    schedule = Ramp(1, 8, over=40_000, unit="samples")
+    found = steps.Accumulating(schedule, False, "mean", lambda: Progress())
+    trainer, count = Walked(epochs), FitCount()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        count.start_fit(trainer, found)
+        times.append((time.perf_counter() - start) * 1e6)
+    return {"us": min(times), "windows": int(count.total), "us_per_window": min(times) / count.total}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ misuse."""
 from __future__ import annotations
 
 import io
+import itertools
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,17 @@ class Seen(pl.Callback):
         self.bar = bar
         self.epochs: list[dict[str, Any]] = []
         self.tokens = 0
+        self.fit: list[tuple[int, float]] = []  # the fit's steps (done, total) as drawn at every batch's end
+
+    def drawn_fit(self) -> tuple[int, float] | None:
+        """(done, total) of the fit's steps as the bar draws them (TQDM's postfix, Rich's overall bar)."""
+        if isinstance(self.bar, StepProgressBar):
+            found = re.search(r"step=(\d+)/(\d+|\?)", self.bar.train_progress_bar.postfix or "")
+            if found is None:
+                return None
+            return int(found[1]), math.inf if found[2] == "?" else int(found[2])
+        task = self.bar.fit_progress_bar
+        return None if task is None else (int(task.completed), task.total)
 
     def drawn(self) -> tuple[float, float | None]:
         """(counter, total) as the bar draws them."""
@@ -43,7 +56,7 @@ class Seen(pl.Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.epochs.append({"epoch": trainer.current_epoch, "first_total": self.drawn()[1], "steps": 0, "batches": 0})
-        self.epochs[-1]["passed"] = []
+        self.epochs[-1]["passed"], self.epochs[-1]["drawn"] = [], []
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if not self.epochs or self.epochs[-1]["epoch"] != trainer.current_epoch:  # (resumed inside the epoch)
@@ -56,8 +69,12 @@ class Seen(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.epochs[-1]["batches"] += 1
         n, total = self.drawn()
+        self.epochs[-1]["drawn"].append(n)
         if total is not None and not math.isinf(total) and n > total:
             self.epochs[-1]["passed"].append((n, total))
+        fit = self.drawn_fit()
+        if fit is not None:
+            self.fit.append(fit)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.epochs[-1]["last"] = self.drawn()
@@ -113,6 +130,11 @@ def test_totals_are_the_fits_steps_or_batches(name: str, kind: str, unit: str) -
     assert [e["first_total"] for e in seen.epochs] == realised  # known from the epoch's start
     assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
     assert all(not e["passed"] for e in seen.epochs)
+    # the fit's steps: the total (min of max_steps and the schedule's over max_epochs) from the first draw on
+    fit_steps = sum(e["steps"] for e in seen.epochs)
+    assert seen.fit and {total for _, total in seen.fit} == {fit_steps}
+    assert [done for done, _ in seen.fit] == sorted(done for done, _ in seen.fit)
+    assert seen.fit[-1] == (fit_steps, fit_steps)
 
 
 # the other bar and unit, on the cases where they differ most
@@ -132,6 +154,16 @@ def test_totals_found_as_the_epoch_goes(schedule: Any, kind: str, unit: str) -> 
     realised = expected(seen, unit)
     assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
     assert all(not e["passed"] for e in seen.epochs)
+    # the fit's total is not known in advance: unbounded without max_steps
+    assert seen.fit[-1] == (sum(e["steps"] for e in seen.epochs), math.inf)
+    assert {total for _, total in seen.fit} == {math.inf}
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_fit_total_found_in_no_walk_is_max_steps(kind: str) -> None:
+    seen = fit(BARS[kind]("steps"), Ramp(1, 5, over=60, unit="items"), count=count_tokens, max_steps=5)
+    assert sum(e["steps"] for e in seen.epochs) == 5
+    assert {total for _, total in seen.fit} == {5} and seen.fit[-1] == (5, 5)
 
 
 def test_mixin_steps() -> None:
@@ -139,20 +171,26 @@ def test_mixin_steps() -> None:
     seen = fit(bar, None, model=ManualTokenModel(schedule=Piecewise({0: 2, 1: 5}, unit="epoch")), max_epochs=2)
     assert [e["first_total"] for e in seen.epochs] == [e["steps"] for e in seen.epochs] == [8, 4]
     assert [e["last"] for e in seen.epochs] == [(8, 8), (4, 4)]
+    assert {total for _, total in seen.fit} == {12} and seen.fit[-1] == (12, 12)
 
 
 def test_rendered_frames_show_the_window() -> None:
     bar = StepProgressBar()
-    fit(bar, Constant(4), count=count_tokens, max_epochs=1)
+    fit(bar, Constant(4), count=count_tokens, max_epochs=2)
     frame = str(bar.train_progress_bar)
-    for field in ("4/4", "k=4", "batch=8", "tokens=", "loss=", "tokens/s="):
+    assert frame.startswith("Epoch 1: 100%"), frame
+    for field in ("4/4", "step=8/8", "k=4", "batch=8", "tokens=", "loss=", "tokens/s="):
         assert field in frame, frame
     rich = rich_bar("steps")
-    fit(rich, Constant(4), max_epochs=1)
+    fit(rich, Constant(4), max_epochs=2)
     console = rich.progress.console if rich.progress is not None else None
     text = console.file.getvalue() if console is not None else ""  # type: ignore[union-attr]
-    for field in ("4/4", "k: 4", "batch: 8", "loss:", "samples/s:"):
-        assert field in text, text
+    lines = [line for line in text.splitlines() if line.strip()]
+    overall, epoch = lines[-2:]  # (the last frame: the overall bar above the epoch's)
+    assert overall.startswith("Steps") and "8/8" in overall and "k:" not in overall, text
+    assert epoch.startswith("Epoch 1/1") and "4/4" in epoch, text
+    for field in ("k: 4", "batch: 8", "loss:", "samples/s:"):
+        assert field in epoch, text
 
 
 class SaveAt(pl.Callback):
@@ -182,6 +220,41 @@ def test_resume_inside_a_window(tmp_path: Path, bar_in_checkpoint: bool) -> None
     else:  # counted from the resume: the window under way and the 4 after it
         assert [e["last"] for e in seen.epochs] == [(5, 5), (6, 6)]
     assert all(not e["passed"] for e in seen.epochs)
+    # the fit's steps count the window stepped before the checkpoint: 2 at the first window's end after it
+    assert seen.fit[0] == (2, 12) and seen.fit[-1] == (12, 12)
+
+
+class SaveAtStart(pl.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+# resumed from a checkpoint saved inside a window (batch 4, the window of batches 3-5), a checkpoint written at
+# once (at the train start, or at the first batch's end, which closes that window), then resumed from that one
+@pytest.mark.parametrize("when", ["train start", "first batch"])
+@pytest.mark.parametrize("bar_in_checkpoint", [True, False], ids=["bar's state", "none"])
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_checkpoint_right_after_a_resume(tmp_path: Path, kind: str, bar_in_checkpoint: bool, when: str) -> None:
+    first, second = tmp_path / "first.ckpt", tmp_path / "second.ckpt"
+    saved_with = [BARS[kind]("steps")] if bar_in_checkpoint else []  # (a bar's state is its class's)
+    t = trainer(callbacks=[AccumulationScheduler(3), *saved_with, SaveAt(4, first)], max_epochs=1,
+                enable_progress_bar=bar_in_checkpoint)  # fmt: skip
+    t.fit(TokenModel(), ResumableLoader(DATA, 2))
+    save = SaveAtStart(second) if when == "train start" else SaveAt(5, second)
+    t = trainer(callbacks=[AccumulationScheduler(3), BARS[kind]("steps"), save], max_epochs=1, enable_progress_bar=True)
+    t.fit(TokenModel(), ResumableLoader(DATA, 2), ckpt_path=first)
+    bar = BARS[kind]("steps")
+    seen = Seen(bar)
+    t = trainer(callbacks=[AccumulationScheduler(3), bar, seen], enable_progress_bar=True, max_epochs=2)
+    t.fit(TokenModel(), ResumableLoader(DATA, 2), ckpt_path=second)
+    # as the first resumed fit showed it: the epoch's 6 windows where the first checkpoint knew where the epoch
+    # began; else counted from the first resume (the window under way at batch 4 and the 4 after it)
+    assert [e["last"] for e in seen.epochs] == [(6, 6) if bar_in_checkpoint else (5, 5), (6, 6)]
+    assert all(not e["passed"] for e in seen.epochs)
+    assert seen.fit[-1] == (12, 12) and {total for _, total in seen.fit} == {12}
 
 
 @pytest.mark.parametrize(
@@ -240,3 +313,250 @@ def test_throughput_logged_per_window(mixin: bool) -> None:
     for logged_tokens, tokens, logged_samples, samples in rates.seen:
         assert logged_tokens == pytest.approx(tokens, rel=1e-6) and logged_samples == pytest.approx(samples, rel=1e-6)
         assert tokens > samples  # (tokens: the windows' counted items)
+
+
+class Validated(pl.Callback):
+    """The validation bar as drawn at each validation batch's end, and the training bar's counter just before
+    and just after each validation."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar, self.seen = bar, Seen(bar)
+        self.val: list[tuple[float, float | None]] = []
+        self.around: list[tuple[float, float]] = []
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self.around.append((self.seen.drawn()[0], math.nan))
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if isinstance(self.bar, StepProgressBar):
+            val = self.bar.val_progress_bar
+            self.val.append((val.n, val.total))
+        else:
+            task = self.bar.val_sanity_check_bar if trainer.sanity_checking else self.bar.val_progress_bar
+            self.val.append((task.completed, task.total))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self.around[-1] = (self.around[-1][0], self.seen.drawn()[0])
+
+
+class Validating(TokenModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+class ValidatingMixin(ManualTokenModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+# validation every 5 batches (inside the windows of k = 3) and at each epoch's end, 3 batches each; the sanity
+# check's 2: the validation bars are Lightning's, the training bar neither moves nor loses its count
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_validation_bars_unchanged(kind: str) -> None:
+    bar = BARS[kind]("steps")
+    validated = Validated(bar)
+    model = Validating()
+    t = trainer(callbacks=[AccumulationScheduler(3), bar, validated.seen, validated], enable_progress_bar=True,
+                max_epochs=2, val_check_interval=5, num_sanity_val_steps=2)  # fmt: skip
+    t.fit(model, loader(DATA, 2), loader(TokenData(6), 2))
+    assert validated.val == [(1, 2), (2, 2), *[(i, 3) for i in (1, 2, 3)] * 6]
+    assert len(validated.around) == 6 and all(before == after for before, after in validated.around)
+    assert [e["last"] for e in validated.seen.epochs] == [(6, 6), (6, 6)]
+
+
+@pytest.mark.parametrize(
+    "rate, error",
+    [(-1, ValueError), (1.5, TypeError), ("2", TypeError), (None, TypeError), (True, TypeError),
+     (float("nan"), TypeError)],
+)  # fmt: skip
+@pytest.mark.parametrize("cls", [StepProgressBar, RichStepProgressBar])
+def test_refresh_rate_refused(cls: type, rate: Any, error: type) -> None:
+    with pytest.raises(error, match=r"refresh_rate=.*integer >= 0.*0 hides it"):
+        cls(refresh_rate=rate)
+
+
+class Windows(pl.Callback):
+    def __init__(self) -> None:
+        self.per_epoch: list[int] = []
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: Any) -> None:
+        self.per_epoch += [0] * (trainer.current_epoch + 1 - len(self.per_epoch))
+        self.per_epoch[trainer.current_epoch] += 1
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_refresh_rate_zero_hides_the_bar_and_keeps_its_state(kind: str, capsys: Any) -> None:
+    bar = StepProgressBar(refresh_rate=0) if kind == "tqdm" else RichStepProgressBar(refresh_rate=0)
+    windows = Windows()
+    t = trainer(callbacks=[AccumulationScheduler(3), bar, windows], enable_progress_bar=True, max_epochs=2)
+    t.fit(TokenModel(), loader(DATA, 2))
+    assert "Epoch" not in capsys.readouterr().err
+    if kind == "tqdm":
+        assert bar.train_progress_bar.disable
+    else:
+        assert bar.progress is None and bar.fit_progress_bar is None
+    # counted all the same: a checkpoint holds where the last epoch began (6 windows an epoch)
+    assert windows.per_epoch == [6, 6]
+    assert bar.state_dict() == {"epoch": 1, "first_step": 6, "first_microbatches": 16, "known": True}
+
+
+# TQDM draws every `refresh_rate` counts and at the total; Rich refreshes `refresh_rate` times a second
+@pytest.mark.parametrize("kind, unit", [("tqdm", "steps"), ("tqdm", "batches"), ("rich", "steps")])
+def test_refresh_rate_above_one(kind: str, unit: str) -> None:
+    if kind == "tqdm":
+        bar: Any = StepProgressBar(unit, refresh_rate=4)
+    else:
+        bar = RichStepProgressBar(unit, refresh_rate=2, console_kwargs={"file": io.StringIO(), "width": 200})
+    seen = fit(bar, Ramp(1, 5, over=40, unit="samples"))
+    realised = expected(seen, unit)
+    assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
+    assert all(not e["passed"] for e in seen.epochs)
+    fit_steps = sum(e["steps"] for e in seen.epochs)
+    assert seen.fit[-1] == (fit_steps, fit_steps)
+    if kind == "tqdm":  # drawn only at multiples of 4 and at the total
+        drawn = [n for e in seen.epochs for n in e["drawn"]]
+        assert drawn and all(n % 4 == 0 or n in realised for n in drawn)
+
+
+def test_rich_leave_draws_the_overall_bar_with_each_epoch() -> None:
+    """``leave=True``: each epoch's bars stay printed (Lightning starts a new ``rich`` display per epoch); the
+    overall bar is drawn in each, with the steps done by then."""
+    bar = RichStepProgressBar(leave=True, console_kwargs={"file": io.StringIO(), "width": 200})
+    seen = fit(bar, 3)
+    assert seen.fit[-1] == (12, 12)
+    text = bar.progress.console.file.getvalue()  # type: ignore[union-attr]
+    overall = [line.split()[2] for line in text.splitlines() if line.startswith("Steps")]
+    assert overall == ["6/12", "12/12"], text
+
+
+class Clock:
+    """The host clock the window engine reads (``time.perf_counter``), moved only by ``Ticks``."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Ticks(pl.Callback):
+    """Moves the clock by a known time per training batch (0.5, 0.75 or 1 s) and per validation (2 s), and keeps
+    the reference per optimizer step: the tokens and samples of the window's batches, counted here, and the time
+    since the previous window's end."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.tokens = self.samples = 0
+        self.seconds = 0.0
+        self.windows: list[tuple[int, int, float]] = []
+
+    def tick(self, seconds: float) -> None:
+        self.clock.now += seconds
+        self.seconds += seconds
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.tick(0.5 + 0.25 * (batch_idx % 3))
+        self.tokens += int(count_tokens(batch))
+        self.samples += len(batch["x"])
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self.tick(2.0)
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: Any) -> None:
+        self.windows.append((self.tokens, self.samples, self.seconds))
+        self.tokens = self.samples = 0
+        self.seconds = 0.0
+
+
+class Memory(pl.loggers.Logger):
+    """A logger that keeps what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append(dict(metrics))
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+# `accum/tokens_per_second` (and `accum/samples_per_second`) as the loggers get them, once per optimizer step:
+# the window's tokens (samples) over the host time since the previous window's end, a validation inside the
+# window included; k changes (a ramp over samples), the last window of each epoch is cut short
+@pytest.mark.parametrize("mixin", [False, True], ids=["callback", "mixin"])
+def test_throughput_is_the_windows_tokens_over_its_time(mixin: bool, monkeypatch: Any) -> None:
+    from lightning_accum._core import engine
+
+    clock = Clock()
+    monkeypatch.setattr(engine, "time", clock)
+    ticks, logger = Ticks(clock), Memory()
+    schedule = Ramp(1, 4, over=20, unit="samples")
+    kwargs: dict[str, Any] = dict(normalize="items", count=count_tokens, reduction="sum")
+    if mixin:
+        model: Any = ValidatingMixin(schedule=schedule, **kwargs)
+        callbacks: list[Any] = [ticks]
+    else:
+        model, callbacks = Validating(reduction="sum"), [AccumulationScheduler(schedule, **kwargs), ticks]
+    t = trainer(callbacks=callbacks, max_epochs=2, logger=logger, log_every_n_steps=1, val_check_interval=5,
+                num_sanity_val_steps=0)  # fmt: skip
+    t.fit(model, loader(DATA, 2), loader(TokenData(4), 2))
+    assert len(ticks.windows) == 9 + 4  # (k 1, 1, 1, 1, 2, 2, 3, 4, 1 cut; then 4, 4, 4, 4)
+    assert any(seconds > 2 for _, _, seconds in ticks.windows)  # (a window holding a validation)
+    # each logged step found by the samples seen after it (`accum/samples`)
+    after = list(itertools.accumulate(samples for _, samples, _ in ticks.windows))
+    logged = {int(row["accum/samples"]): row for row in logger.rows if "accum/tokens_per_second" in row}
+    # (the mixin: Lightning's manual loop gives the loggers no step before the first batch's end)
+    assert sorted(logged) == (after[1:] if mixin else after)
+    for done, (tokens, samples, seconds) in zip(after, ticks.windows, strict=True):
+        if done in logged:
+            assert logged[done]["accum/tokens_per_second"] == pytest.approx(tokens / seconds, rel=1e-12)
+            assert logged[done]["accum/samples_per_second"] == pytest.approx(samples / seconds, rel=1e-12)
+
+
+# the fit's total as `FitCount` gets it: the windows `estimated_stepping_batches`'s walk forms (counted per epoch
+# for `Constant` and epoch-keyed schedules), or `None` past the walk's budget
+@pytest.mark.parametrize(
+    "schedule",
+    [Constant(3), Piecewise({0: 2, 2: 5}, unit="epoch"), Ramp(1, 4, over=3, unit="epoch"),
+     Ramp(1, 5, over=40, unit="step"), Ramp(1, 5, over=60, unit="samples")],
+    ids=["constant", "piecewise epochs", "ramp epochs", "ramp steps", "ramp samples"],
+)  # fmt: skip
+@pytest.mark.parametrize("max_epochs, max_steps", [(4, -1), (4, 30), (1, 5), (-1, 23)])
+def test_fit_windows_is_the_walk(schedule: Any, max_epochs: int, max_steps: int) -> None:
+    from lightning_accum._trainer import steps
+
+    sizes = [2] * 16 + [1]
+    walked = steps._walk(schedule, 17, sizes, max_epochs, max_steps)
+    assert steps.fit_windows(schedule, 17, sizes, max_epochs, max_steps) == walked
+
+
+def test_fit_windows_past_the_budget(monkeypatch: Any) -> None:
+    from lightning_accum._trainer import steps
+
+    monkeypatch.setattr(steps, "WALK_BUDGET", 50)
+    ramp = Ramp(1, 5, over=40, unit="step")
+    assert steps.fit_windows(ramp, 17, None, 7, -1) == 46  # (the walk: 14, 22, 28, 33, 38, 42, 46, 50 windows)
+    assert steps.fit_windows(ramp, 17, None, 8, -1) is None
+    assert steps.fit_windows(ramp, 17, None, 8, 60) is None and steps.fit_windows(ramp, 17, None, 8, 49) == 49
+    assert steps.fit_windows(Constant(2), 17, None, 10**9, -1) == 9 * 10**9  # (counted, not walked)
+    assert steps.fit_windows(Piecewise({0: 2, 2: 5}, unit="epoch"), 17, None, 40, -1) == 9 * 2 + 4 * 38  # (per epoch)
+
+
+def test_a_checkpoint_of_the_bar_without_known_is_read_as_known() -> None:
+    """(A checkpoint written before the bar's state said whether the epoch's start was known: it was.)"""
+    bar = StepProgressBar()
+    bar.load_state_dict({"epoch": 0, "first_step": 1, "first_microbatches": 3})
+    assert bar.state_dict() == {"epoch": 0, "first_step": 1, "first_microbatches": 3, "known": True}

@@ -16,21 +16,39 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import numbers
 from typing import Any
 
 from typing_extensions import override
 
 from lightning_accum._lightning import pl
+from lightning_accum._trainer import steps
 from lightning_accum._trainer.bar_count import BarCount, Unit, check_unit
+from lightning_accum._trainer.fit_count import FitCount
 from lightning_accum._trainer.reporting import WindowReport, reads_counts_only
 
 __all__ = ["RichStepProgressBar", "StepProgressBar"]
 
 
+def _check_refresh_rate(refresh_rate: object, owner: str, per: str) -> int:
+    """``refresh_rate``, or an error that names the argument and what it takes."""
+    what = (
+        f"`{owner}(refresh_rate=...)` takes how often the bar is drawn, an integer >= 0 ({per}; 0 hides it, as "
+        f"`Trainer(enable_progress_bar=False)` does); got {refresh_rate!r}."
+    )
+    if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, numbers.Integral):
+        raise TypeError(what)
+    if refresh_rate < 0:
+        raise ValueError(what)
+    return int(refresh_rate)
+
+
 class _StepBar(pl.callbacks.ProgressBar):
-    """The hooks both bars share over a ``BarCount`` (``self._count``); each bar sets its drawn total."""
+    """The hooks both bars share over a ``BarCount`` (``self._count``, the training bar) and a ``FitCount``
+    (``self._fit``, the fit's steps); each bar draws its totals."""
 
     _count: BarCount
+    _fit: FitCount
     _shown: int  # the batch whose end the bar has shown (its window may end after, in another callback)
     _counts_as_text = False  # (Rich formats every number as a float)
 
@@ -48,12 +66,17 @@ class _StepBar(pl.callbacks.ProgressBar):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._count.start_fit(trainer, type(self).__name__)
+        found = steps.accumulating(trainer)
+        assert found is not None  # (refused above)
+        self._fit.start_fit(trainer, found)
         super().on_train_start(trainer, pl_module)
+        self._show_fit()
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._count.start_epoch(trainer)
         super().on_train_epoch_start(trainer, pl_module)
+        self._show_fit()
 
     @override
     def on_train_batch_start(
@@ -78,6 +101,8 @@ class _StepBar(pl.callbacks.ProgressBar):
     @reads_counts_only
     def on_window_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, window: WindowReport) -> None:
         """A window stepped: the training bar counts it (``unit="steps"``) and shows its numbers."""
+        self._fit.window_end(window)
+        self._show_fit()
         if self._count.window_end(trainer, window):
             self._set_total()
         if self._count.unit == "steps":
@@ -92,6 +117,10 @@ class _StepBar(pl.callbacks.ProgressBar):
 
     def _set_total(self) -> None:
         """Draw the changed total (the bar's own)."""
+
+    def _show_fit(self) -> None:
+        """Draw the fit's steps where the bar draws them on its own (Rich's overall bar; TQDM's postfix is drawn
+        with the training bar's refresh)."""
 
     def _resume_bar(self, trainer: pl.Trainer, done: int) -> None:
         """Draw the training bar of an epoch resumed inside it: its total, ``done`` of it (the bar's own)."""
@@ -119,7 +148,10 @@ class StepProgressBar(_StepBar, pl.callbacks.TQDMProgressBar):
     * ``unit="batches"``: Lightning's batch counter, with the total the schedule gives (the batches the steps left
       take: an iterable loader with ``max_steps`` gets the sum of their k).
 
-    The postfix shows the last window's ``k``, its effective batch (``batch``, samples over all ranks;
+    The postfix shows first the fit's optimizer steps, done and total (``step=12/40``: the steps of the whole fit
+    from its start, capped by ``max_steps``, where the schedule's walk knows them as for the training bar's total
+    and the loader has a length; else ``max_steps``, or ``?`` without it; a resumed fit counts the steps before
+    its checkpoint), then the last window's ``k``, its effective batch (``batch``, samples over all ranks;
     ``tokens`` too where a ``count`` is given), its ``loss`` (where the losses are read: ``log=True``) and the
     throughput (``samples/s``, or ``tokens/s`` with a ``count``: the window's count over the host time since
     the previous window ended, ``WindowReport.seconds``). A fit resumed inside an epoch (or a window) shows its
@@ -131,7 +163,8 @@ class StepProgressBar(_StepBar, pl.callbacks.TQDMProgressBar):
 
     Args:
         unit: ``"steps"`` (optimizer steps) or ``"batches"`` (loader batches).
-        refresh_rate: as Lightning's ``TQDMProgressBar`` (it counts steps under ``unit="steps"``).
+        refresh_rate: as Lightning's ``TQDMProgressBar``: the bar is drawn every ``refresh_rate`` counts (steps
+            under ``unit="steps"``) and at the total; 0 hides it. An integer >= 0.
         process_position: as Lightning's ``TQDMProgressBar``.
         leave: as Lightning's ``TQDMProgressBar``.
 
@@ -148,9 +181,16 @@ class StepProgressBar(_StepBar, pl.callbacks.TQDMProgressBar):
         self, unit: Unit = "steps", refresh_rate: int = 1, process_position: int = 0, leave: bool = False
     ) -> None:
         count = BarCount(check_unit(unit, type(self).__name__))
-        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
-        self._count = count
+        rate = _check_refresh_rate(refresh_rate, type(self).__name__, "counts between draws")
+        super().__init__(refresh_rate=rate, process_position=process_position, leave=leave)
+        self._count, self._fit = count, FitCount()
         self._shown = -1  # the batch whose end this bar has shown (its window may end after, in another callback)
+
+    @override
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """The postfix: ``step`` (the fit's steps, ``done/total``), then as ``_StepBar`` (Lightning's metrics and
+        the last window's numbers)."""
+        return {"step": self._fit.text(), **super().get_metrics(trainer, pl_module)}
 
     @override
     def _set_total(self) -> None:
@@ -179,11 +219,15 @@ class StepProgressBar(_StepBar, pl.callbacks.TQDMProgressBar):
 
 class RichStepProgressBar(_StepBar, pl.callbacks.RichProgressBar):
     """Lightning's ``RichProgressBar`` counting as ``StepProgressBar`` does (the same counter and total, the same
-    postfix). Needs ``rich`` (``pip install rich``): refused at construction without it.
+    postfix), with an overall bar above the epoch's: ``Steps``, the fit's optimizer steps done of its total (the
+    total of ``StepProgressBar``'s ``step=``; ``--`` and a pulsing bar where unbounded), with its elapsed time,
+    the time left and the steps per second (with ``leave=True`` each epoch's display draws it again, below the
+    epoch's bar from the second epoch on, its times from that epoch's start). Needs ``rich``
+    (``pip install rich``): refused at construction without it.
 
     Args:
         unit: ``"steps"`` (optimizer steps) or ``"batches"`` (loader batches).
-        refresh_rate: as Lightning's ``RichProgressBar``.
+        refresh_rate: as Lightning's ``RichProgressBar``: draws per second, 0 hides the bars. An integer >= 0.
         leave: as Lightning's ``RichProgressBar``.
         **kwargs: Lightning's ``RichProgressBar``'s others (``theme``, ``console_kwargs``).
 
@@ -196,17 +240,41 @@ class RichStepProgressBar(_StepBar, pl.callbacks.RichProgressBar):
     """
 
     _counts_as_text = True
+    #: the overall bar's description
+    FIT_DESCRIPTION = "Steps"
 
     def __init__(self, unit: Unit = "steps", refresh_rate: int = 100, leave: bool = False, **kwargs: Any) -> None:
         count = BarCount(check_unit(unit, type(self).__name__))
+        rate = _check_refresh_rate(refresh_rate, type(self).__name__, "draws per second")
         if importlib.util.find_spec("rich") is None:
             raise ModuleNotFoundError(
                 "`RichStepProgressBar` draws with `rich`, which is not installed: `pip install rich`, or use "
                 "`StepProgressBar` (tqdm)."
             )
-        super().__init__(refresh_rate=refresh_rate, leave=leave, **kwargs)
-        self._count = count
+        super().__init__(refresh_rate=rate, leave=leave, **kwargs)
+        self._count, self._fit = count, FitCount()
         self._shown = -1
+        self.fit_progress_bar_id: Any = None  # the overall bar's task in `self.progress`
+        self._fit_drawn_in: Any = None  # (the `rich` progress it was added to: a new one, with `leave`, gets it again)
+
+    @property
+    def fit_progress_bar(self) -> Any:
+        """The overall bar's ``rich`` task: ``completed`` the fit's optimizer steps, ``total`` its total (``inf``:
+        unbounded); ``None`` while no bar is drawn."""
+        if self.progress is None or self.fit_progress_bar_id is None or self._fit_drawn_in is not self.progress:
+            return None
+        return self.progress.tasks[self.fit_progress_bar_id]
+
+    @override
+    def _show_fit(self) -> None:
+        if self.progress is None or self.is_disabled:
+            return
+        total, done = self._fit.total, self._fit.done
+        if self.fit_progress_bar_id is None or self._fit_drawn_in is not self.progress:
+            self.fit_progress_bar_id = self.progress.add_task(self.FIT_DESCRIPTION, total=total, completed=done)
+            self._fit_drawn_in = self.progress
+        else:
+            self.progress.update(self.fit_progress_bar_id, total=total, completed=done)
 
     @override
     def _set_total(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from lightning_accum._trainer import steps
 from lightning_accum._trainer.reporting import WindowReport
 from lightning_accum.noise import NoiseScale
-from lightning_accum.schedules import Constant, Progress
+from lightning_accum.schedules import Progress
 
 Unit = Literal["steps", "batches"]
 UNITS: tuple[str, ...] = ("steps", "batches")
@@ -47,7 +47,7 @@ class BarCount:
 
         >>> count = BarCount("steps")
         >>> count.state_dict()
-        {'epoch': -1, 'first_step': 0, 'first_microbatches': 0}
+        {'epoch': -1, 'first_step': 0, 'first_microbatches': 0, 'known': True}
     """
 
     def __init__(self, unit: Unit) -> None:
@@ -57,6 +57,7 @@ class BarCount:
         self._loaded = False  # a checkpoint gave the above
         self._fresh = True  # the epoch's start was taken at its start, not from a checkpoint
         self._known = True  # whether the epoch's start is known (not: resumed from a checkpoint without the bar's)
+        self._known_loaded = True  # what a checkpoint said of it
         self._accumulating: steps.Accumulating | None = None
         self._exact = False  # whether the walk is exact for this fit's schedule
         self._sizes: list[int] | None = None
@@ -90,7 +91,7 @@ class BarCount:
             )
         self._accumulating = found
         if not self._loaded:  # (a fit not resumed from a checkpoint of this bar)
-            self._epoch = -1
+            self._epoch, self._known_loaded = -1, True
         self._loaded = False
         self.last, self.rate, self.started = None, None, False
 
@@ -103,7 +104,7 @@ class BarCount:
         self._fresh = epoch != self._epoch
         if self._fresh:
             self._epoch, self._first_step, self._first_microbatches = epoch, progress.step, progress.microbatches
-        self._known = True
+        self._known = self._fresh or self._known_loaded
         self.started = True
         self.last_batch = -1
         batches = trainer.num_training_batches
@@ -113,22 +114,21 @@ class BarCount:
         self._sizes = None
         if not math.isinf(self._batches) and unit == "samples":
             self._sizes = steps.samples_per_batch(trainer, int(self._batches))
-        self._exact = not isinstance(schedule, NoiseScale) and (
-            isinstance(schedule, Constant) or unit in ("epoch", "step") or (unit == "samples" and bool(self._sizes))
-        )
+        self._exact = steps.walk_is_exact(schedule, self._sizes)
         self.steps = progress.step - self._first_step
-        self.total = self._total(trainer, progress, None)
+        self.total = self._total(trainer, progress, None) if self._known else math.inf  # (unknown: at the batch)
 
     def batch_start(self, trainer: Any, batch_idx: int) -> bool:
         """At a training batch's start; whether the total changed: a fit resumed inside an epoch from a checkpoint
         without this bar's state does not know the epoch's earlier windows, so its steps are counted from here and
         its total found as the epoch goes."""
         first, self.last_batch = self.last_batch < 0, batch_idx
-        if not (first and batch_idx > 0 and self._fresh):
+        if not (first and batch_idx > 0 and (self._fresh or not self._known)):
             return False
         progress = self._progress()
+        if self._fresh:  # (else a checkpoint's count, itself from a resume without the bar's state, goes on)
+            self._first_step, self.steps = progress.step, 0
         self._known, self._fresh = False, False
-        self._first_step, self.steps = progress.step, 0
         total = self._total(trainer, progress, batch_idx)
         changed, self.total = total != self.total, total
         return changed
@@ -196,10 +196,14 @@ class BarCount:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "first_step": self._first_step, "first_microbatches": self._first_microbatches}
+        return {
+            "epoch": self._epoch, "first_step": self._first_step, "first_microbatches": self._first_microbatches,
+            "known": self._known,  # (False: the steps are counted from a resume, the epoch's start unknown)
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._epoch = int(state.get("epoch", -1))
         self._first_step = int(state.get("first_step", 0))
         self._first_microbatches = int(state.get("first_microbatches", 0))
+        self._known_loaded = bool(state.get("known", True))
         self._loaded = True
