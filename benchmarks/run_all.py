@@ -93,8 +93,14 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
         table.append((what, "allocator peak vs joint", f"{row['alloc_ratio']:.3f}", "(reported)"))
         table.append((what, "time vs joint", f"{row['time_ratio']:.3f}", "<= 1.05"))
     bn = results["batchnorm.py"]
-    table.append((f"batchnorm='window', small ResNet, k={bn['k']}", "CPU time per window vs 'micro-batch' (best)",
-                  f"{bn['ratio_best']:.3f}", f"<= {bn['target']}"))  # fmt: skip
+    what = f"batchnorm='window', small ResNet, k={bn['k']}"
+    if "ratio_median" in bn:
+        table.append((what, "CPU time per window vs 'micro-batch' (median of rounds)", f"{bn['ratio_median']:.3f}",
+                      f"<= {bn['target']}"))  # fmt: skip
+    table.append((what, "CPU time per window vs 'micro-batch' (best)", f"{bn['ratio_best']:.3f}", f"<= {bn['target']}"))
+    if "hooks_share" in bn:
+        table.append((what, f"its hooks' CPU time, in place ({bn['hooks_us_per_window']:.0f} us/window): share",
+                      f"{bn['hooks_share']:.3f}", "(reported)"))  # fmt: skip
     for row in results["decay.py"]["rows"]:
         table.append(
             (f"decay: {row['model']}, {row['policy']}", "step vs zero_grad", f"{row['step_ratio']:.3f}", "<= 1.1")

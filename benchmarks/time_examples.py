@@ -27,7 +27,7 @@ EXAMPLES = ROOT / "examples"
 DOC = ROOT / "docs" / "getting-started.md"
 START, END = "<!-- examples-timing:start -->", "<!-- examples-timing:end -->"
 #: the examples with an ``--out`` folder get a temporary one (their default writes beside the script)
-WRITES = {"adaptive", "gradient_decay", "contrastive", "retrieval"}
+WRITES = {"adaptive", "gradient_decay", "contrastive", "retrieval", "batchnorm_window"}
 
 
 def examples() -> list[str]:

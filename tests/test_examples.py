@@ -84,6 +84,21 @@ def test_gradient_decay(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_batchnorm_window(tmp_path: Path) -> None:
+    out = run("batchnorm_window.py", "--epochs", "1", "--out", str(tmp_path))
+    assert "micro-batch vs window runs: parameters differ by 0.0e+00" in out
+    distances = {}
+    for line in out.splitlines():
+        if "relative distance" in line:
+            name = line.split()[0]
+            distances[name] = float(line.split("running_var ")[1])
+    assert distances["batchnorm='window'"] < distances["batchnorm='micro-batch'"]
+    gap = float(out.split("running statistics differ by ")[1].split()[0])
+    assert gap < 1e-12
+    assert (tmp_path / "batchnorm_window.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
 def test_adaptive(tmp_path: Path) -> None:
     out = run("adaptive.py", "--epochs", "2", "--out", str(tmp_path))
     assert "done:" in out and "noise scale" in out and "adascale gain" in out and "scaled steps" in out

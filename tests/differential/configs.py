@@ -23,6 +23,8 @@ FAILURES = (
     "validation",
     "sigterm",
 )
+# interruptions whose resumed run does not run a forward again: before the batch's forward, or once it is processed
+FORWARD_ONCE = ("save", "on_train_batch_start", "training_step", "on_train_batch_end", "sigterm")
 LAMBDAS = ("cycle3", "epoch_up", "samples_tier")
 NOISE_OPTIONS = ("start", "every", "warmup", "hysteresis", "beta", "max_ratio")  # `NoiseScale`'s keyword arguments
 
@@ -105,6 +107,10 @@ class Config:
     # batch (`labels = batch.pop("labels")`), the count then falling back to every position where the mask is gone
     unfreeze: list[int] | None = None
     mutate: bool = False
+    # issue 44: a BatchNorm layer in the net (`model.make_net`) and the adapter's `batchnorm=` ("micro-batch" |
+    # "window"; None: no BatchNorm layer); its momentum, a float or None (the cumulative average)
+    batchnorm: str | None = None
+    bn_momentum: float | None = 0.1
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -235,6 +241,7 @@ def generate(rng: random.Random) -> Config:
     if c.adapter == "mixin":
         _mean_by(c)
     _noise(c)
+    _batchnorm(c)
     return c
 
 
@@ -281,6 +288,32 @@ def _always_one(spec: dict[str, Any]) -> bool:
     if family == "ramp":
         return bool(max(spec["start"], spec["end"]) == 1)
     return False
+
+
+def _batchnorm(c: Config) -> None:
+    """A BatchNorm layer in the net and ``batchnorm="micro-batch" | "window"`` (issue 44), drawn from a generator of
+    the configuration's own (the other configurations' draws stay as they were), where the reference can follow
+    every forward: not with the mixin's `backward_each` (each closure runs the micro-batch again) or `backward_cached`
+    (its chunks are normalised apart), a window per optimizer (a forward per optimizer), SWA (its BatchNorm epoch),
+    ``microbatch_size="auto"`` (refused under "window"; an out-of-memory piece's forward counted under
+    "micro-batch"), nor on several ranks (`ranks_config`). Lightning's own loop (``plain``) has "micro-batch" only.
+    Under "micro-batch" a forward's statistics are in the buffers at once, so there is no failure between a batch's
+    forward and its end (`on_before_backward`, `on_after_backward`, `on_before_optimizer_step`: resumed, the batch
+    runs again and counts twice, package or not, as in Lightning alone) nor inside validation, and no refit (the
+    stopped window's forwards count); under "window" every failure and resume is drawn."""
+    rng = random.Random(f"batchnorm/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if rng.random() >= 0.3:
+        return
+    if c.mode in ("each", "cached") or c.windows == "each" or c.swa is not None or c.microbatch_size == "auto":
+        return
+    if c.world > 1:
+        return
+    c.batchnorm = "micro-batch" if c.plain else rng.choice(["micro-batch", "window"])
+    c.bn_momentum = rng.choice([0.1, 0.5, None])
+    if c.batchnorm == "micro-batch":
+        c.interruptions = [i for i in c.interruptions if i[0] in FORWARD_ONCE]
+        c.fail_piece = 0
+        c.refit = None
 
 
 def _mean_by(c: Config) -> None:
@@ -416,6 +449,7 @@ def fabric_config(c: Config, rng: random.Random) -> Config:
     c.refit = None
     c.microbatch_size, c.oom, c.fail_piece = None, None, 0
     c.unfreeze, c.mutate = None, False  # (the callback's draws: the helper's param groups have unit tests)
+    c.batchnorm = None  # (drawn after: `generate`)
     c.passes = rng.choice([1, 1, 2])
     c.resave = bool(c.interruptions) and rng.random() < 0.5
     # (a `Lambda` reading the epoch cannot be seen to: without `epoch=` its epoch would stay 0)
@@ -428,6 +462,7 @@ def ranks_config(rng: random.Random) -> Config:
     """A Fabric loop on 2 processes (``ranks.py``), DDP or FSDP2: rank r takes every other batch."""
     c = fabric_config(generate(rng), rng)
     c.world, c.strategy = 2, rng.choice(["ddp", "fsdp2"])
+    c.batchnorm = None  # (not on ranks: see `_batchnorm`)
     if c.schedule["family"] == "noise" or c.lr_scaling == "adascale":  # (refused under FSDP2: its unit tests)
         c.strategy = "ddp"
     c.last_arg = c.last_arg or c.strategy == "fsdp2"  # (FSDP2 needs to know a window's last micro-batch)

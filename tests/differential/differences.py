@@ -1,5 +1,5 @@
 """What differs between two results: the parameters (relative 1e-10), ``global_step``, each step's LRs,
-Adam's state and the ``on_window_end`` average."""
+Adam's state, the ``on_window_end`` average and the BatchNorm buffers (running mean, variance, step count)."""
 
 from __future__ import annotations
 
@@ -43,4 +43,8 @@ def differences(want: Result, got: Result) -> list[str]:
         got.ema is not None and want.ema is not None and not all(map(_close, got.ema, want.ema))
     ):
         out.append("the average of the parameters at window ends (`on_window_end`) differs")
+    if (got.buffers is None) != (want.buffers is None) or (
+        got.buffers is not None and want.buffers is not None and not all(map(_close, got.buffers, want.buffers))
+    ):
+        out.append(f"the BatchNorm buffers differ: {got.buffers} != {want.buffers}")
     return out

@@ -21,7 +21,7 @@ from lightning_accum.fabric import FabricAccumulator
 
 from .configs import Config
 from .model import Data, count_tokens, errors, make_net
-from .package import lr_schedule, schedule
+from .package import batchnorm, lr_schedule, schedule
 from .reference import Result, make_optimizers, optimizer_state
 
 
@@ -33,7 +33,7 @@ class _Run:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)  # (the reference's initial weights are drawn in float32)
         try:
-            self.net = make_net(c.seed)
+            self.net = make_net(c.seed, c)
         finally:
             torch.set_default_dtype(previous)
         if c.strategy == "fsdp2":  # (the optimizer over the sharded parameters)
@@ -47,7 +47,7 @@ class _Run:
         self.acc = FabricAccumulator(
             fabric, self.model, self.optimizer, schedule(c.schedule), normalize=c.normalize,  # type: ignore[arg-type]
             count=count_tokens if c.count else None, reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
-            lr_scaling=c.lr_scaling, lr_schedule=lr_schedule(c), log=False, **clip,  # type: ignore[arg-type]
+            lr_scaling=c.lr_scaling, lr_schedule=lr_schedule(c), log=False, **clip, **batchnorm(c),  # type: ignore[arg-type]
         )  # fmt: skip
         self.state = {"model": self.model, "optimizer": self.optimizer, "accumulation": self.acc}
         if path is not None:
@@ -133,7 +133,8 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
     adam = optimizer_state(c, [run.optimizer.optimizer])
     if adam is not None:  # (FSDP2: each rank holds its shard of Adam's state)
         adam = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()} for s in adam]
-    return Result(run.params(), run.acc.progress.step, out_lrs, adam, None)
+    buffers = [b.detach().clone() for b in run.model.buffers()] if c.batchnorm else None
+    return Result(run.params(), run.acc.progress.step, out_lrs, adam, None, buffers)
 
 
 def steps_done(c: Config, run: _Run) -> bool:

@@ -106,10 +106,16 @@ class NoiseReference:
         return (trace / self.first_units + grad_sq) / (trace / units + grad_sq)
 
     def measure(
-        self, net: nn.Module, window: list[dict[str, Tensor]], world: int, guide: nn.Module | None = None
+        self,
+        net: nn.Module,
+        window: list[dict[str, Tensor]],
+        world: int,
+        guide: nn.Module | None = None,
+        piece: int | None = None,
     ) -> None:
         """(2)-(4) One stepped window: ``window`` its micro-batches (rank r's are ``window[r::world]``), the net's
-        ``.grad`` its whole normalised gradient over all ranks (before decay, clipping and the step)."""
+        ``.grad`` its whole normalised gradient over all ranks (before decay, clipping and the step); ``piece``:
+        the net run on slices of that many samples, as the package cuts them (``model.forward``)."""
         params = [prm for prm in net.parameters() if prm.requires_grad]  # (a frozen layer is in no optimizer)
         whole = sum(float((prm.grad.double() ** 2).sum()) for prm in params if prm.grad is not None)
         units = [self._units(b) for b in window]
@@ -119,7 +125,7 @@ class NoiseReference:
             mine = window[r::world]
             prefixes = []
             for i in prefix_positions(len(mine)):
-                losses = [micro_loss(net, b, guide) for b in mine[:i]]
+                losses = [micro_loss(net, b, guide, piece) for b in mine[:i]]
                 if self.items:  # the sum of the losses over the prefix's items
                     loss = sum((t for t, _, _ in losses), torch.zeros((), dtype=torch.float64))
                 else:  # the sum of the micro-batches' mean losses, times the prefix's mean samples per micro-batch

@@ -80,11 +80,17 @@ def package_callbacks(c: Config) -> list[pl.Callback]:
                 lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
                 lr_schedule=lr_schedule(c),
                 microbatch_size=c.microbatch_size,
+                **batchnorm(c),
             )
         )
     if c.adapter == "callback" and c.decay is not None:
         callbacks.append(decay(c))  # type: ignore[arg-type]
     return callbacks
+
+
+def batchnorm(c: Config) -> dict[str, Any]:
+    """The adapter's ``batchnorm=`` where the net has a BatchNorm layer (issue 44)."""
+    return {} if c.batchnorm is None else {"batchnorm": c.batchnorm}
 
 
 def count_or_positions(batch: dict[str, Tensor]) -> Tensor:
@@ -116,7 +122,7 @@ class _Base(pl.LightningModule):
     def __init__(self, c: Config, data: Data) -> None:
         super().__init__()
         self.c, self.data = c, data
-        self.net = make_net(c.seed)
+        self.net = make_net(c.seed, c)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.log("val", micro_loss(self.net, batch)[0], batch_size=len(batch["x"]))
@@ -208,6 +214,7 @@ class Manual(la.AccumulationMixin, _Base):
             lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
             lr_schedule=lr_schedule(c),
             step_schedulers=c.schedulers_by != "user",  # ("both": the model steps it too, which is refused)
+            **batchnorm(c),
         )
 
     @property
@@ -578,4 +585,5 @@ def run(c: Config) -> Result:
         params = [p.detach().clone() for p in model.net.parameters()]
         lrs = [recorder.lrs[s] for s in sorted(recorder.lrs)]
         ema = model.window_ema.average if "ema" in c.callbacks else None
-        return Result(params, trainer.global_step, lrs, optimizer_state(c, trainer.optimizers), ema)
+        buffers = [b.detach().clone() for b in model.net.buffers()] if c.batchnorm else None
+        return Result(params, trainer.global_step, lrs, optimizer_state(c, trainer.optimizers), ema, buffers)

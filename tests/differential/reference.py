@@ -13,6 +13,7 @@ epoch's end the probe, ``EarlyStopping`` and epoch-interval schedulers (as Light
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import SWALR
 
 from .configs import Config
-from .model import Data, batch_probe, make_net, micro_loss, probe_loss
+from .model import Data, batch_probe, forward, make_net, micro_loss, probe_loss
 from .noise_reference import NoiseReference
 
 
@@ -34,6 +35,7 @@ class Result:
     lrs: list[list[float]]  # per optimizer step (each optimizer's, in order): each group's LR as the step used it
     adam: list[dict[str, Tensor]] | None  # per optimizer and parameter: exp_avg, exp_avg_sq, step
     ema: list[Tensor] | None = None  # the "ema" callback's average of the parameters after each step
+    buffers: list[Tensor] | None = None  # with a BatchNorm layer: its running mean, variance, `num_batches_tracked`
 
 
 EMA = 0.6  # the "ema" callback's decay
@@ -79,13 +81,14 @@ def make_optimizer(c: Config, params: Any) -> torch.optim.Optimizer:
 
 
 def make_optimizers(c: Config, net: nn.Module) -> list[torch.optim.Optimizer]:
-    """One optimizer; or two (the mixin): the first layer's and the last's, and with ``shared`` the first
+    """One optimizer; or two (the mixin): the first layers' and the last's, and with ``shared`` the first
     holds the last layer's bias too."""
     if c.unfreeze is not None:  # (the first layer joins as a param group of its own at `c.unfreeze`)
-        return [make_optimizer(c, net[2].parameters())]
+        return [make_optimizer(c, [*net[1].parameters(), *net[2].parameters()])]
     if c.optimizers == 1:
         return [make_optimizer(c, net.parameters())]
-    first, last = list(net[0].parameters()), list(net[2].parameters())
+    # (`net[1]`: the BatchNorm layer's weight and bias where the net has one, with the first layer's)
+    first, last = [*net[0].parameters(), *net[1].parameters()], list(net[2].parameters())
     return [make_optimizer(c, first + (last[1:] if c.shared else [])), make_optimizer(c, last)]
 
 
@@ -123,13 +126,97 @@ def _terms(
     token's error times the cached mode's ``guide`` weight where there is one."""
     terms = []
     for b in batches:
-        total, n_items, positions = micro_loss(net, b, guide)
+        total, n_items, positions = micro_loss(net, b, guide, piece(c))
         if c.normalize == "items":
             if n_items > 0:
                 terms.append(total / tokens)
         else:
             terms.append(total / positions / size)
     return terms
+
+
+def piece(c: Config) -> int | None:
+    """How many samples each forward takes, where the package cuts a batch in pieces and a BatchNorm layer sees
+    it (the callback's ``microbatch_size``, the mixin's ``backward_microbatches`` in parts of 2); else the batch."""
+    if c.batchnorm is None:
+        return None
+    if c.adapter == "callback" and isinstance(c.microbatch_size, int):
+        return c.microbatch_size
+    return 2 if c.adapter == "mixin" and c.mode == "microbatches" else None
+
+
+class BatchNormStatistics:
+    """The BatchNorm layer's running statistics as ``c.batchnorm`` defines them. Under ``"micro-batch"`` torch's own
+    update at every training forward (what a plain loop does). Under ``"window"`` none of those: the buffers are put
+    back after the window's forwards, then updated once, ``running = (1 - m) * running + m * stat`` with the mean
+    and unbiased variance of everything the layer was given in the window, taken at once from those inputs joined
+    (``m``: the momentum, or ``1 / num_batches_tracked`` with ``None``), ``num_batches_tracked`` + 1."""
+
+    def __init__(self, c: Config, net: nn.Module) -> None:
+        self.mode = c.batchnorm
+        self.layers = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self.inputs: list[Tensor] | None = None
+        for layer in self.layers:
+            layer.register_forward_hook(self._record)
+
+    def _record(self, layer: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        if self.inputs is not None and layer.training:
+            x = args[0].detach()
+            self.inputs.append(x.transpose(0, 1).reshape(x.shape[1], -1))  # (channels, samples x positions)
+
+    @contextlib.contextmanager
+    def _untracked(self) -> Iterator[None]:
+        """Forwards that leave the buffers alone: normalised by their own statistics, as in training, without
+        torch's update (a buffer written in place would also break the backward, which saved it)."""
+        for layer in self.layers:
+            layer.track_running_stats = False
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.track_running_stats = True
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        """The forwards of a window that is stepped."""
+        if self.mode != "window" or not self.layers:
+            yield
+            return
+        (layer,) = self.layers
+        self.inputs = []
+        try:
+            with self._untracked():
+                yield
+            inputs = self.inputs
+        finally:
+            self.inputs = None
+        if not inputs:  # (no forward: nothing to pool)
+            return
+        x = torch.cat(inputs, dim=1)
+        assert layer.running_mean is not None and layer.running_var is not None
+        assert layer.num_batches_tracked is not None
+        with torch.no_grad():
+            layer.num_batches_tracked.add_(1)
+            m = 1.0 / float(layer.num_batches_tracked) if layer.momentum is None else layer.momentum
+            layer.running_mean.copy_((1 - m) * layer.running_mean + m * x.mean(dim=1))
+            layer.running_var.copy_((1 - m) * layer.running_var + m * x.var(dim=1))
+
+    @contextlib.contextmanager
+    def untouched(self) -> Iterator[None]:
+        """Forwards that do not count (the reference's own, to measure the noise)."""
+        with self._untracked():
+            yield
+
+    def unstepped(self, c: Config, net: nn.Module, batches: list[dict[str, Tensor]]) -> None:
+        """A window of no items is not stepped, but its forwards ran: under ``"micro-batch"`` they updated the
+        buffers, under ``"window"`` the window's statistics are those of its samples all the same (as the
+        package does: the statistics follow the samples the layer saw, not the step)."""
+        with torch.no_grad(), self.window():
+            for b in batches:
+                forward(net, b["x"], piece(c))
+
+    def result(self) -> list[Tensor] | None:
+        return [b.detach().clone() for layer in self.layers for b in layer.buffers()] if self.mode else None
 
 
 def _step(c: Config, opt: torch.optim.Optimizer, factor: float, lrs: list[list[float]]) -> None:
@@ -199,7 +286,8 @@ def run(c: Config) -> Result:
 
 def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int] | None = None) -> tuple[Result, Any]:
     data = Data(c)
-    net = make_net(c.seed) if carried is None else carried["net"]
+    net = make_net(c.seed, c) if carried is None else carried["net"]
+    bn = BatchNormStatistics(c, net) if carried is None else carried["bn"]
     if c.unfreeze is not None:  # frozen until it joins the optimizer at batch `c.unfreeze`
         net[0].requires_grad_(False)
     guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
@@ -264,6 +352,7 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
             counts = [float(b["mask"].sum()) if c.count else float(len(b["x"])) for b in window]
             tokens = sum(counts)
             if not window or (c.normalize == "items" and tokens == 0):  # nothing went in: no step, nothing changes
+                bn.unstepped(c, net, window)
                 if joins is not None:
                     _join(net, opts[0])
                 p["samples"] += samples
@@ -291,19 +380,21 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 if c.max_steps != -1 and (p["step"] - step0) * len(opts) >= c.max_steps:
                     done = True
                 continue
-            if joins is not None:  # the batches before the join ran with the first layer frozen
-                before = [data.batch(j * c.world + r) for j in indices if j < joins for r in range(c.world)]
-                terms = _terms(c, net, before, tokens, len(window), guide)
-                _join(net, opts[0])
-                after = [data.batch(j * c.world + r) for j in indices if j >= joins for r in range(c.world)]
-                terms += _terms(c, net, after, tokens, len(window), guide)
-            else:
-                terms = _terms(c, net, window, tokens, len(window), guide)
+            with bn.window():
+                if joins is not None:  # the batches before the join ran with the first layer frozen
+                    before = [data.batch(j * c.world + r) for j in indices if j < joins for r in range(c.world)]
+                    terms = _terms(c, net, before, tokens, len(window), guide)
+                    _join(net, opts[0])
+                    after = [data.batch(j * c.world + r) for j in indices if j >= joins for r in range(c.world)]
+                    terms += _terms(c, net, after, tokens, len(window), guide)
+                else:
+                    terms = _terms(c, net, window, tokens, len(window), guide)
             loss = sum(terms, torch.zeros((), dtype=torch.float64))
             net.zero_grad(set_to_none=False)
             loss.backward()
             if noise.active:  # the window's own gradient, before the decay's residual joins it
-                noise.measure(net, window, c.world, guide)
+                with bn.untouched():
+                    noise.measure(net, window, c.world, guide, piece(c))
             if c.decay is not None:
                 f, mode, bias = c.decay
                 for j, prm in enumerate(net.parameters()):
@@ -350,6 +441,7 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
             for prm, a in zip(net.parameters(), average, strict=True):
                 prm.copy_(a)
     steps = (p["step"] - step0) * len(opts)  # (manual optimization counts each optimizer's step)
-    result = Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts), ema)
-    return result, {"net": net, "p": p, "first_k": first_k, "residual": residual, "last_loss": last_loss,
+    result = Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts), ema,
+                    bn.result())  # fmt: skip
+    return result, {"net": net, "bn": bn, "p": p, "first_k": first_k, "residual": residual, "last_loss": last_loss,
                     "noise": noise}
