@@ -14,7 +14,7 @@ Pooling is Chan et al.'s parallel combination of (count, mean, sum of squared de
 arithmetic and free of the cancellation of raw moments; it runs in float64 (where the device has it) on
 O(channels) tensors, so that the only rounding in the buffers' dtype is the one cast of the final update
 (``running = (1 - m) * running + m * stat``, ``stat`` the window's mean and unbiased variance). A
-micro-batch's statistics are first pooled into the micro-batch under way and join the window only when
+micro-batch's forwards' statistics are kept as the kernel wrote them and pooled into the window only when
 its backward pass finished (``accept``): a micro-batch that failed, or one trained again after a resume,
 adds nothing. Nothing is read on the host: counts are shapes.
 
@@ -74,10 +74,11 @@ class Moments:
         self.count, self.mean, self.m2 = count, mean, m2
 
     @classmethod
-    def of(cls, count: int, mean: Tensor, unbiased_var: Tensor) -> Moments:
-        """A group of ``count`` samples from its mean and unbiased variance (copied, in float64 where possible)."""
+    def of(cls, count: int, mean: Tensor, unbiased_var: Tensor, *, fresh: bool = False) -> Moments:
+        """A group of ``count`` samples from its mean and unbiased variance (copied, in float64 where possible;
+        ``fresh``: ``mean`` is a tensor of the caller's own, in that dtype, which is kept)."""
         dtype = _pool_dtype(mean)
-        return cls(count, mean.to(dtype, copy=True), unbiased_var.to(dtype) * (count - 1))
+        return cls(count, mean if fresh else mean.to(dtype, copy=True), unbiased_var.to(dtype) * (count - 1))
 
     def add(self, count: int, mean: Tensor, spread: Tensor, *, m2: bool = False) -> None:
         """Pool in another group of ``count`` samples: its ``mean`` and its unbiased variance (``m2=False``) or
@@ -122,10 +123,10 @@ class RankMoments(Moments):
 
     @classmethod
     @override
-    def of(cls, count: int, mean: Tensor, unbiased_var: Tensor) -> RankMoments:
+    def of(cls, count: int, mean: Tensor, unbiased_var: Tensor, *, fresh: bool = False) -> RankMoments:
         dtype = _pool_dtype(mean)
-        var = unbiased_var.to(dtype, copy=True)
-        return cls(count, mean.to(dtype, copy=True), var * count, var)
+        var = unbiased_var if fresh else unbiased_var.to(dtype, copy=True)
+        return cls(count, mean if fresh else mean.to(dtype, copy=True), var * count, var)
 
     @override
     def add(self, count: int, mean: Tensor, spread: Tensor, *, m2: bool = False) -> None:
@@ -199,9 +200,12 @@ class WindowBatchNorm:
         self._layers: dict[str, _BatchNorm] = {}
         self._handles: list[RemovableHandle] = []
         self._window: dict[str, Moments] = {}  # pooled over the window's accepted micro-batches
-        self._pending: dict[str, Moments] = {}  # pooled over the micro-batch under way
-        #: layers inside their forward: their own running buffers, ``num_batches_tracked`` and momentum
-        self._inflight: dict[str, tuple[Tensor, Tensor, Tensor | None, float | None]] = {}
+        #: the forwards of the micro-batch under way, by layer: (count, [mean; unbiased variance]) as the kernel
+        #: wrote them, pooled into the window at the micro-batch's end (``accept``)
+        self._pending: dict[str, list[tuple[int, Tensor]]] = {}
+        #: layers inside their forward: their own running buffers, ``num_batches_tracked`` and momentum, and the
+        #: block the kernel writes this forward's statistics into
+        self._inflight: dict[str, tuple[Tensor, Tensor, Tensor | None, float | None, Tensor]] = {}
         self._loaded: dict[str, Moments] = {}  # a checkpoint's window, till its layers are attached
         #: `SyncBatchNorm` layers that synchronise (several ranks in their group): their process group
         self._groups: dict[str, Any] = {}
@@ -254,11 +258,13 @@ class WindowBatchNorm:
             return
         mean, var = layer.running_mean, layer.running_var
         assert var is not None
-        self._inflight[self._names[layer]] = (mean, var, layer.num_batches_tracked, layer.momentum)
-        # BatchNorm's kernel writes this micro-batch's mean and unbiased variance into zeroed buffers
-        # (straight into the module's dicts: `nn.Module.__setattr__` costs more than the rest of the hook)
+        # BatchNorm's kernel writes this micro-batch's mean and unbiased variance into zeroed buffers, the two rows
+        # of one block (one allocation, one conversion when pooled; straight into the module's dicts:
+        # `nn.Module.__setattr__` costs more than the rest of the hook)
+        block = mean.new_zeros((2, *mean.shape))
+        self._inflight[self._names[layer]] = (mean, var, layer.num_batches_tracked, layer.momentum, block)
         held = layer._buffers
-        held["running_mean"], held["running_var"] = torch.zeros_like(mean), torch.zeros_like(var)
+        held["running_mean"], held["running_var"] = block.unbind(0)
         held["num_batches_tracked"] = self._scratch.get(self._names[layer])
         layer.__dict__["momentum"] = 1.0
 
@@ -266,22 +272,24 @@ class WindowBatchNorm:
         name = self._names[layer]
         if name not in self._inflight:
             return
-        mean, var = layer.running_mean, layer.running_var
-        assert mean is not None and var is not None
-        self._put_back(layer, self._inflight.pop(name))
+        block = self._put_back(layer, self._inflight.pop(name))
         if not self.paused:
             x = args[0]
-            count = x.numel() // x.shape[1]
+            forward = (x.numel() // x.shape[1], block)
             pending = self._pending.get(name)
             if pending is None:
-                self._pending[name] = (RankMoments if name in self._groups else Moments).of(count, mean, var)
+                self._pending[name] = [forward]
             else:
-                pending.add(count, mean, var)
+                pending.append(forward)
 
     @staticmethod
-    def _put_back(layer: _BatchNorm, own: tuple[Tensor, Tensor, Tensor | None, float | None]) -> None:
+    def _put_back(layer: _BatchNorm, inflight: tuple[Tensor, Tensor, Tensor | None, float | None, Tensor]) -> Tensor:
+        """The layer's own buffers and momentum back; returns the block its forward wrote."""
         held = layer._buffers
-        held["running_mean"], held["running_var"], held["num_batches_tracked"], layer.__dict__["momentum"] = own
+        held["running_mean"], held["running_var"], held["num_batches_tracked"], layer.__dict__["momentum"], block = (
+            inflight
+        )
+        return block
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:
@@ -296,12 +304,15 @@ class WindowBatchNorm:
     # ------------------------------------------------------------------ the window
     def accept(self) -> None:
         """The micro-batch under way is in the window (its backward finished): its statistics join it."""
-        for name, moments in self._pending.items():
+        for name, forwards in self._pending.items():
             pooled = self._window.get(name)
-            if pooled is None:
-                self._window[name] = moments
-            else:
-                pooled.merge(moments)
+            for count, block in forwards:
+                mean, var = block.to(_pool_dtype(block)).unbind(0)  # (a block of ours: no copy kept of it)
+                if pooled is None:
+                    kind = RankMoments if name in self._groups else Moments
+                    pooled = self._window[name] = kind.of(count, mean, var, fresh=True)
+                else:
+                    pooled.add(count, mean, var)
         self._pending = {}
 
     def drop_pending(self) -> None:

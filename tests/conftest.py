@@ -1,0 +1,39 @@
+"""Session-wide guards for the multi-process tests.
+
+* A forked rank runs with one intra-op thread. torch's CPU build parallelises with GNU OpenMP, which
+  does not survive ``fork``: once this process has used its OpenMP pool (any op above ATen's grain
+  size), a forked child's first parallel kernel waits for pool threads that were never copied and
+  hangs for ever (seen: one CI run stopped at the first forked DDP test and ran out its 90 minutes).
+  With one thread ATen never opens a parallel region; two ranks on two cores lose nothing by it.
+* A test that still hangs ends the session after ``HANG_AFTER_S`` with every thread's traceback,
+  instead of holding CI until its own limit. No test here takes a tenth of it, busy machine or not:
+  it is a hang detector, not a timing assertion.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+HANG_AFTER_S = 900
+
+
+def _one_thread_in_the_child() -> None:
+    torch.set_num_threads(1)
+
+
+os.register_at_fork(after_in_child=_one_thread_in_the_child)
+
+
+@pytest.fixture(autouse=True)
+def _hang_detector() -> Iterator[None]:
+    faulthandler.dump_traceback_later(HANG_AFTER_S, exit=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
