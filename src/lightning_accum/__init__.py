@@ -25,7 +25,7 @@ from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
 from lightning_accum.fabric import FabricAccumulator
 from lightning_accum.mixin import AccumulationMixin, Accumulator
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
-from lightning_accum.schedules import Constant, Lambda, Piecewise, Progress, Ramp, Schedule
+from lightning_accum.schedules import Budget, Constant, Lambda, Piecewise, Progress, Ramp, Schedule
 
 __version__ = "0.2.0.dev0"
 
@@ -33,6 +33,7 @@ __all__ = [
     "AccumulationMixin",
     "AccumulationScheduler",
     "Accumulator",
+    "Budget",
     "Constant",
     "FabricAccumulator",
     "GradientDecay",

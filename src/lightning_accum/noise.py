@@ -191,6 +191,7 @@ class NoiseScale(Schedule):
 
     unit = None
     rank_consistent = True  # fed statistics all-reduced over ranks
+    measures_noise = True  # (in windows of a fixed k: not a `Budget`'s size)
 
     def __init__(
         self,

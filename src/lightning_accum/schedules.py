@@ -117,6 +117,9 @@ class Schedule:
     #: rank computes the same ``k``; if not (``Lambda``, subclasses), the ranks' ``k`` are compared
     #: at each window's start, which costs one small all-reduce per optimizer step
     rank_consistent: bool = False
+    #: whether ``k`` is measured from the gradient of windows of a fixed ``k`` (``NoiseScale``): such a schedule
+    #: cannot set a ``Budget``'s size
+    measures_noise: bool = False
 
     def k(self, progress: Progress) -> int:
         """The window size for ``progress``: the method a schedule of your own defines (``__call__`` checks
@@ -310,6 +313,95 @@ class Lambda(Schedule):
     def __repr__(self) -> str:
         suffix = "" if self.unit is None else f", unit={self.unit!r}"
         return f"Lambda({self.fn!r}{suffix})"
+
+
+OPEN_ENDED = 2**31 - 1
+"""The ``k`` of a ``Budget`` without ``max_k``: no cap on a window's micro-batches (its budget closes it)."""
+
+
+class Budget(Schedule):
+    """Windows closed by a budget: a window closes after the first micro-batch at which its count over all
+    ranks (``unit``: ``"items"``, e.g. tokens from ``count``, or ``"samples"``) reaches ``n``.
+
+    A micro-batch is never split, so a window holds at least ``n`` (at most one micro-batch more), unless
+    ``max_k`` closes it first (the most micro-batches a window holds) or the epoch ends (a short last window,
+    as for any schedule). ``n`` may follow progress itself: a schedule (``Budget(Ramp(...))``) or a function of
+    ``Progress``, read when the window opens. A micro-batch is what the adapter counts as one: a loader batch
+    for ``AccumulationScheduler`` (``microbatch_size`` pieces included), an ``accumulate`` block for the mixin
+    and ``FabricAccumulator``; its count is taken before its ``training_step`` (``count(batch)``, or its samples).
+
+    ``k(progress)`` is the cap (``max_k``, or ``OPEN_ENDED``); ``budget(progress)`` is ``n``.
+
+    Example:
+
+        >>> b = Budget(4096, unit="items", max_k=16)
+        >>> b.budget(Progress()), b(Progress())
+        (4096, 16)
+        >>> Budget(Ramp(1000, 4000, over=10_000, unit="items")).budget(Progress(items=5_000))
+        2500
+    """
+
+    def __init__(
+        self,
+        n: int | Schedule | Callable[[Progress], int],
+        unit: Literal["items", "samples", "tokens", "item", "sample", "token"] = "items",
+        max_k: int | None = None,
+    ) -> None:
+        self.unit = _check_unit(unit, ("samples", "items"))
+        self.max_k = None if max_k is None else _check_k(max_k, "max_k", "the most micro-batches a window holds")
+        if isinstance(n, Schedule):
+            if n.measures_noise or isinstance(n, Budget):
+                why = (
+                    "it measures the gradient noise in windows of a fixed k, which a budget does not give"
+                    if n.measures_noise
+                    else "a budget is not a number"
+                )
+                raise ValueError(
+                    f"`n` of `Budget` cannot be {n!r}: {why}. Give an int, a schedule of Progress such as "
+                    "`Ramp(...)`, or a function of Progress."
+                )
+            self.n: Schedule = n
+        elif isinstance(n, numbers.Real) and not isinstance(n, bool):
+            if not isinstance(n, numbers.Integral) or int(n) < 1:
+                raise ValueError(
+                    f"`n` of `Budget` must be an int >= 1 (the {self.unit} a window reaches); got {n!r}. "
+                    "e.g. `Budget(500_000, unit='items')`."
+                )
+            self.n = Constant(int(n))
+        elif callable(n) and not isinstance(n, type):
+            self.n = Lambda(n)
+        else:
+            raise TypeError(
+                f"`n` of `Budget` must be an int >= 1, a Schedule (e.g. `Ramp(...)`) or a function of Progress "
+                f"giving one; got {n!r}."
+            )
+        self.rank_consistent = self.n.rank_consistent
+
+    def budget(self, progress: Progress) -> int:
+        """``n`` for a window opening at ``progress`` (an int >= 1, checked)."""
+        value = self.n.k(progress)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+            raise ValueError(f"{self!r} gave a budget n={value!r} at {progress}; it must be an int >= 1.")
+        return int(value)
+
+    @override
+    def k(self, progress: Progress) -> int:
+        """The cap on a window's micro-batches: ``max_k``, or ``OPEN_ENDED``."""
+        return OPEN_ENDED if self.max_k is None else self.max_k
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.n.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.n.load_state_dict(state_dict)
+
+    @override
+    def __repr__(self) -> str:
+        n = repr(self.n._k) if isinstance(self.n, Constant) else repr(self.n)
+        cap = "" if self.max_k is None else f", max_k={self.max_k}"
+        return f"Budget({n}, unit={self.unit!r}{cap})"
 
 
 def as_schedule(schedule: Schedule | int | Mapping[int, int]) -> Schedule:

@@ -50,6 +50,32 @@ def sum_over_ranks(
     return totals, out[len(values) :]
 
 
+_HOST_GROUPS: dict[int, Any] = {}  # a gloo group for host numbers, made once per default process group
+
+
+def host_group() -> Any:
+    """A process group whose collectives run on the host (gloo): the default group if it is gloo, else one made
+    once (every rank must call this at the same point the first time: a budget window's first micro-batch)."""
+    world = dist.group.WORLD
+    if dist.get_backend() == "gloo":
+        return world
+    key = id(world)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS.clear()  # (a group of a process group destroyed since)
+        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[key]
+
+
+def host_sum(strategy: Any, value: int) -> int:
+    """A host integer summed over ranks: one small all-reduce on a gloo group (no device synchronisation), none
+    on a single process."""
+    if world_size(strategy) == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=host_group())
+    return int(tensor[0])
+
+
 def host_values(tensors: Sequence[Tensor]) -> list[float]:
     """Every element of ``tensors``, in order, on the host: one stack (or, for tensors of several devices or
     shapes, one concatenation on the first one's device) and one host read (none for no tensor)."""

@@ -25,10 +25,10 @@ from lightning_accum._core.batchnorm import WindowBatchNorm
 from lightning_accum._core.gradients import norms, squared_norm
 from lightning_accum._core.metrics import WindowMetrics
 from lightning_accum._core.probe import NoiseProbe, measured
-from lightning_accum._core.window import Window, lr_factor
+from lightning_accum._core.window import Window, check_count, check_item_count, lr_factor
 from lightning_accum.lr import LRMultiplier, adascale_gain, check_multiplier
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
-from lightning_accum.schedules import Progress, Schedule
+from lightning_accum.schedules import Budget, Progress, Schedule
 
 
 class Closing(NamedTuple):
@@ -118,6 +118,7 @@ class WindowEngine:
         self.adascale = NoiseScaleEstimator()  # AdaScale's noise estimates when the schedule measures none
         self.closing: Closing | None = None  # set between `close` and `advance`
         self._warned_empty = False
+        self._warned_device = False  # (a budget's device counts: warned once)
         #: the micro-batch under way: its counts once counted, and whether its backward pass finished
         self.inflight: tuple[int, int | Tensor] | None = None
         self.backward_finished = False
@@ -174,18 +175,54 @@ class WindowEngine:
         if self.progress.epoch != epoch:
             self.progress = dataclasses.replace(self.progress, epoch=epoch)
         k = self.schedule(self.progress)
+        budget = self.schedule.budget(self.progress) if isinstance(self.schedule, Budget) else None
         if not self.schedule.rank_consistent and strategy is not None:
-            collectives.check_same_k(strategy, k, self.schedule)
+            collectives.check_same_k(strategy, k if budget is None else budget, self.schedule)
         # keyed on the progress the window opens with: asked now, so that a bad multiplier is refused before any
         # micro-batch goes in
         self._lr_multiplier = None if self.lr_schedule is None else self._multiplier()
-        if self.first_k is None:
-            self.first_k = k
-        self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
+        if self.first_k is None:  # (under a budget, the first window's budget: what `lr_scaling` is relative to)
+            self.first_k = k if budget is None else budget
+        if budget is None:
+            self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
+        else:  # (the window's size is known at its close only: its gradient is divided then)
+            self.window = Window(k=k, start=start, divisor=1, budget=budget)
         self.closing = None
         self.metrics.clear()
         self.used_lrs = []
         return self.window
+
+    def closes_after(self, samples: int, items: int | Tensor, strategy: Any, *, again: bool = False) -> bool:
+        """Under a ``Budget``: whether the open window closes after the micro-batch about to go in (``samples``,
+        ``items``: its counts, before ``count``), its budget reached over all ranks or ``max_k`` micro-batches in;
+        its count is added to the window's over ranks (one host all-reduce of one integer under several ranks, none
+        on one). ``again``: the micro-batch is in the window already (trained again after a resume): nothing is
+        added. Without a budget: whether it is the window's ``k``-th micro-batch."""
+        window = self.window
+        assert window is not None
+        if window.budget is None:
+            return window.microbatches + (not again) >= window.k
+        if again:
+            return window.ends
+        return window.reach(collectives.host_sum(strategy, self._budget_count(samples, items)))
+
+    def _budget_count(self, samples: int, items: int | Tensor) -> int:
+        """A micro-batch's count in the budget's unit, on the host (a device count read: warned once)."""
+        if getattr(self.schedule, "unit", None) == "samples":
+            return samples
+        if not isinstance(items, Tensor):
+            return items if type(items) is int and items >= 0 else check_item_count(items)
+        if items.device.type != "cpu" and not self._warned_device:
+            self._warned_device = True
+            warnings.warn(
+                f"The budget {self.schedule!r} closes each window on its count over all ranks, so every micro-batch's "
+                f"count is read on the host before its `training_step`; `count(batch)` gave a tensor on "
+                f"{items.device}, whose read waits for the device (one synchronisation per micro-batch). Return a "
+                "Python int, or a count on the CPU (e.g. computed in the collate function), to avoid it; this is "
+                "only warned once.",
+                stacklevel=4,
+            )
+        return check_item_count(check_count(items).item())  # type: ignore[union-attr]
 
     def count(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch into the open window (before its backward pass)."""
@@ -292,6 +329,9 @@ class WindowEngine:
         gain = 1.0
         if self.lr_scaling == "adascale" and self.probe is not None:  # from the windows measured before this one
             factor = gain = adascale_gain(self.probe.estimator, units, self.first_units or units)
+        elif window.budget is not None:  # relative to the first window's budget: the window's real size
+            real = counts[1] if self.schedule.unit == "samples" else counts[2]
+            factor = lr_factor(self.lr_scaling, real, self.first_k) if real else 1.0
         else:
             factor = lr_factor(self.lr_scaling, window.k, self.first_k)
         if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
@@ -301,7 +341,7 @@ class WindowEngine:
             {name: total / denominator for name, total in sums.items()} if read_losses and denominator else None
         )
         self.closing = Closing(
-            window.k,
+            window.k if window.budget is None else window.microbatches,  # (a budget's: the micro-batches it took)
             counts[0],
             counts[1],
             counts[2],
@@ -516,6 +556,17 @@ class WindowEngine:
                 "would be normalised as it was not summed. Resume with the checkpoint's `normalize` and "
                 "`reduction` (and change them from a checkpoint written at an optimizer step), or resume from a "
                 "checkpoint written at an optimizer step."
+            )
+        held = state.get("window")
+        if held is not None and (held.get("budget") is not None) != isinstance(self.schedule, Budget):
+            kinds = ("a `Budget`", "a schedule of k") if held.get("budget") is not None else (
+                "a schedule of k", "a `Budget`"
+            )  # fmt: skip
+            raise ValueError(
+                f"The checkpoint was written inside an accumulation window closed by {kinds[0]}; this run's schedule "
+                f"{self.schedule!r} is {kinds[1]}, which cannot close that window as it was opened. Resume with the "
+                "checkpoint's kind of schedule (and change it from a checkpoint written at an optimizer step), or "
+                "resume from a checkpoint written at an optimizer step."
             )
         self.progress = Progress(**state["progress"])
         if "schedule" in state:

@@ -15,7 +15,7 @@ from lightning_accum._core.decay import ResidualDecay
 from lightning_accum._core.sync import SyncMode, check_sync_mode
 from lightning_accum._core.window import NORMALIZE
 from lightning_accum.lr import LRMultiplier, LRSchedule, check_multiplier
-from lightning_accum.schedules import Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
+from lightning_accum.schedules import Budget, Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
 
 LRScaling = Literal["linear", "sqrt", "adascale"]
 """How the learning rate follows k: ``"linear"`` (k / first k), ``"sqrt"``, or ``"adascale"`` (AdaScale's
@@ -66,6 +66,12 @@ def check_common(
         raise ValueError(
             f"`lr_scaling='adascale'` measures the gradient noise inside windows of k >= 2, but {resolved!r} gives "
             "k = 1 throughout, so its gain would stay 1: use a schedule with k >= 2, or drop `lr_scaling`."
+        )
+    if lr_scaling == "adascale" and isinstance(resolved, Budget):
+        raise ValueError(
+            f"`lr_scaling='adascale'` measures the gradient noise at fixed micro-batch counts of windows whose size "
+            f"is known when they open, which {resolved!r} does not give (its windows close on their count): use "
+            "`lr_scaling='linear'` or `'sqrt'` (relative to the first window's budget), or a schedule of k."
         )
     if lr_schedule is not None and not _stateful(lr_schedule):  # fails now, not at the first step
         check_multiplier(lr_schedule(Progress()), lr_schedule, Progress())

@@ -38,6 +38,11 @@ class Window:
             window ends, so counting costs no host-device round trip per micro-batch.
         synced: whether the latest backward pass ran with the gradient sync on (FSDP and FSDP2
             with sync skipped reduce only in the window's last micro-batch).
+        budget: under a ``Budget``, the count (samples or items, over all ranks) that closes the window,
+            read when it opened; ``None`` otherwise (``k`` closes it).
+        seen: under a ``Budget``, the window's count so far over all ranks, in the budget's unit.
+        seen_last: what the latest micro-batch added to ``seen`` (taken back with it by ``remove``).
+        ends: under a ``Budget``, whether the latest micro-batch asked about closes the window.
     """
 
     k: int
@@ -48,6 +53,10 @@ class Window:
     items: int = 0
     pending_items: list[Tensor] = field(default_factory=list)
     synced: bool = False
+    budget: int | None = None
+    seen: int = 0
+    seen_last: int = 0
+    ends: bool = False
 
     def add(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch (all or nothing: a bad count changes no counter)."""
@@ -66,6 +75,18 @@ class Window:
             self.items -= int(items)
         self.microbatches -= 1
         self.samples -= samples
+        if self.budget is not None:
+            self.seen -= self.seen_last
+            self.seen_last, self.ends = 0, False
+
+    def reach(self, seen: int) -> bool:
+        """Under a ``Budget``: add a micro-batch's count over all ranks (``seen``, before the micro-batch is
+        counted by ``add``); whether the window closes after it (its budget reached, or ``k`` micro-batches)."""
+        assert self.budget is not None
+        self.seen += seen
+        self.seen_last = seen
+        self.ends = self.seen >= self.budget or self.microbatches + 1 >= self.k
+        return self.ends
 
     def mark_synced(self, synced: bool) -> None:
         """Whether the latest backward pass ran with the gradient sync on."""
@@ -123,6 +144,7 @@ class Window:
             "microbatches": self.microbatches,
             "samples": self.samples,
             "items": self.local_items(),
+            **({} if self.budget is None else {"budget": self.budget, "seen": self.seen, "ends": self.ends}),
         }
 
     @classmethod
@@ -130,6 +152,9 @@ class Window:
         window = cls(k=int(state["k"]), start=int(state["start"]), divisor=int(state["divisor"]))
         window.microbatches, window.samples = int(state["microbatches"]), int(state["samples"])
         window.items = int(state["items"])
+        if state.get("budget") is not None:
+            window.budget, window.seen = int(state["budget"]), int(state["seen"])
+            window.ends = bool(state.get("ends", False))
         return window
 
 

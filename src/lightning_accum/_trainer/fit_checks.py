@@ -10,6 +10,7 @@ from torch import nn
 from lightning_accum import _seam
 from lightning_accum._core import collectives, sync
 from lightning_accum._lightning import gradient_accumulation_schedulers
+from lightning_accum.schedules import Budget
 
 
 def refuse_scheduler_misuse(callback: Any, trainer: Any, pl_module: Any, decay_type: type) -> None:
@@ -51,6 +52,13 @@ def refuse_scheduler_misuse(callback: Any, trainer: Any, pl_module: Any, decay_t
             "`GradientDecay` must come after `AccumulationScheduler` in `callbacks`, so that it adds the "
             "residual to the normalised window gradient: e.g. `callbacks=[AccumulationScheduler(...), "
             "GradientDecay(...)]`."
+        )
+    if isinstance(callback.schedule, Budget) and sync.is_deepspeed(trainer.strategy):
+        raise RuntimeError(
+            f"`AccumulationScheduler({callback.schedule!r})` cannot run under `{type(trainer.strategy).__name__}`: "
+            "DeepSpeed's engine fixes its `gradient_accumulation_steps` when it is made and steps at its own "
+            "boundaries, while a budget closes each window where its count is reached. Use a schedule of k "
+            "(`Constant`, `Ramp`, ...) under DeepSpeed, or DDP, FSDP or FSDP2 with the budget."
         )
     if callback.normalize == "items":
         sync.refuse_deepspeed(trainer.strategy, "AccumulationScheduler", "(normalize='items')")

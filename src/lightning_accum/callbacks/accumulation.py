@@ -39,7 +39,7 @@ from lightning_accum._trainer import fit_checks, recovery, reporting, steps
 from lightning_accum._trainer.pieces import Fit, Pieces
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.lr import LRMultiplier
-from lightning_accum.schedules import Progress, Schedule
+from lightning_accum.schedules import Budget, Progress, Schedule
 
 
 class AccumulationScheduler(Callback):
@@ -144,6 +144,7 @@ class AccumulationScheduler(Callback):
                 "from the retried piece's. Give `microbatch_size` an int, or use `batchnorm='micro-batch'`."
             )
         self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
+        self._budget = isinstance(self.schedule, Budget)  # windows closed by their count (`_steer_budget`)
         # `batchnorm="window"`: the model's BatchNorm statistics, advanced by the engine with each window
         self._batchnorm = WindowBatchNorm() if batchnorm == "window" else None
         self._engine.pool_batchnorm(self._batchnorm)
@@ -235,7 +236,8 @@ class AccumulationScheduler(Callback):
         self._trained = False  # whether this fit trained a batch yet
         self._lean = False
         self._plain = (
-            self._split is None
+            not self._budget  # (each batch of a budget's window asks whether it closes it)
+            and self._split is None
             and not (self._deepspeed or self._sharded)
             and self.reduction != "mean"
             and self._engine.probe is None
@@ -386,6 +388,8 @@ class AccumulationScheduler(Callback):
             samples = sample_count(batch, engine.samples_needed_by)
         self._counts = (samples, samples if self.count is None else self.count(batch))
         self._batch_idx = batch_idx
+        if self._budget:  # (before Lightning decides, after this hook, whether the batch steps)
+            self._steer_budget(trainer, batch_idx)
         # what the short hooks leave out: a resumed window's gradient to put back, a batch trained again, a factor
         self._lean = (
             self._plain
@@ -407,10 +411,32 @@ class AccumulationScheduler(Callback):
                 factor=self._loss_factor,
             )
 
+    def _steer_budget(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        """Under a ``Budget``: whether this batch closes the window (its count summed over ranks, against the budget
+        the window opened with), and Lightning's step point set to match: ``accumulate_grad_batches`` is
+        ``batch_idx + 1`` (it steps after this batch) or ``batch_idx + 2`` (it does not), neither of which zeroes a
+        batch but the window's first, where the callback zeroes itself if Lightning does not."""
+        engine = self._engine
+        window = engine.window
+        assert window is not None
+        closes = engine.closes_after(*self._counts, self._strategy, again=self._redoing)
+        divisor = batch_idx + 1 if closes else batch_idx + 2
+        if divisor != self._divisor:
+            set_divisor(trainer, divisor)
+            self._divisor = divisor
+        if batch_idx == window.start and not window.microbatches and batch_idx % divisor:
+            assert self._optimizer is not None  # the window's first batch, which Lightning will not zero
+            zero_grad_like_lightning(trainer, batch_idx, self._optimizer)
+
     def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
         window = self._engine.open(trainer.current_epoch, batch_idx, self._strategy)
         if self._batchnorm is not None:
             self._batchnorm.resume()
+        if window.budget is not None:  # (the step point and the zeroing: `_steer_budget`, once the count is known)
+            self._loss_divisor, self._loss_factor = 1, 1.0  # each loss as it is; divided at the close
+            if self._split is not None:
+                self._split.forget_window()
+            return
         divisor = lightning_divisor(batch_idx, window.k)
         if divisor != self._divisor:  # (in force since train start, or set by an earlier window)
             set_divisor(trainer, divisor)
@@ -512,6 +538,8 @@ class AccumulationScheduler(Callback):
         """Whether Lightning steps after the batch being trained (the seam aligns its step points)."""
         window = self._engine.window
         assert window is not None
+        if window.budget is not None:  # (decided as the batch started: `_steer_budget`)
+            return window.ends or _seam.epoch_ends_after_this_batch(trainer)
         return self._batch_idx >= window.start + window.k - 1 or _seam.epoch_ends_after_this_batch(trainer)
 
     @override
