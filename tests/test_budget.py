@@ -8,13 +8,19 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from pathlib import Path
+
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
 
-from lightning_accum import AccumulationScheduler, Budget, Constant, GradientDecay, Progress, Ramp
-from tests.helpers import (
+from lightning_accum import AccumulationScheduler, Budget, FabricAccumulator, GradientDecay, NoiseScale, Progress, Ramp
+from helpers import (
     Batch,
     KRecorder,
+    ResumableLoader,
+    default_dtype,
     ManualTokenModel,
     TokenData,
     TokenModel,
@@ -43,12 +49,13 @@ def reference(
     lr: float = 0.1,
     lr_scaling: str | None = None,
     decay: float | None = None,
+    optimizer: str = "sgd",
 ) -> tuple[list[torch.Tensor], list[int], list[float]]:
     """Final parameters, each window's micro-batches (per rank) and each window's loss. ``epochs[e][r]``: rank r's
     batches of epoch e. Each window takes micro-batches (one from every rank at a time) until the count over ranks
     reaches the budget read as it opened, ``max_k`` of them, or the epoch's end."""
     net = make_net()
-    opt = make_optimizer("sgd", net.parameters(), lr)
+    opt = make_optimizer(optimizer, net.parameters(), lr)
     progress, sizes, losses, first_n = Progress(), [], [], None
     residual: list[torch.Tensor] | None = None
     for epoch, ranks in enumerate(epochs):
@@ -122,7 +129,7 @@ def fit_callback(budget: Budget, normalize: str = "items", **kwargs: Any) -> tup
 
 @pytest.mark.parametrize(
     ("n", "unit", "normalize", "max_k"),
-    [(20, "items", "items", None), (9, "samples", "mean", None), (40, "items", "items", 3), (1, "items", "items", None)],
+    [(25, "items", "items", None), (9, "samples", "mean", None), (40, "items", "items", 3), (1, "items", "items", None)],
 )
 def test_callback_windows_equal_the_reference(n: int, unit: str, normalize: str, max_k: int | None) -> None:
     model, recorder, callback = fit_callback(Budget(n, unit=unit, max_k=max_k), normalize)  # type: ignore[arg-type]
@@ -130,3 +137,173 @@ def test_callback_windows_equal_the_reference(n: int, unit: str, normalize: str,
     assert recorder.windows == sizes
     assert max_diff(params_of(model), expected) < 1e-12
     assert callback.progress.step == len(sizes)
+
+
+def test_a_budget_that_ramps_is_read_as_each_window_opens() -> None:
+    ramp = Ramp(10, 60, over=300, unit="items")
+    model, recorder, _ = fit_callback(Budget(ramp, unit="items"))
+    expected, sizes, _ = reference(epochs_of(2), ramp)
+    assert recorder.windows == sizes and len(set(sizes)) > 2  # (windows that grow)
+    assert max_diff(params_of(model), expected) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "fit_kwargs", [{"max_steps": 5}, {"limit_train_batches": 7}], ids=["max_steps", "limit_train_batches"]
+)
+def test_max_steps_and_limit_train_batches(fit_kwargs: dict[str, int]) -> None:
+    model, recorder, callback = fit_callback(Budget(25), **fit_kwargs)
+    epochs = epochs_of(2, fit_kwargs.get("limit_train_batches"))
+    expected, sizes, _ = reference(epochs, lambda p: 25, max_steps=fit_kwargs.get("max_steps", -1))
+    assert recorder.windows == sizes
+    assert max_diff(params_of(model), expected) < 1e-12
+
+
+@pytest.mark.parametrize("scaling", ["linear", "sqrt"])
+def test_lr_scaling_follows_the_windows_real_size_relative_to_the_first_budget(scaling: str) -> None:
+    model, _, _ = fit_callback(Budget(25), lr_scaling=scaling)
+    expected, _, _ = reference(epochs_of(2), lambda p: 25, lr_scaling=scaling)
+    assert max_diff(params_of(model), expected) < 1e-12
+
+
+def test_microbatch_size_pieces_still_count_the_loader_batch() -> None:
+    model, recorder, _ = fit_callback(Budget(25), microbatch_size=3)
+    expected, sizes, _ = reference(epochs_of(2), lambda p: 25)
+    assert recorder.windows == sizes
+    assert max_diff(params_of(model), expected) < 1e-12
+
+
+def test_gradient_decay() -> None:
+    model = TokenModel(reduction="sum")
+    callbacks = [AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")]
+    trainer(callbacks=[*callbacks, GradientDecay(0.5)]).fit(model, loader(DATA, BATCH))
+    expected, _, _ = reference(epochs_of(2), lambda p: 25, decay=0.5)
+    assert max_diff(params_of(model), expected) < 1e-12
+
+
+def test_logged_loss_and_k_are_the_windows() -> None:
+    seen: list[tuple[int, float]] = []
+
+    class Watch(pl.Callback):
+        def on_window_end(self, trainer: Any, pl_module: Any, window: Any) -> None:
+            seen.append((window.k, window.loss))
+
+    model = TokenModel(reduction="sum")
+    callback = AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")
+    trainer(callbacks=[callback, Watch()]).fit(model, loader(DATA, BATCH))
+    _, sizes, losses = reference(epochs_of(2), lambda p: 25)
+    assert [k for k, _ in seen] == sizes
+    assert max(abs(a - b) for (_, a), b in zip(seen, losses, strict=True)) < 1e-12
+
+
+class SaveAt(pl.Callback):
+    def __init__(self, at: tuple[int, int], path: Path) -> None:
+        self.at, self.path = at, path
+
+    @staticmethod
+    def _key(trainer: pl.Trainer, batch_idx: int) -> tuple[int, int]:
+        return trainer.current_epoch, batch_idx
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._key(trainer, args[-1]) == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+# (batch 1 is inside the first window of batches 0-2; batch 6 of epoch 0 inside the window of 5-7)
+@pytest.mark.parametrize("at", [(0, 1), (0, 6)])
+def test_resume_inside_a_window_is_bit_identical(tmp_path: Path, at: tuple[int, int]) -> None:
+    path = tmp_path / "inside.ckpt"
+
+    def callback() -> AccumulationScheduler:
+        return AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")
+
+    full, resumed = TokenModel(reduction="sum"), TokenModel(reduction="sum")
+    trainer(callbacks=[callback(), SaveAt(at, path)]).fit(full, ResumableLoader(DATA, BATCH))
+    state = torch.load(path, weights_only=False)
+    held = next(v for k, v in state["callbacks"].items() if "AccumulationScheduler" in k)["window"]
+    assert held is not None and held["seen"] > 0 and not held["ends"]  # (inside the window)
+    trainer(callbacks=[callback()]).fit(resumed, ResumableLoader(DATA, BATCH), ckpt_path=path)
+    assert max_diff(params_of(resumed), params_of(full)) == 0.0
+    other = AccumulationScheduler(3, normalize="items", count=count_tokens, reduction="sum")
+    with pytest.raises(ValueError, match="closed by a `Budget`"):
+        trainer(callbacks=[other]).fit(TokenModel(reduction="sum"), ResumableLoader(DATA, BATCH), ckpt_path=path)
+
+
+@pytest.mark.parametrize("mode", ["backward", "items_arg"])
+def test_mixin_equals_the_reference(mode: str) -> None:
+    model = ManualTokenModel(mode=mode, schedule=Budget(25), normalize="items", count=count_tokens)
+    trainer().fit(model, loader(DATA, BATCH))
+    expected, _, _ = reference(epochs_of(2), lambda p: 25)
+    assert max_diff(params_of(model), expected) < 1e-12
+    assert model.accumulation_progress.step == len(reference(epochs_of(2), lambda p: 25)[1])
+
+
+@pytest.mark.parametrize(("n", "unit", "normalize"), [(25, "items", "items"), (9, "samples", "mean")])
+def test_fabric_equals_the_reference(n: int, unit: str, normalize: str) -> None:
+    net = make_net()  # (as the reference's: made under float32 defaults, then cast)
+    with default_dtype(torch.float64):  # (Fabric's "64-true" casts outputs to the default dtype)
+        fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        items = normalize == "items"
+        acc = FabricAccumulator(
+            fabric, model, optimizer, Budget(n, unit=unit), normalize=normalize,  # type: ignore[arg-type]
+            count=count_tokens if items else None, reduction="sum" if items else None,
+        )  # fmt: skip
+        for epoch, ranks in enumerate(epochs_of(2)):
+            for batch in ranks[0]:
+                with acc.accumulate(batch, epoch=epoch) as step:
+                    total, tokens = token_losses(model, batch)
+                    step.backward(total if items else total / tokens)
+            acc.flush()
+    expected, sizes, _ = reference(epochs_of(2), lambda p: n, unit, normalize, optimizer="plain-sgd")
+    assert max_diff([p.detach() for p in net.parameters()], expected) < 1e-12
+    assert acc.progress.step == len(sizes)
+
+
+def test_one_process_reads_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Any] = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: calls.append(a))
+    fit_callback(Budget(25), max_epochs=1)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: Budget(0), ValueError, "`n` of `Budget` must be an int >= 1"),
+        (lambda: Budget(-3), ValueError, "`n` of `Budget` must be an int >= 1"),
+        (lambda: Budget(float("nan")), ValueError, "`n` of `Budget` must be an int >= 1"),
+        (lambda: Budget(2.5), ValueError, "`n` of `Budget` must be an int >= 1"),
+        (lambda: Budget(True), TypeError, "`n` of `Budget` must be an int >= 1, a Schedule"),
+        (lambda: Budget("100"), TypeError, "`n` of `Budget` must be an int >= 1, a Schedule"),
+        (lambda: Budget(100, max_k=0), ValueError, "`max_k` must be an int >= 1"),
+        (lambda: Budget(100, unit="itmes"), ValueError, "Did you mean 'items'"),  # type: ignore[arg-type]
+        (lambda: Budget(100, unit="step"), ValueError, "`unit` must be one of 'samples', 'items'"),  # type: ignore[arg-type]
+        (lambda: Budget(NoiseScale(2, 16)), ValueError, "measures the gradient noise in windows of a fixed k"),
+        (lambda: Budget(Budget(3)), ValueError, "a budget is not a number"),
+        (lambda: AccumulationScheduler(Budget(100)), ValueError, "counts items, so `count` is needed"),
+        (
+            lambda: AccumulationScheduler(Budget(100, unit="samples"), lr_scaling="adascale"),
+            ValueError,
+            "`lr_scaling='adascale'` measures the gradient noise at fixed micro-batch counts",
+        ),
+    ],
+)
+def test_misuse_is_refused_naming_the_argument(make: Callable[[], Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_a_budget_read_from_a_bad_function_is_refused_before_the_first_step() -> None:
+    model = TokenModel(reduction="sum")
+    callback = AccumulationScheduler(Budget(lambda p: 0), normalize="items", count=count_tokens, reduction="sum")
+    with pytest.raises(ValueError, match="gave a budget n=0"):
+        trainer(callbacks=[callback]).fit(model, loader(DATA, BATCH))
+    assert max_diff(params_of(model), [p.detach() for p in make_net().parameters()]) == 0.0
+
+
+def test_a_per_sample_count_is_refused() -> None:
+    callback = AccumulationScheduler(
+        Budget(25), normalize="items", count=lambda b: b["mask"].sum(1), reduction="sum"
+    )
+    with pytest.raises(ValueError, match="one number"):
+        trainer(callbacks=[callback]).fit(TokenModel(reduction="sum"), loader(DATA, BATCH))

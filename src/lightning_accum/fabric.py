@@ -259,7 +259,8 @@ class FabricAccumulator:
         if isinstance(counted, Tensor):
             counted = counted.detach().clone()
         window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
-        final = final or window.microbatches + 1 >= window.k
+        # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget)
+        final = engine.closes_after(samples, samples if counted is None else counted, self._ranks) or final
         skip = self._skips_sync(final)
         step = self._block = FabricStep(self, counted)
         self._guard.arm()

@@ -196,13 +196,16 @@ class MixinDriver(Callback):
         window = engine.window or engine.open(epoch, batch_idx, trainer.strategy)
         # a batch whose gradient a checkpoint holds already (saved on an exception after its block) adds nothing
         redoing = engine.redo == (epoch, batch_idx)
-        last = window.microbatches - redoing + 1 >= window.k or _seam.epoch_ends_after_this_batch(trainer)
         early = self._early
         if early is not None and early[0] is batch:
             counts: tuple[int, int | Tensor | None] = early[1], early[2]
         else:
             count = self.config.count
             counts = sample_count(batch, engine.samples_needed_by), None if count is None else count(batch)
+        # (under a `Budget`, the block's count over ranks against the window's budget: `count(batch)`, or its samples)
+        items = counts[0] if counts[1] is None else counts[1]
+        last = engine.closes_after(counts[0], items, trainer.strategy, again=redoing)
+        last = last or _seam.epoch_ends_after_this_batch(trainer)
         watched = [] if len(key) == len(windows.optimizers()) or self.plan.sharded else windows.params()
         self.guards.block_opened(key, lambda: windows.params(key), watched, self._parameter_names)
         self._block = Block(
