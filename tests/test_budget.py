@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -16,15 +15,16 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_accum import AccumulationScheduler, Budget, FabricAccumulator, GradientDecay, NoiseScale, Progress, Ramp
+
 from helpers import (
     Batch,
     KRecorder,
-    ResumableLoader,
-    default_dtype,
     ManualTokenModel,
+    ResumableLoader,
     TokenData,
     TokenModel,
     count_tokens,
+    default_dtype,
     loader,
     make_net,
     make_optimizer,
@@ -129,7 +129,12 @@ def fit_callback(budget: Budget, normalize: str = "items", **kwargs: Any) -> tup
 
 @pytest.mark.parametrize(
     ("n", "unit", "normalize", "max_k"),
-    [(25, "items", "items", None), (9, "samples", "mean", None), (40, "items", "items", 3), (1, "items", "items", None)],
+    [
+        (25, "items", "items", None),
+        (9, "samples", "mean", None),
+        (40, "items", "items", 3),
+        (1, "items", "items", None),
+    ],
 )
 def test_callback_windows_equal_the_reference(n: int, unit: str, normalize: str, max_k: int | None) -> None:
     model, recorder, callback = fit_callback(Budget(n, unit=unit, max_k=max_k), normalize)  # type: ignore[arg-type]
@@ -151,7 +156,7 @@ def test_a_budget_that_ramps_is_read_as_each_window_opens() -> None:
     "fit_kwargs", [{"max_steps": 5}, {"limit_train_batches": 7}], ids=["max_steps", "limit_train_batches"]
 )
 def test_max_steps_and_limit_train_batches(fit_kwargs: dict[str, int]) -> None:
-    model, recorder, callback = fit_callback(Budget(25), **fit_kwargs)
+    model, recorder, _ = fit_callback(Budget(25), **fit_kwargs)
     epochs = epochs_of(2, fit_kwargs.get("limit_train_batches"))
     expected, sizes, _ = reference(epochs, lambda p: 25, max_steps=fit_kwargs.get("max_steps", -1))
     assert recorder.windows == sizes
@@ -302,8 +307,6 @@ def test_a_budget_read_from_a_bad_function_is_refused_before_the_first_step() ->
 
 
 def test_a_per_sample_count_is_refused() -> None:
-    callback = AccumulationScheduler(
-        Budget(25), normalize="items", count=lambda b: b["mask"].sum(1), reduction="sum"
-    )
+    callback = AccumulationScheduler(Budget(25), normalize="items", count=lambda b: b["mask"].sum(1), reduction="sum")
     with pytest.raises(ValueError, match="one number"):
         trainer(callbacks=[callback]).fit(TokenModel(reduction="sum"), loader(DATA, BATCH))
