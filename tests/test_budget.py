@@ -14,7 +14,16 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from lightning_accum import AccumulationScheduler, Budget, FabricAccumulator, GradientDecay, NoiseScale, Progress, Ramp
+from lightning_accum import (
+    AccumulationScheduler,
+    Budget,
+    FabricAccumulator,
+    GradientDecay,
+    NoiseScale,
+    Progress,
+    Ramp,
+    estimated_stepping_batches,
+)
 
 from helpers import (
     Batch,
@@ -310,3 +319,48 @@ def test_a_per_sample_count_is_refused() -> None:
     callback = AccumulationScheduler(Budget(25), normalize="items", count=lambda b: b["mask"].sum(1), reduction="sum")
     with pytest.raises(ValueError, match="one number"):
         trainer(callbacks=[callback]).fit(TokenModel(reduction="sum"), loader(DATA, BATCH))
+
+
+# ------------------------------------------------------------------ step counts and progress bars
+class Estimating(TokenModel):
+    def configure_optimizers(self) -> Any:
+        self.estimated = estimated_stepping_batches(self.trainer)
+        return super().configure_optimizers()
+
+
+@pytest.mark.parametrize(
+    ("budget", "fit_kwargs"),
+    [
+        (Budget(9, unit="samples"), {}),
+        (Budget(Ramp(4, 20, over=60, unit="samples"), unit="samples", max_k=4), {}),
+        (Budget(9, unit="samples"), {"max_steps": 5}),
+        (Budget(9, unit="samples"), {"limit_train_batches": 7}),
+    ],
+)
+def test_estimated_stepping_batches_is_exact_for_samples(budget: Budget, fit_kwargs: dict[str, int]) -> None:
+    model, recorder = Estimating(), KRecorder()
+    data = TokenData(42, seed=3)  # (a short last batch of 2)
+    callback = AccumulationScheduler(budget)
+    trainer(callbacks=[callback, recorder], **fit_kwargs).fit(model, loader(data, BATCH))
+    assert model.estimated == len(recorder.windows) == callback.progress.step
+
+
+def test_estimated_stepping_batches_refuses_a_budget_of_items() -> None:
+    callback = AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")
+    with pytest.raises(ValueError, match=r"depends on the items \(tokens\) each batch will hold"):
+        trainer(callbacks=[callback]).fit(Estimating(reduction="sum"), loader(DATA, BATCH))
+
+
+@pytest.mark.parametrize("kind, unit", [("tqdm", "steps"), ("rich", "batches")])
+def test_progress_bars_exact_for_samples_and_never_passed_for_items(kind: str, unit: str) -> None:
+    from test_progress import BARS, expected, fit
+
+    seen = fit(BARS[kind](unit), Budget(5, unit="samples"))
+    realised = expected(seen, unit)
+    assert [e["first_total"] for e in seen.epochs] == realised  # known from the epoch's start
+    assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
+    assert seen.fit[-1] == (sum(e["steps"] for e in seen.epochs),) * 2
+    seen = fit(BARS[kind](unit), Budget(12, unit="items"), count=count_tokens)
+    realised = expected(seen, unit)
+    assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]  # met at the epoch's end
+    assert all(not e["passed"] for e in seen.epochs)  # never passed
