@@ -13,12 +13,26 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from lightning.pytorch.strategies import DDPStrategy
 from test_budget import reference
+from test_fabric_fsdp2 import DATA as FSDP2_DATA
+from test_fabric_fsdp2 import SCATTERS, SHARDED_LAYERS, ForkedModelParallel
+from test_fabric_fsdp2 import train as fsdp2_train
 
 from lightning_accum import AccumulationScheduler, Budget
 
-from helpers import KRecorder, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, max_diff, rank_batches
+from helpers import (
+    KRecorder,
+    ManualTokenModel,
+    TokenData,
+    TokenModel,
+    count_tokens,
+    default_dtype,
+    loader,
+    max_diff,
+    rank_batches,
+)
 from helpers import trainer as make_trainer
 
 pytestmark = pytest.mark.slow
@@ -100,3 +114,34 @@ def test_ranks_close_the_same_windows_as_one_process_on_the_union(tmp_path: Path
         assert report["host_sums"] == microbatches  # one host collective per micro-batch
     assert reports[0]["progress"] == reports[1]["progress"]
     assert reports[0]["progress"]["step"] == len(sizes)
+
+
+def fsdp2_ranks(fabric: Fabric, out: Path) -> None:
+    torch.set_default_dtype(torch.float64)
+    options = {"normalize": "items", "reduction": "sum", "count": count_tokens}
+    params, scatters, steps = fsdp2_train(fabric, Budget(60, unit="items"), options, last=True)
+    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps([params, scatters, steps]))
+
+
+def test_fsdp2_in_a_fabric_loop_equals_the_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window's last micro-batch is known before its backward (its count over ranks): one reduce-scatter round
+    per window, as under a schedule of k."""
+    original = dist.reduce_scatter_single
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        SCATTERS[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "reduce_scatter_single", counting)  # before the fork: the ranks inherit it
+    strategy = ForkedModelParallel()
+    Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, precision="32-true").launch(fsdp2_ranks, tmp_path)
+    with default_dtype(torch.float64):  # (the ranks' model was made under float64 defaults)
+        expected, sizes, _ = reference(
+            [rank_batches(FSDP2_DATA, 4, world=WORLD)] * 2, lambda p: 60, optimizer="plain-sgd"
+        )
+    assert len(set(sizes)) > 1
+    for rank in range(WORLD):
+        params, scatters, steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert max_diff([torch.tensor(p, dtype=torch.float64) for p in params], expected) <= 1e-12
+        assert steps == len(sizes)
+        assert scatters == SHARDED_LAYERS * len(sizes)
