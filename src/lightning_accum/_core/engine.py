@@ -426,6 +426,8 @@ class WindowEngine:
             self.closing = None  # the step had not touched the gradient: the window is as it was
         window, inflight = self.window, self.inflight
         self.inflight = None
+        if window is not None and not processed:  # (a budget's count of a micro-batch not counted: it comes again)
+            window.unreach()
         if processed:
             if self.closing is not None:
                 self.advance(batch[0])

@@ -43,6 +43,8 @@ class Window:
         seen: under a ``Budget``, the window's count so far over all ranks, in the budget's unit.
         seen_last: what the latest micro-batch added to ``seen`` (taken back with it by ``remove``).
         ends: under a ``Budget``, whether the latest micro-batch asked about closes the window.
+        reached: under a ``Budget``, whether the latest micro-batch's count is in ``seen`` but the micro-batch is not
+            counted yet (``add``): an exception before it went in takes it back (``unreach``).
     """
 
     k: int
@@ -57,6 +59,7 @@ class Window:
     seen: int = 0
     seen_last: int = 0
     ends: bool = False
+    reached: bool = False
 
     def add(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch (all or nothing: a bad count changes no counter)."""
@@ -66,6 +69,7 @@ class Window:
             self.items += items if type(items) is int and items >= 0 else check_item_count(items)
         self.microbatches += 1
         self.samples += samples
+        self.reached = False
 
     def remove(self, samples: int, items: int | Tensor) -> None:
         """Take back the latest ``add`` (a micro-batch whose backward never ran)."""
@@ -84,9 +88,16 @@ class Window:
         counted by ``add``); whether the window closes after it (its budget reached, or ``k`` micro-batches)."""
         assert self.budget is not None
         self.seen += seen
-        self.seen_last = seen
+        self.seen_last, self.reached = seen, True
         self.ends = self.seen >= self.budget or self.microbatches + 1 >= self.k
         return self.ends
+
+    def unreach(self) -> None:
+        """Take back the count ``reach`` added for a micro-batch that never went in (an exception before it was
+        counted); nothing if it went in."""
+        if self.reached:
+            self.seen -= self.seen_last
+            self.seen_last, self.ends, self.reached = 0, False, False
 
     def mark_synced(self, synced: bool) -> None:
         """Whether the latest backward pass ran with the gradient sync on."""
