@@ -364,3 +364,16 @@ def test_progress_bars_exact_for_samples_and_never_passed_for_items(kind: str, u
     realised = expected(seen, unit)
     assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]  # met at the epoch's end
     assert all(not e["passed"] for e in seen.epochs)  # never passed
+
+
+# (batches 3 and 4 of epoch 0: inside the window of batches 2-4 and at its last, 25 tokens)
+@pytest.mark.parametrize("at", [(0, 3), (0, 4)])
+@pytest.mark.parametrize(
+    "hook", ["on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end", "sigterm"]
+)
+def test_an_exception_inside_a_window_resumes_bit_identically(tmp_path: Path, hook: str, at: tuple[int, int]) -> None:
+    """The batch an exception cut short (before its backward) is trained again, and its count with it: the count
+    the budget took of it as it started is taken back."""
+    from test_faults import Fault, fail_and_resume
+
+    fail_and_resume("budget", tmp_path, Fault(hook, at), "exception")
