@@ -250,14 +250,12 @@ def _budget(c: Config) -> None:
     """``Budget`` (issue 46): windows closed by their count over ranks (samples, or items with `count`), its `n` an
     int or a ramp of its own, with or without `max_k`; drawn from a generator of the configuration's own (the other
     configurations' draws stay as they were). Not with `NoiseScale` or AdaScale (refused beside a budget), in
-    Lightning's own loop (`plain`), with a window per optimizer, nor with the callback's batches whose
-    `training_step` returns `None` (a budget counts a loader batch as it starts, before its `training_step`)."""
+    Lightning's own loop (`plain`), nor with a window per optimizer. The callback's batches whose `training_step`
+    returns `None` count (a budget counts a loader batch as it starts, and `max_k` loader batches, as k does)."""
     rng = random.Random(f"budget/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
     if rng.random() >= 0.2:
         return
     if c.plain or c.windows == "each" or c.schedule["family"] == "noise" or c.lr_scaling == "adascale":
-        return
-    if c.adapter == "callback" and c.skip:
         return
     unit = rng.choice(["items", "samples"])
     per = c.batch_size * c.world * (3 if unit == "items" else 1)  # (about a micro-batch's count over ranks)
