@@ -166,8 +166,11 @@ class Window:
             "microbatches": self.microbatches,
             "samples": self.samples,
             "items": self.local_items(),
-            **({} if self.budget is None else {"budget": self.budget, "seen": self.seen, "ends": self.ends, "asked": self.asked}),
+            **({} if self.budget is None else self._budget_state()),
         }
+
+    def _budget_state(self) -> dict[str, Any]:
+        return {"budget": self.budget, "seen": self.seen, "ends": self.ends, "asked": self.asked}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> Window:

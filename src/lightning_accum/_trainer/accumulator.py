@@ -28,12 +28,13 @@ class Accumulator:
     Fabric loop, the accumulator to construct is ``FabricAccumulator``.
 
     Attributes:
-        k: micro-batches of the window.
+        k: micro-batches of the window (under a ``Budget``, its cap: ``max_k``, or ``OPEN_ENDED``; ``last`` says
+            whether this micro-batch closes it).
         index: this micro-batch's position in the window (0-based).
-        last: whether the window closes after this micro-batch (``k`` reached or epoch end). Not whether it
-            steps: a window of no items (``normalize="items"``) closes unstepped, and a window whose epoch
-            ends on batches that run no block of it is closed at the epoch's end, with no block to see it.
-            For one LR-scheduler step per optimizer step, step it in the model's ``on_window_end``.
+        last: whether the window closes after this micro-batch (``k`` reached, a ``Budget`` reached, or epoch
+            end). Not whether it steps: a window of no items (``normalize="items"``) closes unstepped, and a window
+            whose epoch ends on batches that run no block of it is closed at the epoch's end, with no block to see
+            it. For one LR-scheduler step per optimizer step, step it in the model's ``on_window_end``.
     """
 
     def __init__(self, block: Block, batch: Any, auto: AutoSize) -> None:
