@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -377,3 +378,28 @@ def test_an_exception_inside_a_window_resumes_bit_identically(tmp_path: Path, ho
     from test_faults import Fault, fail_and_resume
 
     fail_and_resume("budget", tmp_path, Fault(hook, at), "exception")
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on a GPU (what the engine reads to tell a device count)."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def test_a_count_on_the_device_is_read_with_one_warning_and_a_host_count_without() -> None:
+    from lightning_accum._core.engine import WindowEngine
+
+    engine = WindowEngine(Budget(10))
+    engine.open(epoch=0, start=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not engine.closes_after(4, 4, None)  # (a Python int: nothing to warn about)
+        assert not engine.closes_after(4, torch.tensor(3), None)  # (a CPU tensor neither)
+        assert not seen
+        count = torch.Tensor._make_subclass(OnDevice, torch.tensor(2))
+        assert not engine.closes_after(4, count, None)  # 4 + 3 + 2 = 9 items
+        assert engine.closes_after(4, count, None)  # 11 >= 10: the window closes after this one
+    messages = [str(w.message) for w in seen]
+    assert len(messages) == 1 and "one synchronisation per micro-batch" in messages[0]
