@@ -95,11 +95,14 @@ def expected(n: int) -> tuple[list[torch.Tensor], list[int]]:
     return params, sizes
 
 
-@pytest.mark.parametrize("adapter", ["callback", "mixin"])
+@pytest.mark.parametrize("adapter", ["callback", "callback+pieces", "mixin"])
 def test_ranks_close_the_same_windows_as_one_process_on_the_union(tmp_path: Path, adapter: str) -> None:
     budget = Budget(50, unit="items")
-    if adapter == "callback":
-        callback = AccumulationScheduler(budget, normalize="items", count=count_tokens, reduction="sum")
+    if adapter.startswith("callback"):
+        size = 3 if adapter == "callback+pieces" else None  # (each loader batch of 4 in pieces of 3 and 1)
+        callback = AccumulationScheduler(
+            budget, normalize="items", count=count_tokens, reduction="sum", microbatch_size=size
+        )
         reports = fit_ddp(tmp_path, TokenModel(reduction="sum"), [callback])
     else:
         model = ManualTokenModel(reduction="sum", schedule=budget, normalize="items", count=count_tokens)
