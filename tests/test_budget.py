@@ -297,6 +297,11 @@ def test_one_process_reads_no_collective(monkeypatch: pytest.MonkeyPatch) -> Non
         (lambda: Budget(Budget(3)), ValueError, "a budget is not a number"),
         (lambda: AccumulationScheduler(Budget(100)), ValueError, "counts items, so `count` is needed"),
         (
+            lambda: AccumulationScheduler(Budget(Ramp(10, 50, over=500, unit="items"), unit="samples")),
+            ValueError,
+            r"The budget's n Ramp\(10, 50, over=500, unit='items'.* counts items, so `count` is needed",
+        ),
+        (
             lambda: AccumulationScheduler(Budget(100, unit="samples"), lr_scaling="adascale"),
             ValueError,
             "`lr_scaling='adascale'` measures the gradient noise at fixed micro-batch counts",

@@ -76,7 +76,8 @@ def check_common(
     if lr_schedule is not None and not _stateful(lr_schedule):  # fails now, not at the first step
         check_multiplier(lr_schedule(Progress()), lr_schedule, Progress())
     check_sync_mode(sync)
-    for what, counted in (("schedule", resolved), ("lr_schedule", lr_schedule)):
+    inner = [("budget's n", resolved.n)] if isinstance(resolved, Budget) else []
+    for what, counted in (("schedule", resolved), ("lr_schedule", lr_schedule), *inner):
         if getattr(counted, "unit", None) == "items" and count is None:
             raise ValueError(
                 f"The {what} {counted!r} counts items, so `count` is needed: `{who}` needs `count`, a function "
