@@ -436,12 +436,14 @@ def test_layers_left_alone_and_an_exception_inside_a_forward() -> None:
     stats.attach(net)
     frozen, untracked = buffers(net["frozen"]), net["untracked"].running_mean
     x = DATA.x[:4]
+    stats.arm()
     forward(net, x)
     stats.accept()
     stats.commit()
     assert all(torch.equal(a, b) for a, b in zip(buffers(net["frozen"]).values(), frozen.values(), strict=True))
     assert untracked is None
     before = buffers(net)
+    stats.arm()
     with pytest.raises(RuntimeError):
         net["bn1"](x[:, :3, 0, 0])  # (3 channels into a layer of 4: raises inside the forward)
     stats.discard()
@@ -463,12 +465,14 @@ def test_sync_batchnorm_on_one_process_and_suspended_statistics() -> None:
     stats.attach(net)
     x = DATA.x[:12, :, 0, 0]
     for part in x.split(4):
+        stats.arm()
         net(part)
         stats.accept()
     stats.commit()
     with torch.no_grad():
         ref(x)  # the window as one batch
     assert max_diff(list(buffers(net).values()), list(buffers(ref).values())) <= 1e-12
+    stats.arm()
     stats.suspend()  # (Stochastic Weight Averaging's BatchNorm epoch: every forward its own update)
     net(x[:4])
     with torch.no_grad():

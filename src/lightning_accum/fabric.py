@@ -259,6 +259,7 @@ class FabricAccumulator:
         if isinstance(counted, Tensor):
             counted = counted.detach().clone()
         window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
+        engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         final = final or window.microbatches + 1 >= window.k
         skip = self._skips_sync(final)
         step = self._block = FabricStep(self, counted)
@@ -274,6 +275,7 @@ class FabricAccumulator:
                 engine.batch_done()  # (the statistics of its forwards stay out)
                 self._abandon(step, skip, "An exception inside an `accumulate` block after its `step.backward`")
         if not step.passes:
+            engine.batch_done()  # (the statistics of its forwards stay out)
             self._abandon(step, skip, "An `accumulate` block that made no `step.backward`", always=True)
             raise RuntimeError(
                 "The `accumulate` block made no `step.backward(loss)`: call it (not `loss.backward()` or "

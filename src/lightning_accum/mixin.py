@@ -233,11 +233,13 @@ class AccumulationMixin(_ModuleBase):
         driver.check(trainer)
         block = driver.begin(trainer, optimizer, batch)
         acc = Accumulator(block, batch, driver.auto)
+        finished = False
         try:
             yield acc
+            finished = True
         finally:
             acc._close()
-            driver.block_exited()
+            driver.block_exited(block, finished)
         driver.finish(trainer, block)
 
     @override
