@@ -107,7 +107,12 @@ def max_diff(a: list[Tensor], b: list[Tensor]) -> float:
 
 
 def reference(
-    windows: list[list[Batch]], lr: float = 0.1, piece: int | None = None, repeat: int = 1, own: int = 0
+    windows: list[list[Batch]],
+    lr: float = 0.1,
+    piece: int | None = None,
+    repeat: int = 1,
+    own: int = 0,
+    failed_outside: str | None = None,
 ) -> nn.Module:
     """The plain loop: each window's gradient the mean of its micro-batches', and each BatchNorm layer's update
     one forward of that layer alone over everything the window's micro-batches gave it, as a single batch (the
@@ -116,7 +121,9 @@ def reference(
     model would give it others; the first layer's are the same either way.) ``piece``: each batch runs in pieces
     of that many samples, each weighted by its share; ``repeat``: each piece runs that many forwards (each loss
     weighted ``1 / repeat``), all of which BatchNorm is given; ``own``: the first that many micro-batches update
-    the buffers themselves, as under ``"micro-batch"``."""
+    the buffers themselves, as under ``"micro-batch"``; ``failed_outside="outside"``: a training forward outside any
+    micro-batch raised inside ``bn2``, which (as PyTorch's BatchNorm does) counted it in ``num_batches_tracked``
+    first."""
     net = make_net()
     train_mode(net)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
@@ -143,6 +150,8 @@ def reference(
                     net[name](torch.cat(given))  # the window as one batch
         opt.step()
         opt.zero_grad()
+    if failed_outside == "outside":  # a forward outside the window that `bn2` refused: PyTorch counted it
+        net["bn2"].num_batches_tracked += 1
     return net
 
 
@@ -380,15 +389,21 @@ def fabric_run(
     resume: Path | None = None,
     fail: int | None = None,
     resave: Path | None = None,
+    how: str = "after",
+    twice: bool = False,
 ) -> nn.Module:
     """The loop a user writes; ``stop``: save after that many micro-batches and return; ``fail``: that
-    micro-batch's first try raises after its forward (before its backward) and is tried again; ``resave``: save
-    right after loading ``resume`` (before any batch) and return."""
+    micro-batch's first try raises (``how``: after its forward, before its backward; ``"inside"``: inside a
+    BatchNorm layer's forward in the block; ``"outside"``: a forward before the block raises inside a layer) and
+    is tried again; ``resave``: save right after loading ``resume`` (before any batch) and return; ``twice``: a
+    first accumulator is made on the model, and the loop uses a second one."""
     fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
     net = _Wrapped(make_net())
     train_mode(net.inner)
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    first = FabricAccumulator(fabric, model, opt, k, batchnorm="window") if twice else None
     acc = FabricAccumulator(fabric, model, opt, k, batchnorm="window")
+    assert first is None or first.progress.step == 0
     each, start = batches(), 0
     if resume is not None:
         loaded = fabric.load(resume, {"accumulation": acc, "model": model, "optimizer": opt})
@@ -402,10 +417,16 @@ def fabric_run(
             if done < start:
                 done += 1
                 continue
-            if done == fail:
+            if done == fail and how == "after":
                 with pytest.raises(RuntimeError, match="boom"), acc.accumulate(batch, epoch=epoch) as step:
                     model(batch["x"])
                     raise RuntimeError("boom")
+            if done == fail and how == "inside":  # (one sample: `bn1` refuses it, after `bn2` ran)
+                with pytest.raises(ValueError, match="more than 1 value"), acc.accumulate(batch, epoch=epoch) as step:
+                    model(poison(batch))
+            if done == fail and how == "outside":  # (one sample of 1x1: `bn2` refuses it)
+                with pytest.raises(ValueError, match="more than 1 value"):
+                    model(batch["x"][:1, :, :1, :1])
             with acc.accumulate(batch, epoch=epoch, last=i == len(each) - 1) as step:
                 step.backward(nn.functional.mse_loss(model(batch["x"]), batch["y"]))
             done += 1
@@ -485,3 +506,217 @@ def test_sync_batchnorm_on_one_process_and_suspended_statistics() -> None:
         ref(x[4:])
     assert int(net[1].num_batches_tracked) == 3
     assert max_diff(list(buffers(net).values()), list(buffers(ref).values())) <= 1e-12
+
+
+# ---------------------------------------------------------------------- a caught failure inside a forward (issue 44)
+def poison(batch: Batch) -> Tensor:
+    """One sample of the batch: BatchNorm1d (``bn1``) refuses it in training mode ("Expected more than 1 value per
+    channel"), after ``bn2`` (16 values per channel) ran: a forward that raises inside a layer, after another."""
+    return batch["x"][:1]
+
+
+def without(windows: list[list[Batch]], skipped: Batch) -> list[list[Batch]]:
+    return [[b for b in window if not torch.equal(b["x"], skipped["x"])] for window in windows]
+
+
+class CatchesInStep(Model):
+    """Batch 4's ``training_step`` runs a forward that raises inside ``bn1``, catches it and returns None (the batch
+    is skipped)."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
+        if batch_idx == 4:
+            with pytest.raises(ValueError, match="more than 1 value per channel"):
+                forward(self.net, poison(batch))
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def test_callback_failed_forward_caught_in_training_step() -> None:
+    """The layer's own buffers and momentum come back; the skipped batch adds nothing to its window (its window is
+    batches 3 and 5), and training goes on equal to the reference."""
+    model = CatchesInStep()
+    trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    assert model.net["bn1"].momentum is None and model.net["bn2"].momentum == 0.1
+    ref = reference(without(windows_of(3, epochs=1), batches()[4]))
+    assert max_diff(state(model.net), state(ref)) <= 1e-12
+
+
+class CatchesAroundBlock(MixinModel):
+    """Batch 4: a block whose forward raises inside ``bn1`` (``"inside"``), or a forward before any block that
+    raises inside ``bn2`` (``"outside"``), caught around it; then the batch's block as usual."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(3)
+        self.where = where
+
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        if batch_idx == 4 and self.where == "inside":
+            with pytest.raises(ValueError, match="more than 1 value per channel"), self.accumulate(batch):
+                forward(self.net, poison(batch))
+        if batch_idx == 4 and self.where == "outside":  # (1 sample of 1x1: `bn2` refuses it)
+            with pytest.raises(ValueError, match="more than 1 value per channel"):
+                forward(self.net, batch["x"][:1, :, :1, :1])
+        super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_mixin_failed_forward_caught_around_the_block(where: str) -> None:
+    model = CatchesAroundBlock(where)
+    trainer(max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    assert model.net["bn1"].momentum is None and model.net["bn2"].momentum == 0.1
+    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1), failed_outside=where))) <= 1e-12
+
+
+@pytest.mark.usefixtures("float64_outputs")
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_fabric_failed_forward_caught_around_the_block(where: str) -> None:
+    """Micro-batch 4 first fails (a forward that raises inside a layer, inside the block or before it), caught by
+    the loop, then runs again: equal to the reference in which it ran once."""
+    net = fabric_run(3, fail=4, how=where)
+    assert net["bn1"].momentum is None and net["bn2"].momentum == 0.1
+    assert max_diff(state(net), state(reference(windows_of(3), failed_outside=where))) <= 1e-12
+
+
+# ---------------------------------------------------------------------- hooks that outlive their owner (issue 44)
+def plain_loop_updates_as_pytorch(net: nn.Module) -> None:
+    """Forwards in training mode after the fit (a plain loop), then ``update_bn``: BatchNorm's own updates, as on a
+    fresh copy of the same state that no package ever hooked."""
+    fresh = make_net()
+    fresh.load_state_dict(net.state_dict())
+    for m in (net, fresh):
+        train_mode(m)
+        with torch.no_grad():
+            for batch in batches()[:3]:
+                forward(m, batch["x"])
+    assert max_diff(list(buffers(net).values()), list(buffers(fresh).values())) == 0.0
+    assert int(net["bn2"].num_batches_tracked) == int(fresh["bn2"].num_batches_tracked)
+    loader = [(b["x"],) for b in batches()[:2]]
+    for m in (net, fresh):
+        torch.optim.swa_utils.update_bn(loader, _Wrapped(m))
+    assert max_diff(list(buffers(net).values()), list(buffers(fresh).values())) == 0.0
+
+
+def test_hooks_do_nothing_after_a_fit_ends_or_fails() -> None:
+    model = Model()  # a fit that ends
+    trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    plain_loop_updates_as_pytorch(model.net)
+    counted = int(model.net["bn2"].num_batches_tracked)
+    trainer(max_epochs=1).fit(model, ResumableLoader(DATA, 4))  # a later fit under "micro-batch": every forward
+    assert int(model.net["bn2"].num_batches_tracked) == counted + 11
+    failed = Failing()  # a fit an exception ends
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(
+            failed, ResumableLoader(DATA, 4)
+        )
+    plain_loop_updates_as_pytorch(failed.net)
+    mixin = MixinModel(3)
+    trainer(max_epochs=1).fit(mixin, ResumableLoader(DATA, 4))
+    plain_loop_updates_as_pytorch(mixin.net)
+
+
+@pytest.mark.usefixtures("float64_outputs")
+def test_fabric_hooks_do_nothing_after_the_loop_and_a_second_accumulator_takes_over() -> None:
+    """A loop's ``FabricAccumulator`` stays alive after it: its hooks act inside its blocks only. A second one made
+    on the same model takes the layers over: the two never nest their hooks (equal to the reference)."""
+    net = fabric_run(3, twice=True)
+    assert max_diff(state(net), state(reference(windows_of(3)))) <= 1e-12
+    plain_loop_updates_as_pytorch(net)
+
+
+def test_an_earlier_owner_left_attached_is_taken_over() -> None:
+    """An owner whose hooks are still on the model (never detached) and a fit with a new callback: the new owner
+    takes the layers over, and the fit equals the reference."""
+    model = Model()
+    WindowBatchNorm().attach(model.net)
+    trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1)))) <= 1e-12
+
+
+class DeepCopies(pl.Callback):
+    """At batch 4, copies the model (as ``AveragedModel``, EMA and weight-averaging callbacks do) and runs the copy
+    in training mode beside a fresh model of the same state."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if args[-1] != 4:
+            return
+        copied = copy.deepcopy(pl_module.net)
+        plain_loop_updates_as_pytorch(copied)
+
+
+def test_a_deep_copy_during_the_fit_is_plain_batchnorm() -> None:
+    model = Model()
+    callbacks = [AccumulationScheduler(3, batchnorm="window"), DeepCopies()]
+    trainer(callbacks=callbacks, max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1)))) <= 1e-12
+
+
+# ---------------------------------------------------------------------- a forward outside any micro-batch (issue 44)
+class Probes(Model):
+    """After every batch (its backward, and at a window's last its step, done), a training-mode forward of a probe
+    batch: outside the window, BatchNorm's own update."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            forward(self.net, PROBE)
+
+
+PROBE = Images(6, seed=5).x
+
+
+def probed_reference(windows: list[list[Batch]], lr: float = 0.1) -> nn.Module:
+    """The reference with the probe: the buffers the package leaves between micro-batches (``own``) take the probe's
+    update after each micro-batch; a window's update starts from them."""
+    net = make_net()
+    train_mode(net)
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    for window in windows:
+        own = buffers(net)
+        inputs: dict[str, list[Tensor]] = {"bn2": [], "bn1": []}
+        for j, batch in enumerate(window):
+            out = forward(net, batch["x"], inputs)
+            (nn.functional.mse_loss(out, batch["y"]) / len(window)).backward()
+            with torch.no_grad():
+                for name, b in net.named_buffers():
+                    b.copy_(own[name])
+                if j == len(window) - 1:
+                    for name, given in inputs.items():
+                        net[name](torch.cat(given))
+                    opt.step()
+                    opt.zero_grad()
+                forward(net, PROBE)
+            own = buffers(net)
+    return net
+
+
+def test_a_forward_outside_the_micro_batch_is_batchnorms_own_update() -> None:
+    model = Probes()
+    trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    assert max_diff(state(model.net), state(probed_reference(windows_of(3, epochs=1)))) <= 1e-12
+
+
+# ---------------------------------------------------------------------- the mixin's window groups (issue 44)
+class TwoWindows(AccumulationMixin, pl.LightningModule):
+    """Two optimizers, a window each (refused under ``batchnorm="window"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.configure_accumulation(1, batchnorm="window")
+
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        for i in (0, 1):
+            with self.accumulate(batch, optimizer=i) as acc:
+                acc.backward(loss_of(self.net, batch))
+
+    def configure_optimizers(self) -> Any:
+        params = list(self.net.parameters())
+        return torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)
+
+
+def test_mixin_window_of_some_optimizers_refused_before_anything_changes() -> None:
+    model = TwoWindows()
+    before = state(model.net)
+    with pytest.raises(ValueError, match=r"batchnorm='window'.*one window of every optimizer.*optimizers \[0\]"):
+        trainer(max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    assert max_diff(state(model.net), before) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.net.parameters())
