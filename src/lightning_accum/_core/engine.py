@@ -212,7 +212,8 @@ class WindowEngine:
     def batch_done(self) -> None:
         """The batch is over (nothing of it can be trained again)."""
         self.inflight, self.redo = None, None
-        self.microbatch_over()
+        if self.batchnorm is not None:  # (`microbatch_over`, inline: the hot path)
+            self.batchnorm.drop_pending()
 
     def microbatch_over(self) -> None:
         """The micro-batch ended (its block exited, or raised): BatchNorm statistics of forwards it did not put in
