@@ -336,4 +336,4 @@ def test_split_fault_batchnorm_statistics(tmp_path: Path, hook: str, at: tuple[i
     for name, want in full.net.named_buffers():
         got = dict(resumed.net.named_buffers())[name]
         assert float((got.double() - want.double()).abs().max()) <= 1e-12, name
-    assert int(full.net[1].bn.num_batches_tracked) == 5 + 7  # one per window: [0-2] [3-5] [6-8] [9-11] [12], then 7 of 2
+    assert int(full.net[1].bn.num_batches_tracked) == 5 + 7  # a window each: [0-2] [3-5] [6-8] [9-11] [12], 7 of 2

@@ -89,6 +89,7 @@ class _Hook:
     def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
         return self
 
+    @override
     def __reduce__(self) -> tuple[Any, tuple[None, bool]]:
         return (_Hook, (None, self.after))
 
