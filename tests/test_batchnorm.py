@@ -722,3 +722,23 @@ def test_mixin_window_of_some_optimizers_refused_before_anything_changes() -> No
         trainer(max_epochs=1).fit(model, ResumableLoader(DATA, 4))
     assert max_diff(state(model.net), before) == 0.0
     assert all(p.grad is None or not p.grad.any() for p in model.net.parameters())
+
+
+def test_a_layer_whose_forward_raised_is_put_back_at_its_next_forward() -> None:
+    """Inside one micro-batch, a forward that raises inside the layer (caught) and then one that runs: the layer's
+    own buffers come back before the second swaps them, which alone goes in (one BatchNorm update of its batch)."""
+    layer = nn.BatchNorm1d(4, momentum=None).double()
+    ref = copy.deepcopy(layer)
+    stats = WindowBatchNorm()
+    stats.attach(layer)
+    x = DATA.x[:6, :, :2, 0].reshape(6, 4)
+    stats.arm()
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        layer(x[:1])
+    layer(x)
+    stats.accept()
+    stats.commit()
+    with torch.no_grad():
+        ref(x)
+    assert layer.momentum is None
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-12
