@@ -426,6 +426,8 @@ def fabric_run(
             if done == fail and how == "inside":  # (one sample: `bn1` refuses it, after `bn2` ran)
                 with pytest.raises(ValueError, match="more than 1 value"), acc.accumulate(batch, epoch=epoch) as step:
                     model(poison(batch))
+                layer = net.inner["bn1"]  # its own state back as the block ended, before any other forward
+                assert layer.momentum is None and layer.num_batches_tracked is not None
             if done == fail and how == "outside":  # (one sample of 1x1: `bn2` refuses it)
                 with pytest.raises(ValueError, match="more than 1 value"):
                     model(batch["x"][:1, :, :1, :1])
@@ -532,6 +534,10 @@ class CatchesInStep(Model):
             return None
         return super().training_step(batch, batch_idx)
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        layer = self.net["bn1"]  # its own state back at the batch's end, before any other forward
+        assert layer.momentum is None and layer.num_batches_tracked is not None and layer.running_var.all()
+
 
 def test_callback_failed_forward_caught_in_training_step() -> None:
     """The layer's own buffers and momentum come back; the skipped batch adds nothing to its window (its window is
@@ -634,22 +640,38 @@ def test_an_earlier_owner_left_attached_is_taken_over() -> None:
     assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1)))) <= 1e-12
 
 
-class DeepCopies(pl.Callback):
-    """At batch 4, copies the model (as ``AveragedModel``, EMA and weight-averaging callbacks do) and runs the copy
-    in training mode beside a fresh model of the same state."""
+class Teacher(Model):
+    """From batch 2, a deep copy of the net (as ``AveragedModel``, an EMA teacher, weight-averaging callbacks make
+    them) runs in training mode inside every ``training_step``, beside a fresh net of the same state that no package
+    ever hooked; after the fit, both run a plain loop and ``update_bn``."""
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if args[-1] != 4:
-            return
-        copied = copy.deepcopy(pl_module.net)
-        plain_loop_updates_as_pytorch(copied)
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: tuple[nn.Module, nn.Module] | None = None
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        if batch_idx == 2:
+            copied, fresh = copy.deepcopy(self.net), make_net()
+            fresh.load_state_dict(copied.state_dict())
+            train_mode(fresh)
+            self.copies = (copied, fresh)
+        if self.copies is not None:
+            with torch.no_grad():
+                for m in self.copies:
+                    forward(m, batch["x"])
+        return super().training_step(batch, batch_idx)
 
 
 def test_a_deep_copy_during_the_fit_is_plain_batchnorm() -> None:
-    model = Model()
-    callbacks = [AccumulationScheduler(3, batchnorm="window"), DeepCopies()]
-    trainer(callbacks=callbacks, max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    """The copy's BatchNorm updates as a fresh model's, and the original's window statistics are unaffected."""
+    model = Teacher()
+    trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(model, ResumableLoader(DATA, 4))
     assert max_diff(state(model.net), state(reference(windows_of(3, epochs=1)))) <= 1e-12
+    assert model.copies is not None
+    copied, fresh = model.copies
+    assert max_diff(list(buffers(copied).values()), list(buffers(fresh).values())) == 0.0
+    assert int(copied["bn2"].num_batches_tracked) == 9 + 0  # (the original's 0 windows at batch 2, 9 forwards)
+    plain_loop_updates_as_pytorch(copied)
 
 
 # ---------------------------------------------------------------------- a forward outside any micro-batch (issue 44)
