@@ -764,3 +764,26 @@ def test_a_layer_whose_forward_raised_is_put_back_at_its_next_forward() -> None:
         ref(x)
     assert layer.momentum is None
     assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-12
+
+
+def test_two_owners_armed_together_never_nest() -> None:
+    """Two owners attached to one model, both in a micro-batch (two accumulators driven side by side): the second
+    took the layers over, so one window update lands, the second's; the first's commit changes nothing."""
+    net = make_net()
+    train_mode(net)
+    ref = copy.deepcopy(net)
+    first, second = WindowBatchNorm(), WindowBatchNorm()
+    first.attach(net)
+    second.attach(net)
+    for x in DATA.x[:12].split(4):
+        first.arm()
+        second.arm()
+        forward(net, x)
+        first.accept()
+        second.accept()
+    second.commit()
+    first.commit()
+    with torch.no_grad():
+        trunk(ref, DATA.x[:12])  # (the first layer's window as one batch; the second's input differs: not compared)
+    assert max_diff(list(buffers(net["bn2"]).values()), list(buffers(ref["bn2"]).values())) <= 1e-12
+    assert int(net["bn1"].num_batches_tracked) == 1
