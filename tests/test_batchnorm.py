@@ -300,7 +300,7 @@ def test_window_option_refused_where_it_cannot_be_exact() -> None:
         AccumulationScheduler(2, batchnorm="micro_batch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="microbatch_size='auto'"):
         AccumulationScheduler(2, batchnorm="window", microbatch_size="auto")
-    with pytest.raises(ValueError, match="`batchnorm` must be .* \\(did you mean 'window'\\?\\); got 'windows'"):
+    with pytest.raises(ValueError, match=r"`batchnorm` must be .* \(did you mean 'window'\?\); got 'windows'"):
         MixinModel(2, batchnorm="windows")
     with pytest.raises(ValueError, match="did you mean 'window'"):
         AccumulationScheduler(2, batchnorm="Windows")  # type: ignore[arg-type]

@@ -62,8 +62,9 @@ def check_batchnorm(value: object) -> BatchNormMode:
 
 
 #: which ``WindowBatchNorm`` hooks each BatchNorm layer now: an ``attach`` takes a layer over from an earlier owner
-#: (whose hooks on it are removed), so that two owners never nest their buffer swaps on one layer
-_OWNERS: weakref.WeakKeyDictionary[_BatchNorm, WindowBatchNorm] = weakref.WeakKeyDictionary()
+#: (whose hooks on it are removed), so that two owners never nest their buffer swaps on one layer (both held
+#: weakly: an owner holds its layers, so a strong value would keep the model alive for good)
+_OWNERS: weakref.WeakKeyDictionary[_BatchNorm, weakref.ref[WindowBatchNorm]] = weakref.WeakKeyDictionary()
 
 
 class _Hook:
@@ -267,10 +268,11 @@ class WindowBatchNorm:
         self.detach()
         for name, layer in model.named_modules():
             if isinstance(layer, _BatchNorm):
-                previous = _OWNERS.get(layer)
+                owner = _OWNERS.get(layer)
+                previous = None if owner is None else owner()
                 if previous is not None and previous is not self:
                     previous._give_up(layer, taken_over=True)
-                _OWNERS[layer] = self
+                _OWNERS[layer] = weakref.ref(self)
                 self._names[layer], self._layers[name] = name, layer
                 if isinstance(layer, nn.SyncBatchNorm):  # (it refuses a `num_batches_tracked` of None)
                     self._scratch[name] = torch.zeros((), dtype=torch.long, device=layer.num_batches_tracked.device)  # type: ignore[union-attr]
@@ -304,7 +306,8 @@ class WindowBatchNorm:
             self._put_back(layer, inflight)
         for handle in self._handles.pop(name, ()):
             handle.remove()
-        if _OWNERS.get(layer) is self:
+        owner = _OWNERS.get(layer)
+        if owner is not None and owner() is self:
             del _OWNERS[layer]
         if taken_over:  # (this owner goes on with its other layers, if any)
             del self._layers[name]
