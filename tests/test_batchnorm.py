@@ -787,3 +787,21 @@ def test_two_owners_armed_together_never_nest() -> None:
         trunk(ref, DATA.x[:12])  # (the first layer's window as one batch; the second's input differs: not compared)
     assert max_diff(list(buffers(net["bn2"]).values()), list(buffers(ref["bn2"]).values())) <= 1e-12
     assert int(net["bn1"].num_batches_tracked) == 1
+
+
+def test_an_attached_model_pickles_and_is_freed_with_its_owner() -> None:
+    """A model pickled while hooked comes back with inert hooks (plain BatchNorm); once its owner is dropped (a
+    ``FabricAccumulator`` garbage-collected), nothing of the package keeps the model alive."""
+    import gc
+    import pickle
+    import weakref
+
+    net = make_net()
+    train_mode(net)
+    stats = WindowBatchNorm()
+    stats.attach(net)
+    plain_loop_updates_as_pytorch(pickle.loads(pickle.dumps(net)))
+    layer = weakref.ref(net["bn2"])
+    del stats, net
+    gc.collect()
+    assert layer() is None
