@@ -324,7 +324,10 @@ def test_split_fault(tmp_path: Path, kind: str, hook: str, at: tuple[int, int], 
     assert bool(seen) == warns, seen
 
 
-@pytest.mark.parametrize(("hook", "at"), [("in_piece", MID), ("in_piece", (0, 3)), ("on_after_backward", MID)])
+@pytest.mark.parametrize(
+    ("hook", "at"),
+    [("in_piece", MID), ("in_piece", (0, 3)), ("on_before_backward:before", MID), ("on_after_backward", MID)],
+)
 def test_split_fault_batchnorm_statistics(tmp_path: Path, hook: str, at: tuple[int, int]) -> None:
     """``batchnorm="window"``: where an exception between pieces keeps the finished pieces in the window's gradient
     (the checkpoint holds them, the resumed run trains the rest of the batch), their BatchNorm statistics are in the
