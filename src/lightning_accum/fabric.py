@@ -146,7 +146,9 @@ class FabricAccumulator:
         log: report each window (``accum/*`` through ``fabric.log_dict``, and ``step.window``).
         batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every forward, as in a plain
             loop) or ``"window"`` (updated once per window with the pooled statistics of its micro-batches; the
-            model's layers are hooked from here on). See the guide's "BatchNorm and accumulation".
+            model's layers are hooked from here on, taken over from any earlier accumulator, and the hooks act
+            inside ``accumulate`` blocks only: a forward outside one is BatchNorm's own update). See the guide's
+            "BatchNorm and accumulation".
 
     A loop must end its last window with ``flush()`` (or ``last=True`` on the data's last block): an accumulator
     garbage-collected, or alive when the process ends, with micro-batches in an unstepped window warns once

@@ -71,7 +71,7 @@ class MixinWindows:
         """``batchnorm="window"`` advances BatchNorm's statistics with one window, that of every optimizer: a block
         of a window of some optimizers is refused as it opens, before any of it runs (so a model that opens windows
         of its optimizers one by one has its first refused before anything is trained)."""
-        if self.batchnorm is None:
+        if self.batchnorm is None or (key in self.engines and len(self.engines) == 1):
             return
         other = next((k for k in self.engines if k != key), None)
         if other is not None or key != tuple(range(len(self.optimizers()))):

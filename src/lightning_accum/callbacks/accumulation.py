@@ -97,7 +97,8 @@ class AccumulationScheduler(Callback):
         batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every micro-batch, as
             Lightning) or ``"window"`` (updated once per window, with the statistics of all its samples pooled
             exactly, ``num_batches_tracked`` counting windows; each micro-batch is still normalised by its own
-            statistics). See the guide's "BatchNorm and accumulation".
+            statistics; a forward outside a micro-batch, as in an ``on_train_batch_end`` hook, is BatchNorm's own
+            update). See the guide's "BatchNorm and accumulation".
 
     Example:
 
