@@ -805,3 +805,26 @@ def test_an_attached_model_pickles_and_is_freed_with_its_owner() -> None:
     del stats, net
     gc.collect()
     assert layer() is None
+
+
+@pytest.mark.parametrize(
+    ("dtype", "offset", "bound"),
+    [(torch.bfloat16, 0.0, 1e-2), (torch.float16, 0.0, 1e-3), (torch.float32, 0.0, 1e-6), (torch.float32, 3e3, 1e-4)],
+)
+def test_low_precision_buffers_within_the_documented_figures(dtype: torch.dtype, offset: float, bound: float) -> None:
+    """The guide's limits: each micro-batch's statistics are written in the layer's dtype before the float64 pooling.
+    A window of 8 micro-batches of 16 samples, 32 channels: the variance's relative error against the window's float64
+    variance (measured 4.7e-3 bf16, 4.7e-4 float16, 7.7e-8 float32, 2.6e-5 float32 with a mean offset of 3000)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, 32, generator=g, dtype=torch.float64) * 2 + offset
+    layer = nn.BatchNorm1d(32, momentum=None).to(dtype)
+    stats = WindowBatchNorm()
+    stats.attach(layer)
+    for part in x:
+        stats.arm()
+        layer(part.to(dtype))
+        stats.accept()
+    stats.commit()
+    want = x.reshape(-1, 32).var(0)
+    assert layer.running_var is not None
+    assert float(((layer.running_var.double() - want).abs() / want).max()) <= bound
