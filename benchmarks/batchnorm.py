@@ -98,6 +98,8 @@ def window_loop(mode: str, k: int, batch: int, stats: WindowBatchNorm | None = N
 
     def window() -> None:
         for x, y in zip(xs, ys, strict=True):
+            if stats is not None:  # (a micro-batch: its forwards pooled till `accept`)
+                stats.arm()
             (nn.functional.cross_entropy(model(x), y) / k).backward()
             if stats is not None:
                 stats.accept()

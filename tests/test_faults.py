@@ -158,11 +158,36 @@ class PieceFault(Validated):
         return loss
 
 
+class TokenBatchNorm(torch.nn.Module):
+    """A ``BatchNorm1d`` over every token's features (tokens along the length: ``(N, C, T)``)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(features, momentum=None)  # (the cumulative average: every window counts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.bn(x.transpose(1, 2)).transpose(1, 2)
+        return out
+
+
+class BatchNormPieceFault(PieceFault):
+    """``PieceFault`` whose net normalises its hidden features with BatchNorm (``batchnorm="window"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(3, 8), TokenBatchNorm(8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        ).double()
+
+
 def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
     """A fresh model and accumulation callbacks: `mean`, `items` with GradientDecay, or NoiseScale; `split`
     (pieces of 3 of batches of 4), `split+auto` (out of memory above 2 samples) with GradientDecay."""
     if kind == "split":
         return PieceFault(), [AccumulationScheduler(WINDOWS, microbatch_size=3)]
+    if kind == "split+batchnorm":
+        return BatchNormPieceFault(), [AccumulationScheduler(WINDOWS, microbatch_size=3, batchnorm="window")]
     if kind == "split+auto":
         callback = AccumulationScheduler(WINDOWS, normalize="items", reduction="sum", count=count_tokens,
                                          microbatch_size="auto")  # fmt: skip
@@ -300,3 +325,21 @@ def test_split_fault(tmp_path: Path, kind: str, hook: str, at: tuple[int, int], 
     fault = (hook, at) if hook.startswith("in_piece") else Fault(hook, at)
     seen = fail_and_resume(kind, tmp_path, fault, source)
     assert bool(seen) == warns, seen
+
+
+@pytest.mark.parametrize(
+    ("hook", "at"),
+    [("in_piece", MID), ("in_piece", (0, 3)), ("on_before_backward:before", MID), ("on_after_backward", MID)],
+)
+def test_split_fault_batchnorm_statistics(tmp_path: Path, hook: str, at: tuple[int, int]) -> None:
+    """``batchnorm="window"``: where an exception between pieces keeps the finished pieces in the window's gradient
+    (the checkpoint holds them, the resumed run trains the rest of the batch), their BatchNorm statistics are in the
+    window too: the resumed run ends with the uninterrupted run's running statistics, as with its parameters."""
+    fault = (hook, at) if hook.startswith("in_piece") else Fault(hook, at)
+    assert not fail_and_resume("split+batchnorm", tmp_path, fault, "exception")
+    resumed = fit("split+batchnorm", resume=tmp_path / "on_exception.ckpt")
+    full = uninterrupted("split+batchnorm")
+    for name, want in full.net.named_buffers():
+        got = dict(resumed.net.named_buffers())[name]
+        assert float((got.double() - want.double()).abs().max()) <= 1e-12, name
+    assert int(full.net[1].bn.num_batches_tracked) == 5 + 7  # a window each: [0-2] [3-5] [6-8] [9-11] [12], 7 of 2

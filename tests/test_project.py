@@ -86,7 +86,7 @@ def test_the_examples_install_runs_every_example_and_readme_snippet() -> None:
     tomllib = pytest.importorskip("tomllib")  # (Python 3.11 on)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = project["dependencies"] + project["optional-dependencies"]["examples"]
-    installed = {re.split(r"[<>=;\[ ]", spec)[0].lower() for spec in declared}
+    installed = {re.split(r"[<>=;\[ ]", spec)[0].replace("_", "-").lower() for spec in declared}  # (PEP 503 names)
     installed |= {"torchmetrics", "numpy"}  # (Lightning's and torch's own)
     distribution = {"sklearn": "scikit-learn", "sentence_transformers": "sentence-transformers"}
     readme = (ROOT / "README.md").read_text()

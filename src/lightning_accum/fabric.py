@@ -146,7 +146,9 @@ class FabricAccumulator:
         log: report each window (``accum/*`` through ``fabric.log_dict``, and ``step.window``).
         batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every forward, as in a plain
             loop) or ``"window"`` (updated once per window with the pooled statistics of its micro-batches; the
-            model's layers are hooked from here on). See the guide's "BatchNorm and accumulation".
+            model's layers are hooked from here on, taken over from any earlier accumulator, and the hooks act
+            inside ``accumulate`` blocks only: a forward outside one is BatchNorm's own update). See the guide's
+            "BatchNorm and accumulation".
 
     A loop must end its last window with ``flush()`` (or ``last=True`` on the data's last block): an accumulator
     garbage-collected, or alive when the process ends, with micro-batches in an unstepped window warns once
@@ -259,6 +261,7 @@ class FabricAccumulator:
         if isinstance(counted, Tensor):
             counted = counted.detach().clone()
         window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
+        engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget)
         final = engine.closes_after(samples, samples if counted is None else counted, self._ranks) or final
         skip = self._skips_sync(final)
@@ -272,9 +275,12 @@ class FabricAccumulator:
         finally:
             step._open, self._block = False, None
             if not finished:
+                engine.take_back()  # (a budget's count of the micro-batch, which did not go in)
                 engine.batch_done()  # (the statistics of its forwards stay out)
                 self._abandon(step, skip, "An exception inside an `accumulate` block after its `step.backward`")
         if not step.passes:
+            engine.take_back()
+            engine.batch_done()  # (the statistics of its forwards stay out)
             self._abandon(step, skip, "An `accumulate` block that made no `step.backward`", always=True)
             raise RuntimeError(
                 "The `accumulate` block made no `step.backward(loss)`: call it (not `loss.backward()` or "
@@ -303,8 +309,6 @@ class FabricAccumulator:
         partly in the window, which then cannot be stepped exactly: the window is left out (warned), its
         gradient cleared, so that a loop that goes on starts a clean one."""
         window = self._engine.window
-        if window is not None:  # (a budget's count of the micro-batch, which did not go in)
-            window.unreach()
         if not (step.passes or always):
             if window is None or not window.microbatches:
                 self._guard.disarm()

@@ -153,7 +153,8 @@ class AccumulationMixin(_ModuleBase):
                 optimizer step uses it.
             batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every forward, as
                 Lightning) or ``"window"`` (updated once per window with the pooled statistics of the
-                micro-batches that went in; one window group only). See "BatchNorm and accumulation".
+                micro-batches that went in, forwards inside ``accumulate`` blocks; one window of every optimizer).
+                See "BatchNorm and accumulation".
 
         Example:
 
@@ -233,11 +234,13 @@ class AccumulationMixin(_ModuleBase):
         driver.check(trainer)
         block = driver.begin(trainer, optimizer, batch)
         acc = Accumulator(block, batch, driver.auto)
+        finished = False
         try:
             yield acc
+            finished = True
         finally:
             acc._close()
-            driver.block_exited()
+            driver.block_exited(block, finished)
         driver.finish(trainer, block)
 
     @override

@@ -258,6 +258,32 @@ CASES: dict[str, dict[str, Any]] = {
         "lr_scaling": "adascale", "lr_schedule": {"warmup": 2, "total": 8, "unit": "scaled_steps", "final": 0.1},
         "decay": [0.5, "sum", False], "clip": [0.5, "norm"], "optimizer": "adam", "lr": 0.01,
         "interruptions": [["on_after_backward", 0, 4], ["save", 1, 3]]},
+    # (fuzzer, seed 52) BatchNorm over the window with pieces: a piece failed in training_step and the fit resumed
+    # from the on-exception checkpoint; the finished pieces' statistics were dropped, their gradient kept
+    "batchnorm_pieces_failed_and_resumed": {
+        "seed": 457,
+         "n": 12,
+         "schedule": {"beta": 0.995,
+                      "every": 3,
+                      "family": "noise",
+                      "hysteresis": 0.0,
+                      "max_k": 3,
+                      "max_ratio": 2.0,
+                      "min_k": 2,
+                      "warmup": 1},
+         "normalize": "items",
+         "reduction": "mean",
+         "count": True,
+         "empty_batches": [1, 2],
+         "lr_scaling": "adascale",
+         "scheduler": {"interval": "step", "kind": "step", "step_size": 1},
+         "decay": [0.5, "sum", False],
+         "interruptions": [["save", 0, 1], ["training_step", 1, 0]],
+         "microbatch_size": 2,
+         "fail_piece": 1,
+         "mutate": True,
+         "batchnorm": "window",
+         "bn_momentum": None},
     # issue 46: windows closed by a budget. A failure before a batch's backward: the count the budget took of it as it
     # started was counted again when it was trained again (a window closed a batch early)
     "budget_failed_batch_counted_once": {"n": 28, "batch_size": 2, "epochs": 1, "interruptions": [

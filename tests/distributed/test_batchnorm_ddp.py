@@ -124,6 +124,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
         stats.attach(net)
         saved = None
         for i, x in enumerate(X[rank]):
+            stats.arm()  # (a micro-batch: its forwards pooled till `accept`)
             net(x)
             stats.accept()
             if i == 4:  # inside the second window, after 2 of its micro-batches: every rank asks
@@ -140,6 +141,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
         stats = WindowBatchNorm()
         stats.attach(resumed)
         stats.load_state_dict(broadcast(saved))
+        stats.arm()
         resumed(X[rank][5])
         stats.accept()
         stats.commit()
@@ -151,6 +153,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
         stats = WindowBatchNorm()
         stats.load_state_dict(one)  # (before attaching: kept till then)
         stats.attach(grown)
+        stats.arm()
         grown(X[rank][0])
         stats.accept()
         stats.commit()

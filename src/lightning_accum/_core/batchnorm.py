@@ -31,6 +31,8 @@ the ranks: their ``m2`` summed with the spread of their means, less that sum of 
 from __future__ import annotations
 
 import contextlib
+import difflib
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -50,10 +52,47 @@ BATCHNORM_MODES = ("micro-batch", "window")
 def check_batchnorm(value: object) -> BatchNormMode:
     """Refuse a ``batchnorm`` that is not ``"micro-batch"`` or ``"window"``, naming the argument."""
     if not isinstance(value, str) or value not in BATCHNORM_MODES:
-        spelled = value.strip().lower().replace("_", "-").replace(" ", "-") if isinstance(value, str) else None
-        near = f" (did you mean {spelled!r}?)" if spelled in BATCHNORM_MODES else ""
+        near = ""
+        if isinstance(value, str):  # a near miss: another case, `_` or a space for `-`, a letter off ("windows")
+            spelled = value.strip().lower().replace("_", "-").replace(" ", "-")
+            close = difflib.get_close_matches(spelled, BATCHNORM_MODES, n=1, cutoff=0.75)
+            near = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"`batchnorm` must be 'micro-batch' or 'window'{near}; got {value!r}.")
     return value  # type: ignore[return-value]
+
+
+#: which ``WindowBatchNorm`` hooks each BatchNorm layer now: an ``attach`` takes a layer over from an earlier owner
+#: (whose hooks on it are removed), so that two owners never nest their buffer swaps on one layer (both held
+#: weakly: an owner holds its layers, so a strong value would keep the model alive for good)
+_OWNERS: weakref.WeakKeyDictionary[_BatchNorm, weakref.ref[WindowBatchNorm]] = weakref.WeakKeyDictionary()
+
+
+class _Hook:
+    """A forward (pre-)hook of a ``WindowBatchNorm``, holding it weakly: a deep copy of the model (``AveragedModel``,
+    an EMA) keeps this same hook, which finds the copy's layers unknown to its owner and does nothing; a pickled
+    model's hooks come back as hooks of no owner (nothing)."""
+
+    __slots__ = ("after", "owner")
+
+    def __init__(self, owner: WindowBatchNorm | None, after: bool) -> None:
+        self.owner = None if owner is None else weakref.ref(owner)
+        self.after = after
+
+    def __call__(self, layer: _BatchNorm, args: Any, output: Any = None) -> None:
+        owner = None if self.owner is None else self.owner()
+        if owner is None:
+            return
+        if self.after:
+            owner._after_forward(layer, args, output)
+        else:
+            owner._before_forward(layer, args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return self
+
+    @override
+    def __reduce__(self) -> tuple[Any, tuple[None, bool]]:
+        return (_Hook, (None, self.after))
 
 
 class Moments:
@@ -179,8 +218,10 @@ class WindowBatchNorm:
     """The BatchNorm layers of one model, their running statistics advanced once per window.
 
     ``attach(model)`` hooks every ``_BatchNorm`` (1d/2d/3d, ``SyncBatchNorm``, lazy ones); a layer in eval
-    mode or with ``track_running_stats=False`` is left alone. ``accept`` after a micro-batch's backward,
-    ``commit`` once its window stepped, ``discard`` where it did not, ``drop_pending`` at a batch's end.
+    mode or with ``track_running_stats=False`` is left alone. The hooks act inside a micro-batch only, from
+    ``arm`` to ``accept`` (its backward finished: its statistics join the window) or ``drop_pending`` (it did not
+    go in); a forward outside (a probe in a batch-end hook, a loop after the fit, ``update_bn``) is BatchNorm's
+    own update. ``commit`` once the window stepped, ``discard`` where it did not.
 
     Example:
 
@@ -188,7 +229,7 @@ class WindowBatchNorm:
         >>> stats = WindowBatchNorm()
         >>> stats.attach(model)
         >>> for x in torch.randn(2, 4, 3):  # a window of two micro-batches of 4
-        ...     _ = model(x); stats.accept()
+        ...     stats.arm(); _ = model(x); stats.accept()
         >>> int(model[1].num_batches_tracked)  # the buffers still hold the last window's
         0
         >>> stats.commit(); int(model[1].num_batches_tracked)
@@ -196,13 +237,16 @@ class WindowBatchNorm:
     """
 
     def __init__(self) -> None:
-        self._names: dict[_BatchNorm, str] = {}  # the attached layers
+        self._names: dict[_BatchNorm, str] = {}  # the attached layers (a deep copy's are not among them)
         self._layers: dict[str, _BatchNorm] = {}
-        self._handles: list[RemovableHandle] = []
+        self._handles: dict[str, tuple[RemovableHandle, RemovableHandle]] = {}
         self._window: dict[str, Moments] = {}  # pooled over the window's accepted micro-batches
         #: the forwards of the micro-batch under way, by layer: (count, [mean; unbiased variance]) as the kernel
         #: wrote them, pooled into the window at the micro-batch's end (``accept``)
         self._pending: dict[str, list[tuple[int, Tensor]]] = {}
+        #: the forwards of finished parts of the micro-batch under way (``hold``: pieces whose backward finished),
+        #: which a micro-batch cut short after them keeps (``accept_held``)
+        self._held: dict[str, list[tuple[int, Tensor]]] = {}
         #: layers inside their forward: their own running buffers, ``num_batches_tracked`` and momentum, and the
         #: block the kernel writes this forward's statistics into
         self._inflight: dict[str, tuple[Tensor, Tensor, Tensor | None, float | None, Tensor]] = {}
@@ -212,38 +256,75 @@ class WindowBatchNorm:
         self._scratch: dict[str, Tensor] = {}  # a `SyncBatchNorm`'s `num_batches_tracked` inside its forward
         self.paused = False  # forwards that must not count (a replayed forward): buffers kept, nothing pooled
         self._suspended = False  # the layers update their statistics themselves (SWA's BatchNorm epoch)
+        self._armed = False  # inside a micro-batch: the hooks swap and pool (else a forward is BatchNorm's own)
 
     @property
     def attached(self) -> bool:
         return bool(self._handles)
 
     def attach(self, model: nn.Module) -> None:
-        """Hook every BatchNorm layer of ``model`` (again: the hooks of an earlier ``attach`` are removed)."""
+        """Hook every BatchNorm layer of ``model`` (again: the hooks of an earlier ``attach`` are removed; a layer
+        another ``WindowBatchNorm`` hooks is taken over from it)."""
         self.detach()
         for name, layer in model.named_modules():
             if isinstance(layer, _BatchNorm):
+                owner = _OWNERS.get(layer)
+                previous = None if owner is None else owner()
+                if previous is not None and previous is not self:
+                    previous._give_up(layer, taken_over=True)
+                _OWNERS[layer] = weakref.ref(self)
                 self._names[layer], self._layers[name] = name, layer
                 if isinstance(layer, nn.SyncBatchNorm):  # (it refuses a `num_batches_tracked` of None)
                     self._scratch[name] = torch.zeros((), dtype=torch.long, device=layer.num_batches_tracked.device)  # type: ignore[union-attr]
                     group = layer.process_group or (dist.group.WORLD if dist.is_initialized() else None)
                     if group is not None and dist.get_world_size(group) > 1:
                         self._groups[name] = group
-                self._handles.append(layer.register_forward_pre_hook(self._before_forward))
-                self._handles.append(layer.register_forward_hook(self._after_forward))
+                self._handles[name] = (
+                    layer.register_forward_pre_hook(_Hook(self, after=False)),
+                    layer.register_forward_hook(_Hook(self, after=True)),
+                )
         self._adopt(self._loaded)
         self._loaded = {}
 
     def detach(self) -> None:
-        """Remove the hooks (the pooled window is kept, for a fit that goes on)."""
-        self.recover()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Remove every hook (the pooled window is kept, for a fit that goes on)."""
+        self.disarm()
+        for name in list(self._handles):
+            self._give_up(self._layers[name], taken_over=False)
         self._loaded.update(self._window)
         self._window = {}
-        self._names, self._layers, self._groups, self._scratch = {}, {}, {}, {}
+        self._names, self._layers, self._groups, self._scratch, self._handles = {}, {}, {}, {}, {}
+
+    def _give_up(self, layer: _BatchNorm, *, taken_over: bool) -> None:
+        """Unhook ``layer`` (its own buffers back if a forward of it failed): detached, or taken over by another
+        owner (this one's window then holds nothing of it)."""
+        name = self._names.pop(layer, None)
+        if name is None:
+            return
+        inflight = self._inflight.pop(name, None)
+        if inflight is not None:
+            self._put_back(layer, inflight)
+        for handle in self._handles.pop(name, ()):
+            handle.remove()
+        owner = _OWNERS.get(layer)
+        if owner is not None and owner() is self:
+            del _OWNERS[layer]
+        if taken_over:  # (this owner goes on with its other layers, if any)
+            del self._layers[name]
+            for kept in (self._window, self._pending, self._held, self._groups, self._scratch):
+                kept.pop(name, None)
 
     # ------------------------------------------------------------------ the hooks
+    def arm(self) -> None:
+        """A micro-batch begins: till ``accept`` or ``drop_pending``, the layers' training forwards are pooled."""
+        self._armed = True
+
+    def disarm(self) -> None:
+        """Outside a micro-batch: a forward is BatchNorm's own update (a layer whose forward failed put back)."""
+        self._armed = False
+        if self._inflight:
+            self.recover()
+
     def suspend(self) -> None:
         """Till ``resume``: the layers update their statistics themselves, every forward (a loop of forwards with
         no backward, such as Stochastic Weight Averaging's BatchNorm epoch)."""
@@ -254,23 +335,30 @@ class WindowBatchNorm:
         self._suspended = False
 
     def _before_forward(self, layer: _BatchNorm, args: Any) -> None:
-        if not (not self._suspended and layer.training and layer.track_running_stats) or layer.running_mean is None:
+        name = self._names.get(layer)
+        if name is None:  # (a deep copy's layer, or one taken over)
+            return
+        stale = self._inflight.pop(name, None)
+        if stale is not None:  # its last forward raised inside (a caught error): its own buffers back first
+            self._put_back(layer, stale)
+        if not (self._armed and not self._suspended and layer.training and layer.track_running_stats):
             return
         mean, var = layer.running_mean, layer.running_var
-        assert var is not None
+        if mean is None or var is None:
+            return
         # BatchNorm's kernel writes this micro-batch's mean and unbiased variance into zeroed buffers, the two rows
         # of one block (one allocation, one conversion when pooled; straight into the module's dicts:
         # `nn.Module.__setattr__` costs more than the rest of the hook)
         block = mean.new_zeros((2, *mean.shape))
-        self._inflight[self._names[layer]] = (mean, var, layer.num_batches_tracked, layer.momentum, block)
+        self._inflight[name] = (mean, var, layer.num_batches_tracked, layer.momentum, block)
         held = layer._buffers
         held["running_mean"], held["running_var"] = block.unbind(0)
-        held["num_batches_tracked"] = self._scratch.get(self._names[layer])
+        held["num_batches_tracked"] = self._scratch.get(name)
         layer.__dict__["momentum"] = 1.0
 
     def _after_forward(self, layer: _BatchNorm, args: Any, output: Any) -> None:
-        name = self._names[layer]
-        if name not in self._inflight:
+        name = self._names.get(layer)
+        if name is None or name not in self._inflight:
             return
         block = self._put_back(layer, self._inflight.pop(name))
         if not self.paused:
@@ -303,8 +391,29 @@ class WindowBatchNorm:
 
     # ------------------------------------------------------------------ the window
     def accept(self) -> None:
-        """The micro-batch under way is in the window (its backward finished): its statistics join it."""
+        """The micro-batch under way is in the window (its backward finished): its statistics join it, and the
+        hooks rest till the next micro-batch (``arm``)."""
+        self.disarm()
+        if self._held:
+            self.accept_held()
+        self._pool(self._pending)
+        self._pending = {}
+
+    def hold(self) -> None:
+        """A finished part of the micro-batch under way (a piece whose backward finished): its forwards are kept
+        with it, also if the micro-batch is cut short after it (``accept_held``)."""
         for name, forwards in self._pending.items():
+            self._held.setdefault(name, []).extend(forwards)
+        self._pending = {}
+
+    def accept_held(self) -> None:
+        """The finished parts of a micro-batch cut short are in the window (a checkpoint keeps their gradient):
+        their statistics join it; the rest of the micro-batch's forwards are left for ``drop_pending``."""
+        self._pool(self._held)
+        self._held = {}
+
+    def _pool(self, forwards_by_layer: Mapping[str, list[tuple[int, Tensor]]]) -> None:
+        for name, forwards in forwards_by_layer.items():
             pooled = self._window.get(name)
             for count, block in forwards:
                 mean, var = block.to(_pool_dtype(block)).unbind(0)  # (a block of ours: no copy kept of it)
@@ -313,12 +422,13 @@ class WindowBatchNorm:
                     pooled = self._window[name] = kind.of(count, mean, var, fresh=True)
                 else:
                     pooled.add(count, mean, var)
-        self._pending = {}
 
     def drop_pending(self) -> None:
         """Forget the statistics of forwards whose micro-batch is not in the window (it failed, or a batch
-        trained again after a resume ran them)."""
-        self._pending = {}
+        trained again after a resume ran them); a layer whose forward failed gets its own buffers back, and the
+        hooks rest till the next micro-batch."""
+        self.disarm()
+        self._pending, self._held = {}, {}
 
     def commit(self) -> None:
         """The window stepped: one BatchNorm update of each layer it reached, with its pooled statistics (those
@@ -382,7 +492,7 @@ class WindowBatchNorm:
     def discard(self) -> None:
         """The window was not stepped: its statistics are forgotten, the buffers hold the last window's."""
         self.recover()
-        self._window, self._pending, self._loaded = {}, {}, {}
+        self._window, self._pending, self._held, self._loaded = {}, {}, {}, {}
 
     def recover(self) -> None:
         """After an exception inside a layer's forward: its momentum and buffers put back."""

@@ -230,21 +230,47 @@ class WindowEngine:
         self.window.add(samples, items)
         self.inflight, self.backward_finished = (samples, items), False
 
+    def batch_start(self) -> None:
+        """A micro-batch begins (``batchnorm="window"``: its training forwards are pooled, till it ends)."""
+        if self.batchnorm is not None:
+            self.batchnorm.arm()
+
     def backward_done(self) -> None:
         """The counted micro-batch's backward pass finished: its gradient (and loss) is in the window."""
         self.backward_finished = True
-        if self.batchnorm is not None and self.inflight is not None:  # (not a batch trained again: uncounted)
-            self.batchnorm.accept()
+        if self.batchnorm is not None:  # its statistics in (not a batch trained again: uncounted); the hooks rest
+            if self.inflight is not None:
+                self.batchnorm.accept()
+            else:
+                self.batchnorm.drop_pending()
         if self.metrics.tracking:  # (else nothing was added)
             self.metrics.commit()
+
+    def take_back(self) -> None:
+        """Under a ``Budget``: the micro-batch asked about (``closes_after``) did not go in (an exception before it was
+        counted): its count leaves the window's, so that it counts once if it comes again."""
+        if self.window is not None:
+            self.window.unreach()
 
     def batch_done(self) -> None:
         """The batch is over (nothing of it can be trained again)."""
         self.inflight, self.redo = None, None
         if self.window is not None:  # (a budget's count of it stays, whether it went in or not)
             self.window.keep_reach()
-        if self.batchnorm is not None:  # (forwards of a micro-batch that did not go in)
+        if self.batchnorm is not None:  # (`microbatch_over`, inline: the hot path)
             self.batchnorm.drop_pending()
+
+    def microbatch_over(self) -> None:
+        """The micro-batch ended (its block exited, or raised): BatchNorm statistics of forwards it did not put in
+        the window are dropped, a layer whose forward raised gets its own buffers back, the hooks rest."""
+        if self.batchnorm is not None:
+            self.batchnorm.drop_pending()
+
+    def keep_finished_pieces(self) -> None:
+        """A micro-batch cut short whose finished pieces' gradient stays in the window (a checkpoint holds it): their
+        BatchNorm statistics join the window too."""
+        if self.batchnorm is not None:
+            self.batchnorm.accept_held()
 
     def wants_prefix(self) -> bool:
         """Whether the noise probe measures after the micro-batch just counted (1, 4, 16, ...):
@@ -428,8 +454,8 @@ class WindowEngine:
             self.closing = None  # the step had not touched the gradient: the window is as it was
         window, inflight = self.window, self.inflight
         self.inflight = None
-        if window is not None and not processed:  # (a budget's count of a micro-batch not counted: it comes again)
-            window.unreach()
+        if not processed:  # (a budget's count of a micro-batch not counted: it comes again)
+            self.take_back()
         if processed:
             if self.closing is not None:
                 self.advance(batch[0])

@@ -191,6 +191,7 @@ class MixinDriver(Callback):
         windows = self.windows
         key = windows.key(optimizer)
         windows.check_disjoint(key)
+        windows.refuse_window_of_some(key)  # (`batchnorm="window"`: one window of every optimizer)
         engine = windows.engine(key)
         epoch, batch_idx = trainer.current_epoch, _seam.batch_index(trainer)
         window = engine.window or engine.open(epoch, batch_idx, trainer.strategy)
@@ -211,19 +212,24 @@ class MixinDriver(Callback):
         self._block = Block(
             windows, key, window, last=last, redoing=redoing, counts=counts, plan=self.plan, guards=self.guards
         )
+        engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         return self._block
 
     def _parameter_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.module.named_parameters()}
 
-    def block_exited(self) -> None:
-        """The ``accumulate`` block's code ended (or raised)."""
+    def block_exited(self, block: Block, finished: bool) -> None:
+        """The ``accumulate`` block's code ended (or raised: ``finished`` False, its micro-batch adds nothing to
+        the window's BatchNorm statistics, and a layer whose forward raised gets its own buffers back)."""
         self.guards.block_exited()
+        if not finished:
+            block.engine.microbatch_over()
 
     def finish(self, trainer: Any, block: Block) -> None:
         """The block exited: count its micro-batch, and step the window at its last."""
         self._block = None
         block.finish(lambda: loss_scale(trainer))
+        block.engine.microbatch_over()  # (what it did not count adds nothing; the hooks rest)
         if block.last:
             self._close(trainer, block.key)
 

@@ -105,6 +105,8 @@ class Fit:
     mean_items: bool  # normalize="items" with reduction="mean"
     count: Count | None
     put_back: Callable[[], Grads | None]  # a resumed window's partial gradient into `.grad` (returned), once
+    #: after each piece's backward (`batchnorm="window"`: its forwards' statistics kept with the finished pieces)
+    piece_done: Callable[[], None] | None = None
 
     @property
     def params(self) -> list[Tensor]:
@@ -474,6 +476,8 @@ class Pieces:
             for handle in handles:
                 handle.remove()
         self.in_backward = False
+        if fit.piece_done is not None:
+            fit.piece_done()
 
     def _sync(self, final: bool) -> contextlib.AbstractContextManager[None]:
         """FSDP2 (and FSDP): skip the gradient sync unless the window ends with this piece (DDP's is off for the

@@ -60,16 +60,28 @@ class MixinWindows:
         engine = self.engines.get(key)
         if engine is None:
             if self.batchnorm is not None and self.engines:
-                raise ValueError(
-                    "`batchnorm='window'` advances BatchNorm's statistics with one window, but this model opens "
-                    f"windows of optimizers {list(key)} and {list(next(iter(self.engines)))}: keep one window "
-                    "(`self.accumulate(batch)` with no `optimizer=`), or use `batchnorm='micro-batch'`."
-                )
+                self.refuse_window_of_some(key)
             c = self.config
             engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule, c.reduction)
             engine.start_fit(self._plan, self._track)
             engine.pool_batchnorm(self.batchnorm)
         return engine
+
+    def refuse_window_of_some(self, key: GroupKey) -> None:
+        """``batchnorm="window"`` advances BatchNorm's statistics with one window, that of every optimizer: a block
+        of a window of some optimizers is refused as it opens, before any of it runs (so a model that opens windows
+        of its optimizers one by one has its first refused before anything is trained)."""
+        if self.batchnorm is None or (key in self.engines and len(self.engines) == 1):
+            return
+        other = next((k for k in self.engines if k != key), None)
+        if other is not None or key != tuple(range(len(self.optimizers()))):
+            given = f"optimizers {list(key)}" + ("" if other is None else f" beside the window of {list(other)}")
+            raise ValueError(
+                f"`batchnorm='window'` advances BatchNorm's statistics with one window of every optimizer, but this "
+                f"model opens a window of {given} (`self.accumulate(batch, optimizer=...)`): keep one window "
+                "(`self.accumulate(batch)` with no `optimizer=`), or use `configure_accumulation(batchnorm="
+                "'micro-batch')`."
+            )
 
     def samples_needed_by(self) -> str | None:
         """What needs each micro-batch's sample count (the same for every group)."""

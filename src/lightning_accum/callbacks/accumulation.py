@@ -97,7 +97,8 @@ class AccumulationScheduler(Callback):
         batchnorm: ``"micro-batch"`` (BatchNorm's running statistics updated by every micro-batch, as
             Lightning) or ``"window"`` (updated once per window, with the statistics of all its samples pooled
             exactly, ``num_batches_tracked`` counting windows; each micro-batch is still normalised by its own
-            statistics). See the guide's "BatchNorm and accumulation".
+            statistics; a forward outside a micro-batch, as in an ``on_train_batch_end`` hook, is BatchNorm's own
+            update). See the guide's "BatchNorm and accumulation".
 
     Example:
 
@@ -276,6 +277,7 @@ class AccumulationScheduler(Callback):
             mean_items=self.reduction == "mean",
             count=self.count,
             put_back=self._put_back,
+            piece_done=None if self._batchnorm is None else self._batchnorm.hold,
         )
         self._split.attach(fit)
         split = self._split
@@ -331,6 +333,8 @@ class AccumulationScheduler(Callback):
         if not self._redoing and self._engine.inflight is None and not _seam.batch_processed(trainer):
             where = (trainer.current_epoch, self._batch_idx)
             open_pass = split.cut_short(where, single=trainer.world_size == 1)
+            if split.resume is not None and split.resume[:2] == where:  # its finished pieces kept in the gradient:
+                self._engine.keep_finished_pieces()  # their BatchNorm statistics in the window too
         split.batch_done()
         return in_backward, open_pass
 
@@ -366,6 +370,8 @@ class AccumulationScheduler(Callback):
             samples = sample_count(batch, engine.samples_needed_by)
             self._counts = (samples, samples if self.count is None else self.count(batch))
             self._batch_idx = batch_idx
+            if self._batchnorm is not None:  # (its forwards pooled till its backward ends, or the batch does)
+                self._batchnorm.arm()
             return
         self._lean = False
         if not self._trained:  # (the first batch after a resume: where Lightning's counters go off)
@@ -379,6 +385,7 @@ class AccumulationScheduler(Callback):
                     self._batchnorm.suspend()
                 return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
             self._open(trainer, batch_idx)
+        engine.batch_start()  # (`batchnorm="window"`: its forwards pooled till its backward ends, or the batch does)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
         self._redoing = engine.redo is not None and engine.redo == (trainer.current_epoch, batch_idx)
         # counted now, before `training_step` can change the batch (e.g. `labels = batch.pop("labels")`)
