@@ -408,3 +408,26 @@ def test_a_count_on_the_device_is_read_with_one_warning_and_a_host_count_without
         assert engine.closes_after(4, count, None)  # 11 >= 10: the window closes after this one
     messages = [str(w.message) for w in seen]
     assert len(messages) == 1 and "one synchronisation per micro-batch" in messages[0]
+
+
+def test_a_fabric_block_that_raised_before_its_backward_counts_once_when_retried() -> None:
+    net = make_net()
+    with default_dtype(torch.float64):
+        fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        acc = FabricAccumulator(fabric, model, optimizer, Budget(25), normalize="items", count=count_tokens,
+                                reduction="sum")  # fmt: skip
+        for epoch, ranks in enumerate(epochs_of(2)):
+            for i, batch in enumerate(ranks[0]):
+                if (epoch, i) == (0, 3):  # (the first of the window of batches 3-4: raised, caught, retried)
+                    with (
+                        pytest.raises(RuntimeError, match="the data loader hiccuped"),
+                        acc.accumulate(batch, epoch=epoch),
+                    ):
+                        raise RuntimeError("the data loader hiccuped")
+                with acc.accumulate(batch, epoch=epoch) as step:
+                    step.backward(token_losses(model, batch)[0])
+            acc.flush()
+    expected, sizes, _ = reference(epochs_of(2), lambda p: 25, optimizer="plain-sgd")
+    assert max_diff([p.detach() for p in net.parameters()], expected) < 1e-12
+    assert acc.progress.step == len(sizes)
