@@ -128,8 +128,11 @@ class TokensPerStep(pl.Callback):
         self.steps.append((window.epoch, window.items))
 
 
-def train(schedule: int | Schedule, loader: DataLoader[Any], epochs: int) -> list[tuple[int, int]]:
+def train(schedule: int | Schedule, sequences: list[Tensor], epochs: int) -> list[tuple[int, int]]:
+    """One fit from the same seed, on a loader of its own (the same micro-batches in the same order each time)."""
     pl.seed_everything(0, verbose=False)
+    sampler = LengthGrouped([len(s) for s in sequences], PER_BATCH, seed=0)
+    loader = DataLoader(sequences, batch_sampler=sampler, collate_fn=collate)  # type: ignore[arg-type]
     accumulation = AccumulationScheduler(schedule, normalize="items", count=count_tokens, reduction="sum")
     recorder = TokensPerStep()
     trainer = pl.Trainer(
@@ -179,12 +182,10 @@ def main() -> None:
 
     sequences = make_sequences(args.sequences, seed=0)
     sampler = LengthGrouped([len(s) for s in sequences], PER_BATCH, seed=0)
-    loader = DataLoader(sequences, batch_sampler=sampler, collate_fn=collate)  # type: ignore[arg-type]
     counts = []  # each epoch's micro-batch token counts, in the order the fits will see them
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         counts.append([sum(len(sequences[i]) - 1 for i in group) for group in sampler])
-    sampler.set_epoch(0)
     per_batch = [c for epoch in counts for c in epoch]
     print(f"{len(sequences)} sequences of {min(len(s) for s in sequences)}-{max(len(s) for s in sequences)} tokens, "
           f"{len(per_batch) // args.epochs} micro-batches of {PER_BATCH} per epoch: {min(per_batch)}-"
@@ -194,8 +195,8 @@ def main() -> None:
     fixed_mean = K * statistics.fmean(per_batch)
     n = min(range(1, int(2 * fixed_mean)), key=lambda b: abs(statistics.fmean(budget_windows(counts, b)) - fixed_mean))
 
-    runs = {f"k = {K}": train(K, loader, args.epochs), f"Budget({n}, unit='items')": train(
-        Budget(n, unit="items"), loader, args.epochs
+    runs = {f"k = {K}": train(K, sequences, args.epochs), f"Budget({n}, unit='items')": train(
+        Budget(n, unit="items"), sequences, args.epochs
     )}  # fmt: skip
     results = {}
     for name, steps in runs.items():

@@ -100,7 +100,7 @@ def test_batchnorm_window(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_token_budget(tmp_path: Path) -> None:
-    out = run("token_budget.py", "--epochs", "1", "--sequences", "1536", "--out", str(tmp_path))
+    out = run("token_budget.py", "--epochs", "2", "--sequences", "768", "--out", str(tmp_path))
     n = int(out.split("budget n = ")[1].split(":")[0])
     assert f"budget n = {n}: every step >= n: True; at most one micro-batch more: True" in out
     assert "the windows the loader's counts give by hand: True" in out
