@@ -13,8 +13,9 @@ budget sends nothing: its work is host arithmetic, measured in place too (the CP
 (b) 2 gloo ranks (DDP, forked): the collectives rank 0 issues per micro-batch in each run (every
 ``torch.distributed`` collective called from Python, DDP's gradient all-reduce routed through a counting
 communication hook as ``comm_calls.py`` does), their difference (the target: exactly 1, the budget's host
-all-reduce of one integer), the gradient all-reduces per optimizer step (1 in both), and rank 0's CPU time per
-window, budget against fixed k (median of rounds; each round forks both fits).
+all-reduce of one integer), the gradient all-reduces per optimizer step (1 in both), the wall time of one such
+host all-reduce on rank 0, in place (the other rank's arrival included: ranks meet at every micro-batch), and
+rank 0's CPU time per window, budget against fixed k (median of rounds; each round forks both fits).
 
 On a shared machine the time ratios move by several per cent from run to run: read them as medians, never as
 assertions. ``--json`` writes the figures (``run_all.py`` reads them).
@@ -43,13 +44,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
 from lightning_accum import AccumulationScheduler, Budget
+from lightning_accum._core import collectives
 from lightning_accum._core.engine import WindowEngine
 
 K, BATCH, SEQ, WIDTH = 4, 8, 16, 64  # micro-batches per window; sequences per micro-batch, tokens each, features
 TOKENS = BATCH * SEQ  # each micro-batch's count
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor",
                "reduce", "gather", "scatter", "barrier", "all_to_all_single")  # fmt: skip
-COUNTS = {"collectives": 0, "gradient": 0}
+COUNTS: dict[str, float] = {"collectives": 0, "gradient": 0, "host_sum_s": 0.0, "host_sums": 0}
 DEPTH = [0]
 
 
@@ -177,6 +179,17 @@ def _install_counters() -> None:
                 DEPTH[0] -= 1
 
         setattr(dist, name, counting)
+    host_sum = collectives.host_sum
+
+    def timed_host_sum(strategy: Any, value: int) -> int:
+        start = time.perf_counter()
+        try:
+            return host_sum(strategy, value)
+        finally:
+            COUNTS["host_sum_s"] += time.perf_counter() - start
+            COUNTS["host_sums"] += 1
+
+    collectives.host_sum = timed_host_sum  # type: ignore[assignment]
 
 
 def _counting_ddp_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations; none here
@@ -196,7 +209,7 @@ class RankZero(pl.Callback):
         trainer.strategy.model.register_comm_hook(None, _counting_ddp_hook)  # type: ignore[union-attr]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        COUNTS["collectives"] = COUNTS["gradient"] = 0
+        COUNTS.update(collectives=0, gradient=0, host_sum_s=0.0, host_sums=0)
         self.start = time.process_time()
 
     def on_train_batch_end(self, *args: Any) -> None:
@@ -241,6 +254,7 @@ def distributed(batches: int, rounds: int) -> dict[str, Any]:
         "added_per_microbatch": per_microbatch["budget"] - per_microbatch["fixed"],
         "gradient_per_step_fixed": first["fixed"]["gradient"] / first["fixed"]["steps"],
         "gradient_per_step_budget": first["budget"]["gradient"] / first["budget"]["steps"],
+        "host_sum_us": statistics.median(r["host_sum_s"] / r["host_sums"] for r in runs["budget"]) * 1e6,
         "cpu_ratio_median": statistics.median(ratios),
         "cpu_ratios": ratios,
         "ms_per_window_fixed": statistics.median(r["seconds"] / r["steps"] for r in runs["fixed"]) * 1e3,
@@ -250,9 +264,9 @@ def distributed(batches: int, rounds: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=512, help="micro-batches per fit, one process")
+    parser.add_argument("--batches", type=int, default=2048, help="micro-batches per fit, one process")
     parser.add_argument("--rounds", type=int, default=9, help="timed rounds, one process")
-    parser.add_argument("--rank-batches", type=int, default=256, help="micro-batches per rank, 2 ranks")
+    parser.add_argument("--rank-batches", type=int, default=1024, help="micro-batches per rank, 2 ranks")
     parser.add_argument("--rank-rounds", type=int, default=5, help="rounds of the 2-rank fits")
     parser.add_argument("--json", type=Path, default=Path(__file__).with_name("budget.json"))
     args = parser.parse_args()

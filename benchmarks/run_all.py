@@ -99,6 +99,8 @@ def budget_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  #
         (f"{what}, 2 gloo ranks", "collectives added per micro-batch (rank 0)", f"{ranks['added_per_microbatch']:g}",
          "1"),
         (f"{what}, 2 gloo ranks", "gradient all-reduces / step", f"{ranks['gradient_per_step_budget']:g}", "1"),
+        (f"{what}, 2 gloo ranks", "us per host all-reduce (rank 0, wall, in place)", f"{ranks['host_sum_us']:.0f}",
+         "(reported)"),
         (f"{what}, 2 gloo ranks", f"rank 0's CPU time per window vs fixed k (median of rounds; "
          f"{ranks['ms_per_window_fixed']:.1f} ms/window)", f"{ranks['cpu_ratio_median']:.3f}", "(reported; noisy)"),
     ]  # fmt: skip
