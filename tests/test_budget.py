@@ -6,25 +6,34 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric import Fabric
 
-from lightning_accum import AccumulationScheduler, Budget, FabricAccumulator, GradientDecay, NoiseScale, Progress, Ramp
+from lightning_accum import (
+    AccumulationScheduler,
+    Budget,
+    FabricAccumulator,
+    GradientDecay,
+    NoiseScale,
+    Progress,
+    Ramp,
+    estimated_stepping_batches,
+)
+
 from helpers import (
     Batch,
     KRecorder,
-    ResumableLoader,
-    default_dtype,
     ManualTokenModel,
+    ResumableLoader,
     TokenData,
     TokenModel,
     count_tokens,
+    default_dtype,
     loader,
     make_net,
     make_optimizer,
@@ -129,7 +138,12 @@ def fit_callback(budget: Budget, normalize: str = "items", **kwargs: Any) -> tup
 
 @pytest.mark.parametrize(
     ("n", "unit", "normalize", "max_k"),
-    [(25, "items", "items", None), (9, "samples", "mean", None), (40, "items", "items", 3), (1, "items", "items", None)],
+    [
+        (25, "items", "items", None),
+        (9, "samples", "mean", None),
+        (40, "items", "items", 3),
+        (1, "items", "items", None),
+    ],
 )
 def test_callback_windows_equal_the_reference(n: int, unit: str, normalize: str, max_k: int | None) -> None:
     model, recorder, callback = fit_callback(Budget(n, unit=unit, max_k=max_k), normalize)  # type: ignore[arg-type]
@@ -151,7 +165,7 @@ def test_a_budget_that_ramps_is_read_as_each_window_opens() -> None:
     "fit_kwargs", [{"max_steps": 5}, {"limit_train_batches": 7}], ids=["max_steps", "limit_train_batches"]
 )
 def test_max_steps_and_limit_train_batches(fit_kwargs: dict[str, int]) -> None:
-    model, recorder, callback = fit_callback(Budget(25), **fit_kwargs)
+    model, recorder, _ = fit_callback(Budget(25), **fit_kwargs)
     epochs = epochs_of(2, fit_kwargs.get("limit_train_batches"))
     expected, sizes, _ = reference(epochs, lambda p: 25, max_steps=fit_kwargs.get("max_steps", -1))
     assert recorder.windows == sizes
@@ -302,8 +316,64 @@ def test_a_budget_read_from_a_bad_function_is_refused_before_the_first_step() ->
 
 
 def test_a_per_sample_count_is_refused() -> None:
-    callback = AccumulationScheduler(
-        Budget(25), normalize="items", count=lambda b: b["mask"].sum(1), reduction="sum"
-    )
+    callback = AccumulationScheduler(Budget(25), normalize="items", count=lambda b: b["mask"].sum(1), reduction="sum")
     with pytest.raises(ValueError, match="one number"):
         trainer(callbacks=[callback]).fit(TokenModel(reduction="sum"), loader(DATA, BATCH))
+
+
+# ------------------------------------------------------------------ step counts and progress bars
+class Estimating(TokenModel):
+    def configure_optimizers(self) -> Any:
+        self.estimated = estimated_stepping_batches(self.trainer)
+        return super().configure_optimizers()
+
+
+@pytest.mark.parametrize(
+    ("budget", "fit_kwargs"),
+    [
+        (Budget(9, unit="samples"), {}),
+        (Budget(Ramp(4, 20, over=60, unit="samples"), unit="samples", max_k=4), {}),
+        (Budget(9, unit="samples"), {"max_steps": 5}),
+        (Budget(9, unit="samples"), {"limit_train_batches": 7}),
+    ],
+)
+def test_estimated_stepping_batches_is_exact_for_samples(budget: Budget, fit_kwargs: dict[str, int]) -> None:
+    model, recorder = Estimating(), KRecorder()
+    data = TokenData(42, seed=3)  # (a short last batch of 2)
+    callback = AccumulationScheduler(budget)
+    trainer(callbacks=[callback, recorder], **fit_kwargs).fit(model, loader(data, BATCH))
+    assert model.estimated == len(recorder.windows) == callback.progress.step
+
+
+def test_estimated_stepping_batches_refuses_a_budget_of_items() -> None:
+    callback = AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")
+    with pytest.raises(ValueError, match=r"depends on the items \(tokens\) each batch will hold"):
+        trainer(callbacks=[callback]).fit(Estimating(reduction="sum"), loader(DATA, BATCH))
+
+
+@pytest.mark.parametrize("kind, unit", [("tqdm", "steps"), ("rich", "batches")])
+def test_progress_bars_exact_for_samples_and_never_passed_for_items(kind: str, unit: str) -> None:
+    from test_progress import BARS, expected, fit
+
+    seen = fit(BARS[kind](unit), Budget(5, unit="samples"))
+    realised = expected(seen, unit)
+    assert [e["first_total"] for e in seen.epochs] == realised  # known from the epoch's start
+    assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
+    assert seen.fit[-1] == (sum(e["steps"] for e in seen.epochs),) * 2
+    seen = fit(BARS[kind](unit), Budget(12, unit="items"), count=count_tokens)
+    realised = expected(seen, unit)
+    assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]  # met at the epoch's end
+    assert all(not e["passed"] for e in seen.epochs)  # never passed
+
+
+# (batches 3 and 4 of epoch 0: inside the window of batches 2-4 and at its last, 25 tokens)
+@pytest.mark.parametrize("at", [(0, 3), (0, 4)])
+@pytest.mark.parametrize(
+    "hook", ["on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end", "sigterm"]
+)
+def test_an_exception_inside_a_window_resumes_bit_identically(tmp_path: Path, hook: str, at: tuple[int, int]) -> None:
+    """The batch an exception cut short (before its backward) is trained again, and its count with it: the count
+    the budget took of it as it started is taken back."""
+    from test_faults import Fault, fail_and_resume
+
+    fail_and_resume("budget", tmp_path, Fault(hook, at), "exception")

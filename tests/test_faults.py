@@ -28,7 +28,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale, Piecewise
+from lightning_accum import AccumulationScheduler, Budget, GradientDecay, NoiseScale, Piecewise
 
 from helpers import ManualTokenModel, ResumableLoader, TokenData, TokenModel, count_tokens, token_losses, trainer
 
@@ -174,6 +174,9 @@ def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
         return Validated(reduction="sum"), [callback, GradientDecay(0.5)]
     if kind == "noise":
         return Validated(), [AccumulationScheduler(NoiseScale(2, 4, every=1, warmup=1))]
+    if kind == "budget":  # (windows closed by 25 tokens: `tests/test_budget.py`)
+        callback = AccumulationScheduler(Budget(25), normalize="items", reduction="sum", count=count_tokens)
+        return Validated(reduction="sum"), [callback]
     if kind == "mixin":
         return ManualValidated(schedule=WINDOWS), []
     if kind == "mixin+decay":

@@ -303,6 +303,8 @@ class FabricAccumulator:
         partly in the window, which then cannot be stepped exactly: the window is left out (warned), its
         gradient cleared, so that a loop that goes on starts a clean one."""
         window = self._engine.window
+        if window is not None:  # (a budget's count of the micro-batch, which did not go in)
+            window.unreach()
         if not (step.passes or always):
             if window is None or not window.microbatches:
                 self._guard.disarm()

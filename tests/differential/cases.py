@@ -258,6 +258,24 @@ CASES: dict[str, dict[str, Any]] = {
         "lr_scaling": "adascale", "lr_schedule": {"warmup": 2, "total": 8, "unit": "scaled_steps", "final": 0.1},
         "decay": [0.5, "sum", False], "clip": [0.5, "norm"], "optimizer": "adam", "lr": 0.01,
         "interruptions": [["on_after_backward", 0, 4], ["save", 1, 3]]},
+    # issue 46: windows closed by a budget. A failure before a batch's backward: the count the budget took of it as it
+    # started was counted again when it was trained again (a window closed a batch early)
+    "budget_failed_batch_counted_once": {"n": 28, "batch_size": 2, "epochs": 1, "interruptions": [
+        ["on_train_batch_start", 0, 0], ["training_step", 0, 3]],
+        "schedule": {"family": "budget", "n": 4, "unit": "samples", "max_k": None}},
+    # a ramping budget of tokens with `max_k`, batches returning `None` (counted, as k counts them), resumed inside a
+    # window, `lr_scaling` relative to the first budget
+    "budget_ramp_none_losses_resumed": {
+        **_ITEMS, "n": 30, "batch_size": 3, "epochs": 2, "skip": [2, 5], "lr_scaling": "linear",
+        "schedule": {"family": "budget", "n": {"family": "ramp", "start": 8, "end": 30, "over": 6, "unit": "step"},
+                     "unit": "items", "max_k": 3},
+        "interruptions": [["save", 0, 3], ["on_after_backward", 1, 4]]},
+    "budget_mixin_decay": {**_ITEMS, "adapter": "mixin", "mode": "each", "n": 30, "batch_size": 3,
+                           "decay": [0.5, "sum", False], "schedule": {"family": "budget", "n": 20, "unit": "items"},
+                           "interruptions": [["save", 1, 2]]},
+    "budget_fabric_two_passes": {**_ITEMS, "adapter": "fabric", "passes": 2, "n": 26, "batch_size": 2,
+                                 "schedule": {"family": "budget", "n": 9, "unit": "items", "max_k": 4},
+                                 "interruptions": [["save", 0, 5]], "resave": True},
 }  # fmt: skip
 
 

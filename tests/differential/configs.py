@@ -242,7 +242,33 @@ def generate(rng: random.Random) -> Config:
         _mean_by(c)
     _noise(c)
     _batchnorm(c)
+    _budget(c)
     return c
+
+
+def _budget(c: Config) -> None:
+    """``Budget`` (issue 46): windows closed by their count over ranks (samples, or items with `count`), its `n` an
+    int or a ramp of its own, with or without `max_k`; drawn from a generator of the configuration's own (the other
+    configurations' draws stay as they were). Not with `NoiseScale` or AdaScale (refused beside a budget), in
+    Lightning's own loop (`plain`), nor with a window per optimizer. The callback's batches whose `training_step`
+    returns `None` count (a budget counts a loader batch as it starts, and `max_k` loader batches, as k does)."""
+    rng = random.Random(f"budget/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if rng.random() >= 0.2:
+        return
+    if c.plain or c.windows == "each" or c.schedule["family"] == "noise" or c.lr_scaling == "adascale":
+        return
+    unit = rng.choice(["items", "samples"])
+    per = c.batch_size * c.world * (3 if unit == "items" else 1)  # (about a micro-batch's count over ranks)
+    n: Any = rng.randint(1, 4 * per)
+    if rng.random() < 0.3:  # a budget that ramps
+        inner = rng.choice(["samples", "items", "step"])
+        over = {"samples": rng.randint(5, 60), "items": rng.randint(10, 150), "step": rng.randint(1, 8)}[inner]
+        n = {"family": "ramp", "start": rng.randint(1, 2 * per), "end": rng.randint(1, 4 * per), "over": over,
+             "unit": inner}  # fmt: skip
+    c.schedule = {"family": "budget", "n": n, "unit": unit, "max_k": rng.choice([None, None, rng.randint(1, 4)])}
+    c.count = c.count or "items" in c.units() or (isinstance(n, dict) and n["unit"] == "items")
+    inner_items = isinstance(n, dict) and n["unit"] == "items"
+    c.estimate = c.estimate and unit == "samples" and not inner_items and c.world == 1
 
 
 def _noise(c: Config) -> None:

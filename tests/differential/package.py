@@ -59,6 +59,9 @@ def schedule(spec: dict[str, Any]) -> la.Schedule:
     if family == "noise":  # `NoiseScale` (issue 42): its arguments as drawn (`configs._noise`)
         options = {key: spec[key] for key in NOISE_OPTIONS if key in spec}
         return la.NoiseScale(spec["min_k"], spec["max_k"], **options)
+    if family == "budget":  # (issue 46) `n` an int or a schedule spec of its own
+        n = spec["n"] if isinstance(spec["n"], int) else schedule(spec["n"])
+        return la.Budget(n, unit=spec["unit"], max_k=spec.get("max_k"))
     return la.Lambda(LAMBDA_FNS[spec["fn"]])
 
 

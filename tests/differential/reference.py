@@ -66,6 +66,24 @@ def schedule_k(spec: dict[str, Any], p: dict[str, float]) -> int:
     return 2 if p["samples"] < 30 else 3  # "samples_tier"
 
 
+def budget_span(c: Config, data: Any, ahead: list[int], p: dict[str, float]) -> tuple[list[int], bool, int]:
+    """A ``Budget``'s window from the batches ``ahead`` (their indices in the epoch): up to the first at which the
+    count over ranks (samples, or the mask's tokens) reaches the budget read now, at most ``max_k`` of them; whether
+    it closed so (else the epoch ended first), and the budget."""
+    spec = c.schedule
+    n = spec["n"] if isinstance(spec["n"], int) else schedule_k(spec["n"], p)
+    cap = spec.get("max_k") or math.inf
+    seen, span = 0.0, []
+    for j in ahead:
+        span.append(j)
+        for r in range(c.world):
+            b = data.batch(j * c.world + r)
+            seen += len(b["x"]) if spec["unit"] == "samples" else float(b["mask"].sum())
+        if seen >= n or len(span) >= cap:
+            return span, True, n
+    return span, False, n
+
+
 def warmup_cosine(spec: dict[str, Any], p: dict[str, float]) -> float:
     x, warmup, total, final = float(p[spec["unit"]]), spec["warmup"], spec["total"], spec["final"]
     if x < warmup:
@@ -331,20 +349,25 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
         trained = [j for j in range(batches) if c.adapter != "mixin" or j not in c.skip]
         i, end = 0, -1  # the position in `trained`; the batch index the last window was stepped at
         while i < len(trained) and not done:
-            k = noise.k(p["step"]) if noise.spec is not None else schedule_k(c.schedule, p)
-            first_k = first_k or k
-            span = trained[i : i + k]
+            if c.schedule["family"] == "budget":  # closed by the count over ranks (`budget_span`)
+                span, full, k = budget_span(c, data, trained[i:], p)
+                first_k = first_k or k  # (the first window's budget: what `lr_scaling` is relative to)
+            else:
+                k = noise.k(p["step"]) if noise.spec is not None else schedule_k(c.schedule, p)
+                first_k = first_k or k
+                span = trained[i : i + k]
+                full = len(span) == k
             i += len(span)
             indices = [j for j in span if j not in c.skip]
             # each process's batches j: the data's j * world + r
             window = [data.batch(j * c.world + r) for j in indices for r in range(c.world)]
             # a window cut short at the epoch's end is stepped at its last batch, trained or not; the model's own
             # step (after the block when `acc.last`) comes where a window is full or the epoch's last batch ran
-            end = span[-1] if len(span) == k else batches - 1
+            end = span[-1] if full else batches - 1
             if stop is not None and (epoch, end) > stop:  # the loop stopped inside this window: dropped
                 done = True
                 break
-            due = not by_model or len(span) == k or span[-1] == batches - 1
+            due = not by_model or full or span[-1] == batches - 1
             joins = None  # the batch of this window at which the first layer joins the optimizer
             if c.unfreeze is not None and c.unfreeze[0] == epoch and c.unfreeze[1] in span:
                 joins = c.unfreeze[1]
@@ -363,6 +386,8 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
             if c.lr_scaling == "adascale":  # (from the windows measured before this one)
                 factor = gain = noise.gain(samples if c.normalize == "mean" else tokens)
             elif c.lr_scaling is not None:
+                if c.schedule["family"] == "budget":  # the window's real size over the first window's budget
+                    k = samples if c.schedule["unit"] == "samples" else int(tokens)
                 factor = k / first_k if c.lr_scaling == "linear" else math.sqrt(k / first_k)
             if c.lr_schedule is not None:
                 factor *= warmup_cosine(c.lr_schedule, p)

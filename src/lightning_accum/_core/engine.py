@@ -241,6 +241,8 @@ class WindowEngine:
     def batch_done(self) -> None:
         """The batch is over (nothing of it can be trained again)."""
         self.inflight, self.redo = None, None
+        if self.window is not None:  # (a budget's count of it stays, whether it went in or not)
+            self.window.keep_reach()
         if self.batchnorm is not None:  # (forwards of a micro-batch that did not go in)
             self.batchnorm.drop_pending()
 
@@ -426,6 +428,8 @@ class WindowEngine:
             self.closing = None  # the step had not touched the gradient: the window is as it was
         window, inflight = self.window, self.inflight
         self.inflight = None
+        if window is not None and not processed:  # (a budget's count of a micro-batch not counted: it comes again)
+            window.unreach()
         if processed:
             if self.closing is not None:
                 self.advance(batch[0])

@@ -43,6 +43,10 @@ class Window:
         seen: under a ``Budget``, the window's count so far over all ranks, in the budget's unit.
         seen_last: what the latest micro-batch added to ``seen`` (taken back with it by ``remove``).
         ends: under a ``Budget``, whether the latest micro-batch asked about closes the window.
+        asked: under a ``Budget``, the micro-batches asked about so far (``reach``): what ``max_k`` (``k``) caps, the
+            loader batches of the callback's window, whether their ``training_step`` returned a loss or not.
+        reached: under a ``Budget``, whether the latest micro-batch's count is in ``seen`` but the micro-batch is not
+            counted yet (``add``): an exception before it went in takes it back (``unreach``).
     """
 
     k: int
@@ -57,6 +61,8 @@ class Window:
     seen: int = 0
     seen_last: int = 0
     ends: bool = False
+    asked: int = 0
+    reached: bool = False
 
     def add(self, samples: int, items: int | Tensor) -> None:
         """Count one back-propagated micro-batch (all or nothing: a bad count changes no counter)."""
@@ -66,6 +72,7 @@ class Window:
             self.items += items if type(items) is int and items >= 0 else check_item_count(items)
         self.microbatches += 1
         self.samples += samples
+        self.reached = False
 
     def remove(self, samples: int, items: int | Tensor) -> None:
         """Take back the latest ``add`` (a micro-batch whose backward never ran)."""
@@ -77,6 +84,7 @@ class Window:
         self.samples -= samples
         if self.budget is not None:
             self.seen -= self.seen_last
+            self.asked -= 1
             self.seen_last, self.ends = 0, False
 
     def reach(self, seen: int) -> bool:
@@ -84,9 +92,23 @@ class Window:
         counted by ``add``); whether the window closes after it (its budget reached, or ``k`` micro-batches)."""
         assert self.budget is not None
         self.seen += seen
-        self.seen_last = seen
-        self.ends = self.seen >= self.budget or self.microbatches + 1 >= self.k
+        self.seen_last, self.reached = seen, True
+        self.asked += 1
+        self.ends = self.seen >= self.budget or self.asked >= self.k
         return self.ends
+
+    def keep_reach(self) -> None:
+        """The micro-batch ``reach`` counted is over (it went in, or ran no backward pass, as a ``training_step``
+        returning ``None``): its count stays in ``seen``."""
+        self.reached = False
+
+    def unreach(self) -> None:
+        """Take back the count ``reach`` added for a micro-batch that never went in (an exception before it was
+        counted); nothing if it went in."""
+        if self.reached:
+            self.seen -= self.seen_last
+            self.asked -= 1
+            self.seen_last, self.ends, self.reached = 0, False, False
 
     def mark_synced(self, synced: bool) -> None:
         """Whether the latest backward pass ran with the gradient sync on."""
@@ -144,7 +166,7 @@ class Window:
             "microbatches": self.microbatches,
             "samples": self.samples,
             "items": self.local_items(),
-            **({} if self.budget is None else {"budget": self.budget, "seen": self.seen, "ends": self.ends}),
+            **({} if self.budget is None else {"budget": self.budget, "seen": self.seen, "ends": self.ends, "asked": self.asked}),
         }
 
     @classmethod
@@ -154,7 +176,7 @@ class Window:
         window.items = int(state["items"])
         if state.get("budget") is not None:
             window.budget, window.seen = int(state["budget"]), int(state["seen"])
-            window.ends = bool(state.get("ends", False))
+            window.ends, window.asked = bool(state.get("ends", False)), int(state.get("asked", window.microbatches))
         return window
 
 

@@ -5,7 +5,8 @@ loader batches, with the epoch's total from the schedule: the windows ``steps.wi
 where the epoch stands (exact for schedules keyed on epochs and steps, and on samples where the loader says
 each batch's size), capped by the steps ``max_steps`` leaves. For the other schedules (items, ``Lambda``,
 ``NoiseScale``, samples of a loader that does not say) the total is worked out again at each window's end
-from the k the next window will have, so that the counter never passes it and meets it at the epoch's end.
+from the k the next window will have (a ``Budget`` of items: the mean micro-batches of the windows so far), so
+that the counter never passes it and meets it at the epoch's end.
 Host arithmetic only: nothing here reads a device.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Literal
 from lightning_accum._trainer import steps
 from lightning_accum._trainer.reporting import WindowReport
 from lightning_accum.noise import NoiseScale
-from lightning_accum.schedules import Progress
+from lightning_accum.schedules import Budget, Progress
 
 Unit = Literal["steps", "batches"]
 UNITS: tuple[str, ...] = ("steps", "batches")
@@ -168,7 +169,10 @@ class BarCount:
             return done + (ahead if self.unit == "steps" else taken)
         # the next window's k, from the schedule as the engine will ask it (NoiseScale: the last window's)
         last = self.last.k if self.last is not None else 1
-        k = last if isinstance(schedule, NoiseScale) else schedule(here)
+        if isinstance(schedule, Budget):  # the windows' mean size so far (the counts seen), at most the cap
+            k = min(max(round(progress.microbatches / progress.step), 1) if progress.step else 1, schedule(here))
+        else:
+            k = last if isinstance(schedule, NoiseScale) else schedule(here)
         remaining = self._batches - start
         if self.unit == "steps":
             windows: float = math.ceil(remaining / k) if not math.isinf(remaining) else math.inf

@@ -18,7 +18,7 @@ from typing import Any
 from lightning_accum import _seam
 from lightning_accum._lightning import rank_zero_warn
 from lightning_accum.noise import NoiseScale
-from lightning_accum.schedules import Constant, Progress, Schedule
+from lightning_accum.schedules import Budget, Constant, Progress, Schedule
 
 
 def estimated_stepping_batches(trainer: Any, *, optimizers: int = 1) -> int | float:
@@ -96,6 +96,13 @@ def _estimate(trainer: Any) -> int | float:
             release()
         return steps if math.isinf(steps) else int(steps)
     schedule, counted = found
+    if isinstance(schedule, Budget) and schedule.unit == "items":
+        raise ValueError(
+            f"The number of optimizer steps under {schedule!r} depends on the items (tokens) each batch will hold, so "
+            "it cannot be known in advance. Key the learning rate on what is seen instead: "
+            "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`, or use "
+            "`Budget(n, unit='samples')`, whose steps a loader of fixed batch size gives exactly."
+        )
     if isinstance(schedule, NoiseScale) or schedule.unit in ("items", "scaled_steps"):
         raise ValueError(
             f"The number of optimizer steps under {schedule!r} depends on what the data or the measured gradient "
@@ -224,12 +231,29 @@ def windows(
     while start < batches:
         asked = Progress(progress.epoch, step, samples, samples + extra, microbatches, progress.scaled_steps)
         k = schedule(asked)
-        m = int(min(k, batches - start))
+        if isinstance(schedule, Budget):  # (samples: the walk knows each batch's; it adds them as the engine does)
+            m = _budget_window(schedule.budget(asked), k, start, batches, sizes)
+        else:
+            m = int(min(k, batches - start))
         samples += 0 if sizes is None else sum(sizes[start : start + m])
         microbatches += m
         step += 1
         start += m
         yield m, Progress(progress.epoch, step, samples, samples + extra, microbatches, progress.scaled_steps)
+
+
+def _budget_window(budget: int, cap: int, start: int, batches: int | float, sizes: Sequence[int] | None) -> int:
+    """The micro-batches of a ``Budget``'s window opening at batch ``start``: up to the first batch at which the
+    samples over all ranks (``sizes``) reach ``budget``, at most ``cap``, or to the epoch's end."""
+    if sizes is None:
+        raise ValueError("A budget's windows can be walked only from each batch's samples (`sizes`).")
+    m = seen = 0
+    while start + m < batches and m < cap:
+        seen += sizes[start + m]
+        m += 1
+        if seen >= budget:
+            break
+    return m
 
 
 def windows_ahead(
