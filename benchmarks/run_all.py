@@ -33,6 +33,7 @@ QUICK = {
     "window_host_work.py": ["--reps", "20", "--rounds", "2"],
     "progress_bar.py": ["--reps", "20", "--rounds", "1", "--epochs", "1"],
     "batchnorm.py": ["--windows", "1", "--rounds", "1", "--batch", "4"],
+    "budget.py": ["--batches", "16", "--rounds", "1", "--rank-batches", "8", "--rank-rounds", "1"],
 }
 
 
@@ -85,6 +86,26 @@ def overhead_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]: 
     return table
 
 
+def budget_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: ignore[type-arg]
+    """The rows of ``budget.py``: a ``Budget`` against a fixed k closing the same windows."""
+    one, ranks = results["budget.py"]["one_process"], results["budget.py"]["two_ranks"]
+    what = f"budget: Budget(n, unit='items') vs k={one['k']} closing the same windows"
+    return [
+        (f"{what}, 1 process", f"CPU time per window vs fixed k (median of rounds; {one['ms_per_window_fixed']:.1f} "
+         "ms/window)", f"{one['ratio_median']:.3f}", "(reported; noisy)"),
+        (f"{what}, 1 process", "CPU time per window vs fixed k (best)", f"{one['ratio_best']:.3f}", "(reported)"),
+        (f"{what}, 1 process", "us per micro-batch in `closes_after`, in place",
+         f"{one['closes_after_us_per_microbatch']:.1f}", "(reported)"),
+        (f"{what}, 2 gloo ranks", "collectives added per micro-batch (rank 0)", f"{ranks['added_per_microbatch']:g}",
+         "1"),
+        (f"{what}, 2 gloo ranks", "gradient all-reduces / step", f"{ranks['gradient_per_step_budget']:g}", "1"),
+        (f"{what}, 2 gloo ranks", "us per host all-reduce (rank 0, wall, in place)", f"{ranks['host_sum_us']:.0f}",
+         "(reported)"),
+        (f"{what}, 2 gloo ranks", f"rank 0's CPU time per window vs fixed k (median of rounds; "
+         f"{ranks['ms_per_window_fixed']:.1f} ms/window)", f"{ranks['cpu_ratio_median']:.3f}", "(reported; noisy)"),
+    ]  # fmt: skip
+
+
 def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: ignore[type-arg]
     table = overhead_rows(results)
     for row in results["multitask_memory.py"]["rows"]:
@@ -101,6 +122,7 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
     if "hooks_share" in bn:
         table.append((what, f"its hooks' CPU time, in place ({bn['hooks_us_per_window']:.0f} us/window): share",
                       f"{bn['hooks_share']:.3f}", "(reported)"))  # fmt: skip
+    table.extend(budget_rows(results))
     for row in results["decay.py"]["rows"]:
         table.append(
             (f"decay: {row['model']}, {row['policy']}", "step vs zero_grad", f"{row['step_ratio']:.3f}", "<= 1.1")

@@ -25,7 +25,7 @@ def test_every_benchmark_runs(tmp_path: Path) -> None:
     table = out.read_text()
     rows = ("overhead:", "multitask:", "decay:", "noise scale", "comm,", "cached backward vs GradCache", "rank check",
             "microbatches:", "cached backward vs sentence-transformers", "2 gloo ranks, rank-local", "realistic:",
-            "window host work", "progress bar refresh")
+            "window host work", "progress bar refresh", "budget: Budget(n, unit='items')")
     for row in rows:
         assert row in table, row
     # one script again, the others' rows from the JSON files the run above left beside the table

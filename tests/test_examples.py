@@ -99,6 +99,22 @@ def test_batchnorm_window(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_token_budget(tmp_path: Path) -> None:
+    out = run("token_budget.py", "--epochs", "2", "--sequences", "768", "--out", str(tmp_path))
+    n = int(out.split("budget n = ")[1].split(":")[0])
+    assert f"budget n = {n}: every step >= n: True; at most one micro-batch more: True" in out
+    assert "the windows the loader's counts give by hand: True" in out
+    ratios = {}
+    for line in out.splitlines():
+        if "max/min" in line:
+            name = "budget" if line.startswith("Budget(") else "fixed"
+            ratios[name] = float(line.split("max/min ")[1].split(",")[0])
+            assert int(line.split(" min ")[1].split(",")[0]) >= n or name == "fixed"
+    assert ratios["budget"] < ratios["fixed"]
+    assert (tmp_path / "token_budget.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
 def test_adaptive(tmp_path: Path) -> None:
     out = run("adaptive.py", "--epochs", "2", "--out", str(tmp_path))
     assert "done:" in out and "noise scale" in out and "adascale gain" in out and "scaled steps" in out
