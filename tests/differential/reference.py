@@ -140,14 +140,15 @@ def _terms(
     guide: nn.Module | None = None,
 ) -> list[Tensor]:
     """Each micro-batch's part of the loss of a window of ``size`` and ``tokens`` items: its mean over the window
-    (``"mean"``), or its sum over the window's items (``"items"``; nothing from a micro-batch without items); each
+    (``"mean"``), or its sum over the window's items (``"items"``; zero from a micro-batch without items); each
     token's error times the cached mode's ``guide`` weight where there is one."""
     terms = []
     for b in batches:
         total, n_items, positions = micro_loss(net, b, guide, piece(c))
-        if c.normalize == "items":
-            if n_items > 0:
-                terms.append(total / tokens)
+        if c.normalize == "items":  # (a micro-batch without items still ran its backward: the parameters it
+            # reaches get a zero gradient, not none, as in a plain loop; Adam then counts a step for a param group
+            # that joined at it)
+            terms.append(total / tokens if n_items > 0 else total * 0.0)
         else:
             terms.append(total / positions / size)
     return terms
