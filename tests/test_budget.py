@@ -243,6 +243,29 @@ def test_resume_inside_a_window_is_bit_identical(tmp_path: Path, at: tuple[int, 
         trainer(callbacks=[other]).fit(TokenModel(reduction="sum"), ResumableLoader(DATA, BATCH), ckpt_path=path)
 
 
+def test_a_window_resumed_under_a_budget_of_another_unit_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    path = tmp_path / "inside.ckpt"  # (batch 6 of epoch 0: inside the window of 5-7, 15 items seen of 25)
+    first = AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")
+    trainer(callbacks=[first, SaveAt((0, 6), path)]).fit(TokenModel(reduction="sum"), ResumableLoader(DATA, BATCH))
+    other = AccumulationScheduler(Budget(9, unit="samples"), normalize="items", count=count_tokens, reduction="sum")
+    recorder = KRecorder()
+    with pytest.raises(ValueError, match=r"closed by a `Budget` in items.*counts samples.*unit='items'"):
+        trainer(callbacks=[other, recorder]).fit(
+            TokenModel(reduction="sum"), ResumableLoader(DATA, BATCH), ckpt_path=path
+        )
+    assert recorder.windows == [] and other.progress == Progress()  # (refused before anything changed)
+    # (another n keeps the saved window's budget, as documented: it closes where the first run's did, after batch 7)
+    same_unit, recorder = (
+        AccumulationScheduler(Budget(100), normalize="items", count=count_tokens, reduction="sum"),
+        KRecorder(),
+    )
+    trainer(callbacks=[same_unit, recorder]).fit(
+        TokenModel(reduction="sum"), ResumableLoader(DATA, BATCH), ckpt_path=path
+    )
+    _, sizes, _ = reference(epochs_of(2), lambda p: 25)
+    assert sizes[:3] == [3, 2, 3] and recorder.windows[0] == 1  # (the window of batches 5-7 has batch 7 left)
+
+
 @pytest.mark.parametrize("mode", ["backward", "items_arg"])
 def test_mixin_equals_the_reference(mode: str) -> None:
     model = ManualTokenModel(mode=mode, schedule=Budget(25), normalize="items", count=count_tokens)

@@ -563,6 +563,8 @@ class WindowEngine:
             state["lr_schedule"] = self.lr_schedule.state_dict()  # type: ignore[union-attr]
         if window is not None:  # (what its partial gradient is a sum of: a resume must sum the same)
             state["window_options"] = self._window_options()
+        if window is not None and isinstance(self.schedule, Budget):  # (what its count `seen` is a count of)
+            state["budget_unit"] = self.schedule.unit
         if window is not None and self.probe is not None:
             state["probe"] = self.probe.state_dict()
         if window is not None and self.redo is not None:
@@ -597,6 +599,15 @@ class WindowEngine:
                 f"{self.schedule!r} is {kinds[1]}, which cannot close that window as it was opened. Resume with the "
                 "checkpoint's kind of schedule (and change it from a checkpoint written at an optimizer step), or "
                 "resume from a checkpoint written at an optimizer step."
+            )
+        unit = state.get("budget_unit")  # (checkpoints before it: not known)
+        if held is not None and isinstance(self.schedule, Budget) and unit not in (None, self.schedule.unit):
+            raise ValueError(
+                f"The checkpoint was written inside an accumulation window closed by a `Budget` in {unit}; this run's "
+                f"schedule {self.schedule!r} counts {self.schedule.unit}, which cannot close that window as it was "
+                f"opened (its {held.get('seen')} {unit} so far would be added to {self.schedule.unit}). Resume with "
+                f"`unit={unit!r}` in the `Budget` (and change the unit from a checkpoint written at an optimizer step), "
+                "or resume from a checkpoint written at an optimizer step."
             )
         self.progress = Progress(**state["progress"])
         if "schedule" in state:
