@@ -606,8 +606,8 @@ class WindowEngine:
                 f"The checkpoint was written inside an accumulation window closed by a `Budget` in {unit}; this run's "
                 f"schedule {self.schedule!r} counts {self.schedule.unit}, which cannot close that window as it was "
                 f"opened (its {held.get('seen')} {unit} so far would be added to {self.schedule.unit}). Resume with "
-                f"`unit={unit!r}` in the `Budget` (and change the unit from a checkpoint written at an optimizer step), "
-                "or resume from a checkpoint written at an optimizer step."
+                f"`unit={unit!r}` in the `Budget` (and change the unit from a checkpoint written at an optimizer "
+                "step), or resume from a checkpoint written at an optimizer step."
             )
         self.progress = Progress(**state["progress"])
         if "schedule" in state:
