@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
 
 from lightning_accum import (
     AccumulationScheduler,
@@ -348,6 +349,28 @@ def test_a_per_sample_count_is_refused() -> None:
     callback = AccumulationScheduler(Budget(25), normalize="items", count=lambda b: b["mask"].sum(1), reduction="sum")
     with pytest.raises(ValueError, match="one number"):
         trainer(callbacks=[callback]).fit(TokenModel(reduction="sum"), loader(DATA, BATCH))
+
+
+class DropsTokens(TokenModel):
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        return super().training_step({k: v for k, v in batch.items() if k != "tokens"}, batch_idx)
+
+
+def test_samples_are_counted_along_the_first_tensor_that_has_a_dim_0() -> None:
+    # (a 0-dim tensor first, as a collate that puts the batch's token count first gives: it has no dim 0, it is
+    # skipped as a Python number is; the samples are x's rows)
+    batches = [{"tokens": b["mask"].sum(), **b} for b in epochs_of(1)[0][0]]
+    model, recorder = DropsTokens(reduction="mean"), KRecorder()
+    callback = AccumulationScheduler(Budget(9, unit="samples"), normalize="mean")
+    trainer(callbacks=[callback, recorder]).fit(model, DataLoader(batches, batch_size=None))
+    expected, sizes, _ = reference(epochs_of(2), lambda p: 9, "samples", "mean")
+    assert recorder.windows == sizes == [3, 3, 3, 2, 3, 3, 3, 2]
+    assert callback.progress.samples == 2 * len(DATA)
+    assert max_diff(params_of(model), expected) < 1e-12
+    only_scalars = [{"tokens": b["mask"].sum()} for b in epochs_of(1)[0][0]]  # (nothing has a dim 0: refused)
+    callback = AccumulationScheduler(Budget(9, unit="samples"), normalize="mean")
+    with pytest.raises(ValueError, match=r"Budget\(9, unit='samples'\) needs .* holds only 0-dim tensors"):
+        trainer(callbacks=[callback]).fit(DropsTokens(reduction="mean"), DataLoader(only_scalars, batch_size=None))
 
 
 # ------------------------------------------------------------------ step counts and progress bars
