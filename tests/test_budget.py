@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -395,6 +396,43 @@ def test_estimated_stepping_batches_is_exact_for_samples(budget: Budget, fit_kwa
     callback = AccumulationScheduler(budget)
     trainer(callbacks=[callback, recorder], **fit_kwargs).fit(model, loader(data, BATCH))
     assert model.estimated == len(recorder.windows) == callback.progress.step
+
+
+class SizedByLightning(TokenModel):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        total = int(self.trainer.estimated_stepping_batches)  # (22: the batches of 2 epochs, not the windows)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "advice"),
+    [
+        (Budget(25), r"lr_schedule=lightning_accum.lr.WarmupCosine\(warmup, total, unit='items'\).*unit='samples'"),
+        (Ramp(1, 4, over=200, unit="items"), r"depends on the items .*lr_schedule=.*unit='items'"),
+    ],
+    ids=["budget", "ramp"],
+)
+def test_a_scheduler_whose_length_cannot_be_checked_is_warned_about_at_the_fit_start(
+    schedule: Any, advice: str
+) -> None:
+    callback = AccumulationScheduler(schedule, normalize="items", count=count_tokens, reduction="sum")
+    started: list[int] = []
+
+    class Start(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            started.append(len(caught))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(callbacks=[callback, Start()]).fit(SizedByLightning(reduction="sum"), loader(DATA, BATCH))
+    ours = [str(w.message) for w in caught if "OneCycleLR (total_steps=22)" in str(w.message)]
+    assert len(ours) == 1 and callback.progress.step != 22  # (once; the fit does not take the 22 steps)
+    assert re.search(
+        rf"cannot be checked against the accumulation schedule.*{re.escape(repr(schedule))}.*{advice}", ours[0]
+    )
+    assert [str(w.message) for w in caught[: started[0]]].count(ours[0]) == 1  # (at the fit's start)
 
 
 def test_estimated_stepping_batches_refuses_a_budget_of_items() -> None:

@@ -104,9 +104,11 @@ def _estimate(trainer: Any) -> int | float:
             "`Budget(n, unit='samples')`, whose steps a loader of fixed batch size gives exactly."
         )
     if isinstance(schedule, NoiseScale) or schedule.unit in ("items", "scaled_steps"):
+        measured = isinstance(schedule, NoiseScale) or schedule.unit == "scaled_steps"
+        what = "the measured gradient noise" if measured else "the items (tokens) the data will hold"
         raise ValueError(
-            f"The number of optimizer steps under {schedule!r} depends on what the data or the measured gradient "
-            "noise will be, so it cannot be known in advance. Key the learning rate on what is seen instead: "
+            f"The number of optimizer steps under {schedule!r} depends on {what}, so it cannot be known in advance. "
+            "Key the learning rate on what is seen instead: "
             "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`."
         )
     if trainer.max_epochs == -1 and trainer.max_steps == -1:
@@ -332,18 +334,24 @@ def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:
     be known in advance."""
     configs = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
     horizons = [
-        (c, getattr(c.scheduler, n)) for c in configs for n in ("total_steps", "T_max") if hasattr(c.scheduler, n)
+        (c, n, getattr(c.scheduler, n)) for c in configs for n in ("total_steps", "T_max") if hasattr(c.scheduler, n)
     ]
     if not horizons:
         return
     try:
         steps = estimated_stepping_batches(trainer, optimizers=optimizers)
-    except ValueError:
-        return  # (a schedule keyed on items, or `NoiseScale`: not known in advance)
+    except ValueError as unknown:  # (a schedule keyed on items, `NoiseScale`, a loader without length)
+        named = ", ".join(f"{type(c.scheduler).__name__} ({n}={int(h)})" for c, n, h in horizons)
+        rank_zero_warn(
+            f"The LR scheduler {named} is sized for a number of optimizer steps, but this fit's cannot be known at "
+            "its start, so that length cannot be checked against the accumulation schedule (it may end before "
+            f"the fit, or the fit before it). {unknown}"
+        )
+        return
     if math.isinf(steps):
         return
     size_with = "" if optimizers == 1 else f", optimizers={optimizers}"  # (`max_steps` counts each one's step)
-    for config, horizon in horizons:
+    for config, _, horizon in horizons:
         real = steps // config.frequency
         if int(horizon) != real:
             rank_zero_warn(
