@@ -154,3 +154,21 @@ def test_docs_block_runs(block: Block, block_results: dict[str, str | None]) -> 
     error = block_results[block.where]
     if error is not None:
         pytest.fail(f"the Python block at {block.where} failed (or mark it {FRAGMENT}):\n{error}", pytrace=False)
+
+
+def test_the_budget_pages_example_prints_the_output_shown_under_it(tmp_path: Path) -> None:
+    """Run as a reader runs it (its own process, no seed but its own), the example prints the windows the page
+    shows: the page's text block right under it, and the sentence after it about the last window."""
+    page = ROOT / "docs" / "guide" / "budget.md"
+    (block,) = [b for b in python_blocks(page) if "TokensPerStep" in b.code]
+    lines = page.read_text().splitlines()
+    after = lines[block.line - 1 + block.code.count("\n") :]
+    start = after.index("```text") + 1
+    shown = after[start : after.index("```", start)]
+    done = subprocess.run([sys.executable, "-c", block.code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line for line in done.stdout.splitlines() if re.match(r"step \d|Progress\(", line)]
+    assert printed == shown
+    last = re.fullmatch(r"step (\d+): (\d+) micro-batches, (\d+) tokens", printed[-2])
+    assert last is not None and int(last[3]) < 3_000  # (the last window is under the budget: cut short)
+    assert f"(Step {last[1]} is the epoch's last window, cut short" in page.read_text()
