@@ -435,9 +435,17 @@ def test_a_scheduler_whose_length_cannot_be_checked_is_warned_about_at_the_fit_s
     assert [str(w.message) for w in caught[: started[0]]].count(ours[0]) == 1  # (at the fit's start)
 
 
-def test_estimated_stepping_batches_refuses_a_budget_of_items() -> None:
-    callback = AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")
-    with pytest.raises(ValueError, match=r"depends on the items \(tokens\) each batch will hold"):
+# (a budget of samples whose n follows the items: the walk, which takes the items to grow as the samples do, gave
+# 7 steps for a fit of 5)
+@pytest.mark.parametrize(
+    ("budget", "whose"),
+    [(Budget(25), ""), (Budget(Ramp(10, 60, over=300, unit="items"), unit="samples"), r" \(its `n` follows them\)")],
+    ids=["items", "samples-n-on-items"],
+)
+def test_estimated_stepping_batches_refuses_a_budget_of_items(budget: Budget, whose: str) -> None:
+    callback = AccumulationScheduler(budget, normalize="items", count=count_tokens, reduction="sum")
+    named = re.escape(repr(budget))
+    with pytest.raises(ValueError, match=rf"under {named} depends on the items \(tokens\) each batch will hold{whose}"):
         trainer(callbacks=[callback]).fit(Estimating(reduction="sum"), loader(DATA, BATCH))
 
 

@@ -96,12 +96,14 @@ def _estimate(trainer: Any) -> int | float:
             release()
         return steps if math.isinf(steps) else int(steps)
     schedule, counted = found
-    if isinstance(schedule, Budget) and schedule.unit == "items":
+    if isinstance(schedule, Budget) and "items" in (schedule.unit, schedule.n.unit):
+        whose = "" if schedule.unit == "items" else " (its `n` follows them)"
         raise ValueError(
-            f"The number of optimizer steps under {schedule!r} depends on the items (tokens) each batch will hold, so "
-            "it cannot be known in advance. Key the learning rate on what is seen instead: "
+            f"The number of optimizer steps under {schedule!r} depends on the items (tokens) each batch will "
+            f"hold{whose}, so it cannot be known in advance. Key the learning rate on what is seen instead: "
             "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`, or use "
-            "`Budget(n, unit='samples')`, whose steps a loader of fixed batch size gives exactly."
+            "`Budget(n, unit='samples')` with `n` a number or keyed on samples or steps, whose steps a loader of fixed "
+            "batch size gives exactly."
         )
     if isinstance(schedule, NoiseScale) or schedule.unit in ("items", "scaled_steps"):
         measured = isinstance(schedule, NoiseScale) or schedule.unit == "scaled_steps"
@@ -284,8 +286,8 @@ def walk_is_exact(schedule: Schedule, sizes: Sequence[int] | None) -> bool:
     """Whether ``windows`` forms the windows the package will for ``schedule``: keyed on what the walk knows
     (``Constant``, epochs, steps, and samples where ``sizes`` gives each batch's). Not for items, ``Lambda`` (it may
     read anything), ``NoiseScale`` (measured), or samples of a loader that does not say its batch sizes."""
-    if isinstance(schedule, NoiseScale):
-        return False
+    if isinstance(schedule, NoiseScale) or (isinstance(schedule, Budget) and schedule.n.unit == "items"):
+        return False  # (a budget whose `n` follows the items: the walk does not know them)
     unit = getattr(schedule, "unit", None)
     return isinstance(schedule, Constant) or unit in ("epoch", "step") or (unit == "samples" and bool(sizes))
 
