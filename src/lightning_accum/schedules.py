@@ -391,10 +391,12 @@ class Budget(Schedule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the budget: the state of the schedule ``n`` follows (a constant's is empty)."""
         return self.n.state_dict()
 
     @override
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned into the schedule ``n`` follows."""
         self.n.load_state_dict(state_dict)
 
     @override

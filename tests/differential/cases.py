@@ -302,6 +302,15 @@ CASES: dict[str, dict[str, Any]] = {
     "budget_fabric_two_passes": {**_ITEMS, "adapter": "fabric", "passes": 2, "n": 26, "batch_size": 2,
                                  "schedule": {"family": "budget", "n": 9, "unit": "items", "max_k": 4},
                                  "interruptions": [["save", 0, 5]], "resave": True},
+    # (fuzzer, seed 53) AdaScale over `NoiseScale`'s estimates with pieces: a failure in `on_before_backward` of a
+    # window's first batch (its pieces' backward passes done, the batch counted) and a resume from the on-exception
+    # checkpoint; the batch, trained again, added nothing, and the prefix after it was never taken: the window
+    # measured nothing (0.0107 off, the LRs from the 4th step on)
+    "noise_adascale_pieces_failed_before_backward": {
+        **_ITEMS, "seed": 214, "n": 21, "batch_size": 3, "microbatch_size": 2, "reduction": "mean",
+        "lr_scaling": "adascale", "probe_in": "module", "interruptions": [["on_before_backward", 0, 4]],
+        "schedule": {"family": "noise", "min_k": 2, "max_k": 3, "start": 2, "every": 1, "warmup": 2,
+                     "hysteresis": 0.0, "max_ratio": 4.0, "beta": 0.9}},
 }  # fmt: skip
 
 

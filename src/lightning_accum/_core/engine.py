@@ -167,6 +167,7 @@ class WindowEngine:
             self.probe = NoiseProbe(self.adascale, normalize)
         #: what needs each micro-batch's sample count, if anything (else an unknown count is 0)
         self.samples_needed_by = samples_needed_by(schedule, normalize, lr_scaling)
+        self.budgeted = isinstance(schedule, Budget)  # (windows closed by their count: the hot path asks this)
 
     # ------------------------------------------------------------------ one window
     def open(self, epoch: int, start: int, strategy: Any = None) -> Window:
@@ -255,7 +256,7 @@ class WindowEngine:
     def batch_done(self) -> None:
         """The batch is over (nothing of it can be trained again)."""
         self.inflight, self.redo = None, None
-        if self.window is not None:  # (a budget's count of it stays, whether it went in or not)
+        if self.budgeted and self.window is not None:  # (a budget's count of it stays, whether it went in or not)
             self.window.keep_reach()
         if self.batchnorm is not None:  # (`microbatch_over`, inline: the hot path)
             self.batchnorm.drop_pending()

@@ -518,6 +518,9 @@ class AccumulationScheduler(Callback):
             mean = self.reduction == "mean"
             engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._loss_divisor)
         engine.backward_done()
+        # the batch's gradient is in the window from here on (a failure before `on_after_backward` leaves it there, and
+        # the batch, trained again, adds nothing): the noise probe's prefix after it is taken now, with it
+        self._take_prefix(trainer)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -535,6 +538,13 @@ class AccumulationScheduler(Callback):
                 engine.close_and_reduce(trainer.strategy, gradients.optimizer_params(self._optimizer))
                 self._closed = True
         engine.backward_done()
+        if self._split is None or self._split.whole:  # (a batch in pieces: taken as it was counted, `_count_pieces`)
+            self._take_prefix(trainer)
+
+    def _take_prefix(self, trainer: pl.Trainer) -> None:
+        """Noise probe: the window's gradient after the batch just counted and back-propagated, where the probe
+        measures (micro-batches 1, 4, 16, ... of the window, not its last)."""
+        engine = self._engine
         if engine.probe is None or not engine.wants_prefix() or self._optimizer is None or self._redoing:
             return
         if self._closes_window(trainer):
