@@ -265,6 +265,9 @@ CALLBACK_FAULTS = [  # (hook, batch, resume from, whether the package warns that
     ("on_train_batch_start", MID, "exception", False),
     ("on_before_backward", MID, "exception", False),
     ("on_after_backward", MID, "exception", False),
+    # a callback before the package's: the batch's gradient is in `.grad`, the package's own hook has not run (before
+    # the fix the batch was taken back, then trained again and added twice)
+    ("on_after_backward:before", MID, "exception", False),
     ("on_before_optimizer_step:before", LAST, "exception", False),  # before the package's rescale
     ("on_train_batch_end:before", LAST, "exception", False),  # the window was stepped: the batch counts as done
     ("on_train_batch_end", MID, "exception", False),
