@@ -244,10 +244,10 @@ CONFIGS = {
     # issue 46's `Budget` costs 6 a micro-batch when the schedule is not one: a test as the batch starts (the budget
     # asks whether the batch closes its window) and one as it ends (its count kept);
     # issue 45's `accum/samples_per_second` and `accum/tokens_per_second` one logged scalar each at a window's end;
-    # the pre-hook on each counted loss's `grad_fn` by which autograd marks the pass's end (`_seam.at_pass_end`, so that
-    # a callback before this one raising in `on_after_backward` keeps the batch in the window) costs 12 bytecodes and 6
-    # memory blocks: its OrderedDict of pre-hooks and the handle's id (about 5, rounded up), which go with the loss at the
-    # end of Lightning's closure, after the hooks, but are counted as kept here; the hook itself runs in backward)
+    # the pre-hook on each counted loss's `grad_fn` by which autograd marks the pass's end (`_seam.at_pass_end`, so
+    # that a callback before this one raising in `on_after_backward` keeps the batch in the window) costs 12 bytecodes
+    # and 6 memory blocks: its OrderedDict of pre-hooks and the handle's id (about 5, rounded up), which go with the
+    # loss at the end of Lightning's closure, after the hooks, but are counted as kept here; the hook runs in backward)
     # nobody reads a window's numbers: no loss kept, nothing read (the fit's last numbers are published from the
     # host counts; each window keeps the learning rates it stepped with, in case the fit stops after it)
     "log, nobody reads": Config(AccumulationScheduler, Work(0, 2, 9, 247, 6), EndWork(0, 0, 12, 21)),

@@ -164,13 +164,13 @@ def steps_counted(trainer: Any) -> Iterator[None]:
 
 
 def at_pass_end(mark: Callable[[], None]) -> Callable[[Any], None]:
-    """A pre-hook for a loss's ``grad_fn`` (``Node.register_prehook``: public) that has ``mark`` called once the backward
-    pass from that loss ran to its end: after its last gradient was accumulated into ``.grad``, before ``backward()``
-    returns, so before Lightning's ``on_after_backward`` hooks whatever the callbacks' order (and before a
-    ``LightningModule.backward`` override returns); a pass that raises never calls it. Private torch: the autograd
-    engine's final callbacks of the graph task running now (``Variable._execution_engine.queue_callback``, callable
-    only inside a backward pass), as DDP (``torch/nn/parallel/distributed.py``, ``_DDPSink.backward``) and FSDP
-    (``torch/distributed/fsdp/_runtime_utils.py``, ``_register_post_backward_final_callback``; FSDP2's
+    """A pre-hook for a loss's ``grad_fn`` (``Node.register_prehook``: public) that has ``mark`` called once the
+    backward pass from that loss ran to its end: after its last gradient was accumulated into ``.grad``, before
+    ``backward()`` returns, so before Lightning's ``on_after_backward`` hooks whatever the callbacks' order (and
+    before a ``LightningModule.backward`` override returns); a pass that raises never calls it. Private torch: the
+    autograd engine's final callbacks of the graph task running now (``Variable._execution_engine.queue_callback``,
+    callable only inside a backward pass), as DDP (``torch/nn/parallel/distributed.py``, ``_DDPSink.backward``) and
+    FSDP (``torch/distributed/fsdp/_runtime_utils.py``, ``_register_post_backward_final_callback``; FSDP2's
     ``_fsdp_state.py``) use them. Not Lightning's, but leant on as its internals are: here, under
     ``tests/test_lightning_seam.py``. The hook builds nothing per pass (``mark`` should not either)."""
     queue = Variable._execution_engine.queue_callback
