@@ -105,6 +105,19 @@ class Validated(TokenModel):
         self.log("val", token_losses(self.net, batch)[0], batch_size=4)
 
 
+class BackwardFault(Validated):
+    """``fault = at``: the model's own ``backward`` raises at batch ``at``, after ``loss.backward()`` returned (the
+    batch's gradient whole in ``.grad``, no ``on_after_backward`` run yet)."""
+
+    fault: tuple[int, int] | None = None
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        super().backward(loss, *args, **kwargs)
+        if self.fault == (self.current_epoch, self.trainer.fit_loop.epoch_loop.batch_idx):
+            self.fault = None
+            raise Injected("after the model's loss.backward()")
+
+
 class ManualValidated(ManualTokenModel):
     """The mixin's model, with faults its `training_step` can raise: before the block, inside it after
     the backward pass, or after it."""
@@ -196,6 +209,8 @@ def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
         return PieceFault(fits=2, reduction="sum"), [callback, GradientDecay(0.5)]
     if kind == "mean":
         return Validated(), [AccumulationScheduler(WINDOWS)]
+    if kind == "mean+backward":  # (the model's `backward` may raise: `BackwardFault`)
+        return BackwardFault(), [AccumulationScheduler(WINDOWS)]
     if kind == "items+decay":
         callback = AccumulationScheduler(WINDOWS, normalize="items", reduction="sum", count=count_tokens)
         return Validated(reduction="sum"), [callback, GradientDecay(0.5)]
@@ -283,6 +298,13 @@ CALLBACK_FAULTS = [  # (hook, batch, resume from, whether the package warns that
 def test_callback_fault(tmp_path: Path, kind: str, hook: str, at: tuple[int, int], source: str, warns: bool) -> None:
     seen = fail_and_resume(kind, tmp_path, Fault(hook, at), source)
     assert bool(seen) == warns, seen
+
+
+@pytest.mark.parametrize("at", [MID, LAST, (0, 3)])  # inside a window, at its last batch, at its first
+def test_model_backward_fault(tmp_path: Path, at: tuple[int, int]) -> None:
+    """The model's ``backward`` raises after its ``loss.backward()`` (the pass ended; no ``on_after_backward`` ran):
+    the batch is in the window, and trained again it adds nothing (before the fix it was added twice)."""
+    assert not fail_and_resume("mean+backward", tmp_path, at, "exception")
 
 
 MIXIN_FAULTS = [
