@@ -201,6 +201,8 @@ def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
         return PieceFault(), [AccumulationScheduler(WINDOWS, microbatch_size=3)]
     if kind == "split+batchnorm":
         return BatchNormPieceFault(), [AccumulationScheduler(WINDOWS, microbatch_size=3, batchnorm="window")]
+    if kind == "batchnorm":  # (whole batches)
+        return BatchNormPieceFault(), [AccumulationScheduler(WINDOWS, batchnorm="window")]
     if kind == "split+noise":
         return PieceFault(), [AccumulationScheduler(NoiseScale(2, 4, every=1, warmup=1), microbatch_size=3)]
     if kind == "split+auto":
@@ -379,3 +381,16 @@ def test_split_fault_batchnorm_statistics(tmp_path: Path, hook: str, at: tuple[i
         got = dict(resumed.net.named_buffers())[name]
         assert float((got.double() - want.double()).abs().max()) <= 1e-12, name
     assert int(full.net[1].bn.num_batches_tracked) == 5 + 7  # a window each: [0-2] [3-5] [6-8] [9-11] [12], 7 of 2
+
+
+@pytest.mark.parametrize("hook", ["on_after_backward:before", "on_after_backward", "on_before_backward"])
+def test_fault_batchnorm_statistics_whole_batches(tmp_path: Path, hook: str) -> None:
+    """``batchnorm="window"`` on whole batches: a batch whose backward pass ended is in the window with its BatchNorm
+    statistics, also where a callback before the package's raised in ``on_after_backward`` (the package's own hook,
+    which pools them, had not run); one whose pass never ran is in neither."""
+    assert not fail_and_resume("batchnorm", tmp_path, Fault(hook, MID), "exception")
+    resumed = fit("batchnorm", resume=tmp_path / "on_exception.ckpt")
+    full = uninterrupted("batchnorm")
+    for name, want in full.net.named_buffers():
+        got = dict(resumed.net.named_buffers())[name]
+        assert float((got.double() - want.double()).abs().max()) <= 1e-12, name
