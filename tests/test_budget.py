@@ -467,7 +467,17 @@ def test_progress_bars_exact_for_samples_and_never_passed_for_items(kind: str, u
 # (batches 3 and 4 of epoch 0: inside the window of batches 2-4 and at its last, 25 tokens)
 @pytest.mark.parametrize("at", [(0, 3), (0, 4)])
 @pytest.mark.parametrize(
-    "hook", ["on_train_batch_start", "on_before_backward", "on_after_backward", "on_train_batch_end", "sigterm"]
+    "hook",
+    # (`on_after_backward:before`: a callback listed before the package's, its batch's gradient in: trained again, it
+    # adds nothing, and its count stays in the budget's)
+    [
+        "on_train_batch_start",
+        "on_before_backward",
+        "on_after_backward",
+        "on_after_backward:before",
+        "on_train_batch_end",
+        "sigterm",
+    ],
 )
 def test_an_exception_inside_a_window_resumes_bit_identically(tmp_path: Path, hook: str, at: tuple[int, int]) -> None:
     """The batch an exception cut short (before its backward) is trained again, and its count with it: the count

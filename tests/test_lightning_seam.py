@@ -19,6 +19,7 @@ from lightning_accum._seam import (
     SCHEDULER_KEYS,
     LoopCounters,
     after_module_hook,
+    at_pass_end,
     at_plateau_point,
     backward_skipped,
     batch_processed,
@@ -620,3 +621,40 @@ def test_scheduler_keys_are_lightnings() -> None:
     fields = tuple(f.name for f in dataclasses.fields(LRSchedulerConfig))
     assert fields == SCHEDULER_KEYS
     assert set(DROPPED_SCHEDULER_KEYS) < set(SCHEDULER_KEYS)
+
+
+class PassEndWatch(pl.Callback):
+    """Listed before ``AccumulationScheduler``: whether, at each ``on_after_backward`` of its, the package's engine was
+    told already that the batch's backward pass ended."""
+
+    def __init__(self, accumulation: AccumulationScheduler) -> None:
+        self.accumulation = accumulation
+        self.seen: list[bool] = []
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.seen.append(self.accumulation._engine.backward_finished)
+
+
+def test_at_pass_end_seam() -> None:
+    """``at_pass_end`` (private torch: the autograd engine's final callbacks): the mark comes once the pass's
+    gradients are all in ``.grad``, before ``backward()`` returns, so before every ``on_after_backward`` (the first
+    callback's included); a pass that raises never marks it."""
+    weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    marks: list[Any] = []
+    loss = (weight * torch.arange(3.0, dtype=torch.float64)).sum() * 2
+    loss.grad_fn.register_prehook(at_pass_end(lambda: marks.append(weight.grad.clone())))  # type: ignore[union-attr]
+    loss.backward()
+    marks.append("returned")
+    assert len(marks) == 2 and marks[1] == "returned"
+    assert torch.equal(marks[0], torch.tensor([0.0, 2.0, 4.0], dtype=torch.float64))  # the whole gradient
+    marks.clear()
+    loss = (weight * 3).sum()
+    loss.grad_fn.register_prehook(at_pass_end(lambda: marks.append("marked")))  # type: ignore[union-attr]
+    weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("in the pass")))
+    with pytest.raises(RuntimeError, match="in the pass"):
+        loss.backward()
+    assert marks == []
+    accumulation = AccumulationScheduler(2)
+    watch = PassEndWatch(accumulation)
+    trainer(callbacks=[watch, accumulation], max_epochs=1).fit(TokenModel(), loader(TokenData(16), 4))
+    assert watch.seen == [True] * 4

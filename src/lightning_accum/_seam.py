@@ -15,7 +15,8 @@ connector keeps (progress bar, callbacks', logged). Around the
 batches it accumulates the loop enters ``strategy.block_backward_sync()``, which calls
 ``strategy.model.no_sync()`` on any model that has one (a runtime protocol check,
 ``lightning.pytorch.utilities.types.DistributedDataParallel``): FSDP (1) roots included.
-``tests/test_lightning_seam.py`` fails if Lightning changes any of these.
+It also has the autograd engine call back at the end of a loss's backward pass (``at_pass_end``: private torch).
+``tests/test_lightning_seam.py`` fails if Lightning (or torch) changes any of these.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from torch.autograd import Variable
 from torch.optim import Optimizer
 
 from lightning_accum._lightning import pl
@@ -159,6 +161,24 @@ def steps_counted(trainer: Any) -> Iterator[None]:
     finally:
         for optimizer, (before, after) in zip(optimizers, saved, strict=True):
             optimizer._on_before_step, optimizer._on_after_step = before, after
+
+
+def at_pass_end(mark: Callable[[], None]) -> Callable[[Any], None]:
+    """A pre-hook for a loss's ``grad_fn`` (``Node.register_prehook``: public) that has ``mark`` called once the
+    backward pass from that loss ran to its end: after its last gradient was accumulated into ``.grad``, before
+    ``backward()`` returns, so before Lightning's ``on_after_backward`` hooks whatever the callbacks' order (and
+    before a ``LightningModule.backward`` override returns); a pass that raises never calls it. Private torch: the
+    autograd engine's final callbacks of the graph task running now (``Variable._execution_engine.queue_callback``,
+    callable only inside a backward pass), as DDP (``torch/nn/parallel/distributed.py``, ``_DDPSink.backward``) and
+    FSDP (``torch/distributed/fsdp/_runtime_utils.py``, ``_register_post_backward_final_callback``; FSDP2's
+    ``_fsdp_state.py``) use them. Not Lightning's, but leant on as its internals are: here, under
+    ``tests/test_lightning_seam.py``. The hook builds nothing per pass (``mark`` should not either)."""
+    queue = Variable._execution_engine.queue_callback
+
+    def hook(grad_outputs: Any) -> None:
+        queue(mark)
+
+    return hook
 
 
 def backward_skipped(trainer: Any) -> bool:

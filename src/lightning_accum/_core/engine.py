@@ -236,6 +236,12 @@ class WindowEngine:
         if self.batchnorm is not None:
             self.batchnorm.arm()
 
+    def pass_ended(self) -> None:
+        """Autograd's own mark (``lightning_accum._seam.at_pass_end``): the counted micro-batch's backward pass ran to
+        its end, so its gradient is whole in ``.grad``, whatever raises before the adapter's ``backward_done`` (a
+        callback's ``on_after_backward`` listed before the package's); ``settle`` then keeps the micro-batch."""
+        self.backward_finished = True
+
     def backward_done(self) -> None:
         """The counted micro-batch's backward pass finished: its gradient (and loss) is in the window."""
         self.backward_finished = True
@@ -448,6 +454,10 @@ class WindowEngine:
         ``open_pass``: a backward pass ran in a block that did not finish (the mixin); ``rescaled``: a closing
         window's gradient was changed in place for its step. Returns what a checkpoint written now loses,
         if anything."""
+        if self.inflight is not None and self.backward_finished and not in_backward:
+            # the pass ran to its end (autograd's mark, `pass_ended`) but the adapter's hook after it had not run:
+            # the micro-batch is in the window, its BatchNorm statistics and loss too (done already: nothing changes)
+            self.backward_done()
         if self.batchnorm is not None:  # the buffers as before the window; the failed micro-batch's statistics out
             self.batchnorm.recover()
             self.batchnorm.drop_pending()

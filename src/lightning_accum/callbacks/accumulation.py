@@ -166,6 +166,10 @@ class AccumulationScheduler(Callback):
         self._optimizer: Optimizer | None = None
         self._counts: tuple[int, int | Tensor] = (0, 0)  # the batch being trained: (samples, items)
         self._redoing = False  # the batch being trained is one a checkpoint already holds
+        # on each counted batch's loss: autograd tells the engine that its backward pass ran to its end, before any
+        # `on_after_backward` (a closure: made at train start, so that the callback pickles for spawned ranks)
+        self._pass_hook: Any = None
+        self._prefix_due = False  # the noise probe's prefix after the batch under way is this hook's to take still
         self._batch_idx = 0
         self._frequencies = _seam.SchedulerFrequencies()
         self._lr_hook: RemovableHandle | None = None
@@ -229,6 +233,7 @@ class AccumulationScheduler(Callback):
         set_divisor(trainer, self._divisor)
         _seam.resume_after_finished_epoch(trainer)
         self._optimizer, self._strategy, self._fitting = trainer.optimizers[0], trainer.strategy, None
+        self._pass_hook = _seam.at_pass_end(self._engine.pass_ended)
         self._counters = _seam.LoopCounters(trainer)
         numbers = self._partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
@@ -316,6 +321,8 @@ class AccumulationScheduler(Callback):
                 in_backward, open_pass = self._settle_pieces(trainer)  # reaches no parameter)
             elif self._split is not None:
                 self._split.release()
+            if self._prefix_due and self._engine.backward_finished and not in_backward:
+                self._take_prefix(trainer)  # (the pass ended, but a hook before this one's `on_after_backward` raised)
             batch = (trainer.current_epoch, self._batch_idx)
             recovery.settle(self._engine, batch, processed=processed, in_backward=in_backward, open_pass=open_pass)
         optimizer = self._optimizer
@@ -341,7 +348,8 @@ class AccumulationScheduler(Callback):
     def _teardown(self, trainer: pl.Trainer) -> None:
         """Leave the Trainer, the model's sync flags and the LR scheduler configs as the user made them."""
         self._release()
-        self._closed = self._lean = False
+        self._closed = self._lean = self._prefix_due = False
+        self._pass_hook = None
         self._dividing = None  # (the user's divisor goes back below)
         if self._unroute is not None:
             self._unroute()
@@ -467,6 +475,8 @@ class AccumulationScheduler(Callback):
         if self._lean:  # (what the long path below comes to for a plain batch)
             samples, items = self._counts
             self._engine.count(samples, items)
+            if (node := loss.grad_fn) is not None:  # (`_pass_hook`)
+                node.register_prehook(self._pass_hook)
             if self._engine.metrics.tracking:
                 self._engine.metrics.add_loss(loss, factor=self._loss_divisor)
             return
@@ -500,6 +510,11 @@ class AccumulationScheduler(Callback):
             self._holding = True
             window.mark_synced(final)
         engine.count(*self._counts)
+        # autograd marks the pass's end: a callback listed before this one that raises in `on_after_backward` leaves
+        # the batch's gradient in `.grad`, and the batch in the window (trained again, it adds nothing)
+        if (node := loss.grad_fn) is not None:
+            node.register_prehook(self._pass_hook)
+        self._prefix_due = engine.probe is not None
         if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by k)
             engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._loss_divisor)
 
@@ -529,6 +544,7 @@ class AccumulationScheduler(Callback):
             return
         if self._holding:
             self._release()
+        self._prefix_due = False
         engine = self._engine
         if self._split is not None:
             self._split.release()  # (DDP's sync back on)
