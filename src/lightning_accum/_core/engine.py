@@ -176,7 +176,7 @@ class WindowEngine:
         if self.progress.epoch != epoch:
             self.progress = dataclasses.replace(self.progress, epoch=epoch)
         k = self.schedule(self.progress)
-        budget = self.schedule.budget(self.progress) if isinstance(self.schedule, Budget) else None
+        budget = self.schedule.budget(self.progress) if self.budgeted else None  # type: ignore[attr-defined]
         if not self.schedule.rank_consistent and strategy is not None:
             collectives.check_same_k(strategy, k if budget is None else budget, self.schedule)
         # keyed on the progress the window opens with: asked now, so that a bad multiplier is refused before any
@@ -574,7 +574,7 @@ class WindowEngine:
             state["lr_schedule"] = self.lr_schedule.state_dict()  # type: ignore[union-attr]
         if window is not None:  # (what its partial gradient is a sum of: a resume must sum the same)
             state["window_options"] = self._window_options()
-        if window is not None and isinstance(self.schedule, Budget):  # (what its count `seen` is a count of)
+        if window is not None and self.budgeted:  # (what its count `seen` is a count of)
             state["budget_unit"] = self.schedule.unit
         if window is not None and self.probe is not None:
             state["probe"] = self.probe.state_dict()
@@ -601,7 +601,7 @@ class WindowEngine:
                 "checkpoint written at an optimizer step."
             )
         held = state.get("window")
-        if held is not None and (held.get("budget") is not None) != isinstance(self.schedule, Budget):
+        if held is not None and (held.get("budget") is not None) != self.budgeted:
             kinds = ("a `Budget`", "a schedule of k") if held.get("budget") is not None else (
                 "a schedule of k", "a `Budget`"
             )  # fmt: skip
@@ -612,7 +612,7 @@ class WindowEngine:
                 "resume from a checkpoint written at an optimizer step."
             )
         unit = state.get("budget_unit")  # (checkpoints before it: not known)
-        if held is not None and isinstance(self.schedule, Budget) and unit not in (None, self.schedule.unit):
+        if held is not None and self.budgeted and unit not in (None, self.schedule.unit):  # type: ignore[attr-defined]
             raise ValueError(
                 f"The checkpoint was written inside an accumulation window closed by a `Budget` in {unit}; this run's "
                 f"schedule {self.schedule!r} counts {self.schedule.unit}, which cannot close that window as it was "

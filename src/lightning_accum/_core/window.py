@@ -83,9 +83,7 @@ class Window:
         self.microbatches -= 1
         self.samples -= samples
         if self.budget is not None:
-            self.seen -= self.seen_last
-            self.asked -= 1
-            self.seen_last, self.ends = 0, False
+            self._take_back_reach()
 
     def reach(self, seen: int) -> bool:
         """Under a ``Budget``: add a micro-batch's count over all ranks (``seen``, before the micro-batch is
@@ -106,9 +104,13 @@ class Window:
         """Take back the count ``reach`` added for a micro-batch that never went in (an exception before it was
         counted); nothing if it went in."""
         if self.reached:
-            self.seen -= self.seen_last
-            self.asked -= 1
-            self.seen_last, self.ends, self.reached = 0, False, False
+            self._take_back_reach()
+
+    def _take_back_reach(self) -> None:
+        """The latest ``reach`` undone: its count out of ``seen``, its micro-batch out of ``asked``."""
+        self.seen -= self.seen_last
+        self.asked -= 1
+        self.seen_last, self.ends, self.reached = 0, False, False
 
     def mark_synced(self, synced: bool) -> None:
         """Whether the latest backward pass ran with the gradient sync on."""
