@@ -316,6 +316,13 @@ def test_one_process_reads_no_collective(monkeypatch: pytest.MonkeyPatch) -> Non
         (lambda: Budget(True), TypeError, "`n` of `Budget` must be an int >= 1, a Schedule"),
         (lambda: Budget("100"), TypeError, "`n` of `Budget` must be an int >= 1, a Schedule"),
         (lambda: Budget(100, max_k=0), ValueError, "`max_k` must be an int >= 1"),
+        (lambda: Budget(float("inf")), ValueError, "`n` of `Budget` must be an int >= 1"),
+        (lambda: Budget(100, max_k=-1), ValueError, "`max_k` must be an int >= 1"),
+        (lambda: Budget(100, max_k=float("nan")), ValueError, "`max_k` must be an int >= 1"),
+        (lambda: Budget(100, max_k=2.5), ValueError, "`max_k` must be an int >= 1"),  # type: ignore[arg-type]
+        (lambda: Budget(100, max_k=True), ValueError, "`max_k` must be an int >= 1"),
+        (lambda: Budget(100, max_k="3"), ValueError, "`max_k` must be an int >= 1"),  # type: ignore[arg-type]
+        (lambda: Budget(100, unit=None), ValueError, "`unit` must be one of 'samples', 'items'"),  # type: ignore[arg-type]
         (lambda: Budget(100, unit="itmes"), ValueError, "Did you mean 'items'"),  # type: ignore[arg-type]
         (lambda: Budget(100, unit="step"), ValueError, "`unit` must be one of 'samples', 'items'"),  # type: ignore[arg-type]
         (lambda: Budget(NoiseScale(2, 16)), ValueError, "measures the gradient noise in windows of a fixed k"),
