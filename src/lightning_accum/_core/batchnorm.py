@@ -130,10 +130,6 @@ class Moments:
         self.m2.addcmul_(delta, delta, value=self.count * count / total)
         self.count = total
 
-    def merge(self, other: Moments) -> None:
-        """Pool ``other`` in."""
-        self.add(other.count, other.mean, other.m2, m2=True)
-
     def variance(self) -> Tensor:
         """The unbiased variance of everything pooled."""
         return self.m2 / (self.count - 1)
@@ -170,16 +166,10 @@ class RankMoments(Moments):
     @override
     def add(self, count: int, mean: Tensor, spread: Tensor, *, m2: bool = False) -> None:
         if m2:
-            raise TypeError("RankMoments pool forwards (a mean and an unbiased variance) or `merge` another part")
+            raise TypeError("RankMoments pool forwards: a mean and an unbiased variance each")
         var = spread.to(self.mean.dtype)
         super().add(count, mean, var * count, m2=True)
         self.once.add_(var)
-
-    @override
-    def merge(self, other: Moments) -> None:
-        assert isinstance(other, RankMoments)
-        super().add(other.count, other.mean, other.m2, m2=True)
-        self.once.add_(other.once)
 
     @override
     def to(self, device: torch.device) -> RankMoments:
