@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_accum._core import gradients
@@ -45,6 +46,7 @@ from lightning_accum._core.options import (
 from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.sync import SyncMode
+from lightning_accum._core.wide import check_grad_accum_dtype, inert_note, refuse_under
 from lightning_accum._core.window import Normalize, check_count, microbatch_items, pass_items
 from lightning_accum._fabric.guards import WindowGuard, check_same_owner, check_set_up, sync_plan
 from lightning_accum._fabric.unflushed import UnflushedWatch
@@ -149,6 +151,11 @@ class FabricAccumulator:
             model's layers are hooked from here on, taken over from any earlier accumulator, and the hooks act
             inside ``accumulate`` blocks only: a forward outside one is BatchNorm's own update). See the guide's
             "BatchNorm and accumulation".
+        grad_accum_dtype: ``None`` (each window's gradient is summed in ``.grad``, in the parameters' dtype) or
+            ``torch.float32`` (also ``"float32"`` / ``"fp32"``): under bf16 or fp16 parameters
+            (``Fabric(precision="bf16-true")``) each narrow parameter's window gradient is summed, normalised and
+            all-reduced in float32 and rounded to its dtype once, before clipping and the step; between
+            micro-batches its ``.grad`` is ``None``. Single device and DDP; see the guide's "The window's precision".
 
     A loop must end its last window with ``flush()`` (or ``last=True`` on the data's last block): an accumulator
     garbage-collected, or alive when the process ends, with micro-batches in an unstepped window warns once
@@ -182,8 +189,10 @@ class FabricAccumulator:
         sync: SyncMode = "auto",
         log: bool = True,
         batchnorm: BatchNormMode = "micro-batch",
+        grad_accum_dtype: torch.dtype | str | None = None,
     ) -> None:
         check_set_up(fabric, model, optimizer)
+        self.grad_accum_dtype = check_grad_accum_dtype(grad_accum_dtype)
         self.schedule = check_common("FabricAccumulator", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         self.reduction = check_callback_items(normalize, count, reduction, "`step.backward(loss)` gets")
         check_clip(gradient_clip_val, gradient_clip_algorithm)
@@ -191,11 +200,17 @@ class FabricAccumulator:
         self._plan = sync_plan(fabric, model, sync)
         check_same_owner(fabric, model, optimizer)
         check_noise_under(self._plan, self.schedule, lr_scaling)
+        refuse_under(self._plan.family, self.grad_accum_dtype, "FabricAccumulator")
         self.fabric, self.model, self.optimizer = fabric, model, optimizer
         self.normalize, self.count = normalize, count
         self.clip_val, self.clip_algorithm = gradient_clip_val, gradient_clip_algorithm
-        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
+        self._engine = WindowEngine(
+            self.schedule, normalize, lr_scaling, lr_schedule, self.reduction, grad_accum_dtype=self.grad_accum_dtype
+        )
         self._engine.start_fit(self._plan, log)
+        self._engine.widen(self.params)  # (the hooks live as long as the accumulator)
+        if self.grad_accum_dtype is not None and not self._engine.widened:
+            rank_zero_warn(inert_note(self.grad_accum_dtype))
         self.batchnorm = check_batchnorm(batchnorm)
         if batchnorm == "window":  # (the module's own names: a checkpoint's statistics are keyed by them)
             stats = WindowBatchNorm()
@@ -354,7 +369,7 @@ class FabricAccumulator:
             numbers = self._partial.numbers(self._ranks, self._ranks.global_rank)
             if numbers is not None:
                 self._engine.load_local_numbers(numbers)
-            self._partial.put_back(self.params)
+            self._partial.put_back(self.params, self._wide())
             self._resumed = False
 
     def _check_epoch(self, epoch: object) -> None:
@@ -472,7 +487,8 @@ class FabricAccumulator:
             self.optimizer.zero_grad(set_to_none=True)
             engine.advance(self._epoch)
             return
-        gradients.scale_(grads, closing.scale)
+        engine.normalise(grads, closing.scale)
+        grads = gradients.grads_of(params)  # (the narrow parameters' too, once rounded)
         if self._plan.family == "ddp" and world > 1 and engine.metrics.tracking:  # (global after the counts)
             loss_scale = self._loss_scale()
             engine.metrics.add_grad_norm(grads if loss_scale == 1.0 else [g / loss_scale for g in grads])
@@ -515,6 +531,10 @@ class FabricAccumulator:
                 "clean; find the micro-batch whose loss is not finite."
             ) from error
 
+    def _wide(self) -> Any:
+        """Where `grad_accum_dtype` keeps the window's narrow sums (``None``: `.grad` holds it all)."""
+        return self._engine.wide if self._engine.widened else None
+
     def _scaler(self) -> Any:
         return getattr(self.fabric.strategy.precision, "scaler", None)
 
@@ -540,7 +560,7 @@ class FabricAccumulator:
         state.update(epoch=self._epoch, batch=self._batch)
         window = state["window"]
         if window is not None and window["microbatches"]:
-            state.update(self._partial.save(self._ranks, self._engine.local_numbers(), self.params))
+            state.update(self._partial.save(self._ranks, self._engine.local_numbers(), self.params, self._wide()))
         self._unflushed.kept()
         return state
 

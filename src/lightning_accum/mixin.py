@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -110,6 +111,7 @@ class AccumulationMixin(_ModuleBase):
         sync: SyncMode = "auto",
         step_schedulers: bool | None = None,
         batchnorm: BatchNormMode = "micro-batch",
+        grad_accum_dtype: torch.dtype | str | None = None,
     ) -> None:
         """Set the schedule and the window-end policy.
 
@@ -155,6 +157,11 @@ class AccumulationMixin(_ModuleBase):
                 Lightning) or ``"window"`` (updated once per window with the pooled statistics of the
                 micro-batches that went in, forwards inside ``accumulate`` blocks; one window of every optimizer).
                 See "BatchNorm and accumulation".
+            grad_accum_dtype: ``None`` (each window's gradient summed in ``.grad``, in the parameters' dtype) or
+                ``torch.float32`` (also ``"float32"`` / ``"fp32"``): under bf16 or fp16 parameters each narrow
+                parameter's window gradient is summed (every backward form), normalised and all-reduced in float32
+                and rounded to its dtype once, for the step; between passes its ``.grad`` is ``None``. Single device
+                and DDP; see "The window's precision".
 
         Example:
 
@@ -180,6 +187,7 @@ class AccumulationMixin(_ModuleBase):
                 step_schedulers,
                 reduction,
                 batchnorm,
+                grad_accum_dtype,
             )
         )
 

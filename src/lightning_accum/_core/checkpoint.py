@@ -10,20 +10,32 @@ from typing import Any
 from torch import Tensor
 
 from lightning_accum._core import collectives, gradients
+from lightning_accum._core.wide import WideSums
 
 Partial = list[Tensor | None]
 
 
 def save_partial(
-    strategy: Any, numbers: Sequence[float], params: Sequence[Tensor], pending: Partial | None = None
+    strategy: Any,
+    numbers: Sequence[float],
+    params: Sequence[Tensor],
+    pending: Partial | None = None,
+    wide: WideSums | None = None,
 ) -> dict[str, Any]:
     """The partial gradient of ``params`` (``pending``: one restored from a checkpoint and not put
-    back yet) and, on several ranks, every rank's ``numbers`` and partial gradient."""
-    grads = list(pending) if pending is not None else gradients.snapshot(params)
+    back yet; ``wide``: where ``grad_accum_dtype`` keeps the narrow parameters' sums, saved in that dtype)
+    and, on several ranks, every rank's ``numbers`` and partial gradient."""
+    if pending is not None:
+        grads = list(pending)
+    elif wide is None:
+        grads = gradients.snapshot(params)
+    else:
+        grads = [None if g is None else g.detach().to("cpu", copy=True) for g in wide.current(params)]
     world = collectives.world_size(strategy)
     state: dict[str, Any] = {"grads": grads, "world_size": world}
     if world > 1:
-        state["ranks"] = collectives.gather_partial(strategy, numbers, params, grads)
+        dtypes = None if wide is None else [wide.dtype_of(p) for p in params]
+        state["ranks"] = collectives.gather_partial(strategy, numbers, params, grads, dtypes)
     return state
 
 
@@ -76,12 +88,15 @@ class PartialWindow:
         #: whether a partial gradient waits to be put back (an attribute: read before every backward pass)
         self.pending = False
 
-    def save(self, strategy: Any, numbers: Sequence[float], params: Sequence[Tensor]) -> dict[str, Any]:
-        """What a checkpoint holds of the open window (``numbers``: this rank's counts). Saved again before
-        what a checkpoint held was put back (a save right after a load), that is what it holds."""
+    def save(
+        self, strategy: Any, numbers: Sequence[float], params: Sequence[Tensor], wide: WideSums | None = None
+    ) -> dict[str, Any]:
+        """What a checkpoint holds of the open window (``numbers``: this rank's counts; ``wide``: the narrow
+        parameters' sums under ``grad_accum_dtype``). Saved again before what a checkpoint held was put back (a
+        save right after a load), that is what it holds."""
         if self._state is not None:
             return {key: self._state[key] for key in ("grads", "world_size", "ranks") if key in self._state}
-        return save_partial(strategy, numbers, params, self._grads)
+        return save_partial(strategy, numbers, params, self._grads, wide)
 
     def load(self, state: Mapping[str, Any]) -> None:
         self._state = state if "grads" in state else None
@@ -111,10 +126,17 @@ class PartialWindow:
         """Drop a partial gradient still waiting (its window was discarded: the loop stopped inside it)."""
         self._grads, self.pending = None, False
 
-    def put_back(self, params: Sequence[Tensor]) -> Partial | None:
-        """Put the partial gradient back into ``params`` (once); returns it (``None`` if none waited)."""
+    def put_back(self, params: Sequence[Tensor], wide: WideSums | None = None) -> Partial | None:
+        """Put the partial gradient back into ``params`` (once: a narrow parameter's into its sum in ``wide``, as
+        saved); returns it (``None`` if none waited)."""
         grads = self._grads
         if grads is not None:
-            gradients.restore(params, grads)
+            gradients.placed(params, grads)  # (checked whole before anything is put back)
+            if wide is None:
+                gradients.restore(params, grads)
+            else:
+                rest = {id(p) for p in wide.restore(params, grads)}
+                kept = [(p, g) for p, g in zip(params, grads, strict=True) if id(p) in rest]
+                gradients.restore([p for p, _ in kept], [g for _, g in kept])
             self._grads, self.pending = None, False
         return grads

@@ -9,7 +9,7 @@ round per optimizer step whatever the number of backward passes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -142,22 +142,24 @@ def mean_over_ranks(strategy: Any, values: Sequence[float]) -> list[float]:
     return [float(v) for v in strategy.reduce(tensor, reduce_op="mean").tolist()]
 
 
-def all_reduce_gradients(strategy: Any, params: Sequence[Tensor], present_anywhere: Sequence[int]) -> int:
+def all_reduce_gradients(
+    strategy: Any,
+    params: Sequence[Tensor],
+    present_anywhere: Sequence[int],
+    slot: Callable[[Tensor], Tensor] | None = None,
+) -> int:
     """Average the gradients of ``params`` over ranks, in flat buckets; returns the collectives used.
 
     ``present_anywhere[i]`` says on how many ranks ``params[i]`` has a gradient (from the window's
     count all-reduce): a parameter with a gradient on some rank gets zeros where it has none, so
-    that every rank reduces the same buffers; one with a gradient nowhere stays ``None``.
+    that every rank reduces the same buffers; one with a gradient nowhere stays ``None``. ``slot(p)``:
+    the tensor that holds ``p``'s window gradient (zeros made where it has none; ``.grad`` by default,
+    under ``grad_accum_dtype`` a narrow parameter's wide sum, reduced in that dtype).
     """
     world = world_size(strategy)
     if world == 1:
         return 0
-    grads: list[Tensor] = []
-    for p, present in zip(params, present_anywhere, strict=True):
-        if present:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+    grads = [(slot or _grad_slot)(p) for p, present in zip(params, present_anywhere, strict=True) if present]
     calls = 0
     for bucket in _buckets(grads):
         flat = torch.cat([g.reshape(-1) for g in bucket])
@@ -167,6 +169,12 @@ def all_reduce_gradients(strategy: Any, params: Sequence[Tensor], present_anywhe
             g.copy_(piece.view_as(g))
         calls += 1
     return calls
+
+
+def _grad_slot(p: Tensor) -> Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
 
 
 def _all_reduce_sum(flat: Tensor) -> None:
@@ -192,12 +200,17 @@ def _buckets(grads: Sequence[Tensor]) -> Iterator[list[Tensor]]:
 
 
 def gather_partial(
-    strategy: Any, numbers: Sequence[float], params: Sequence[Tensor], grads: Sequence[Tensor | None]
+    strategy: Any,
+    numbers: Sequence[float],
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    dtypes: Sequence[torch.dtype] | None = None,
 ) -> list[tuple[list[float], list[Tensor | None]]]:
     """Every rank's ``numbers`` and partial gradient (``grads`` of ``params``, ``None`` where a rank
-    has none), on every rank, on the CPU: what a checkpoint inside a window must hold under DDP,
-    where each rank's partial gradient and counts are its own until the window's end. Exact
-    (through float64); a checkpoint-time cost of ``world_size`` gradients."""
+    has none; kept in ``dtypes``, each parameter's own by default), on every rank, on the CPU: what a
+    checkpoint inside a window must hold under DDP, where each rank's partial gradient and counts are its
+    own until the window's end. Exact (through float64); a checkpoint-time cost of ``world_size`` gradients."""
+    kept = [p.dtype for p in params] if dtypes is None else list(dtypes)
     device = strategy.root_device
     present = torch.tensor([g is not None for g in grads], dtype=torch.uint8, device=device)
     pieces = [
@@ -213,7 +226,7 @@ def gather_partial(
     for rank in range(world_size(strategy)):
         split = torch.split(all_flat[rank], [p.numel() for p in params])
         rank_grads = [
-            piece.view(p.shape).to(p.dtype) if all_present[rank][i] else None
+            piece.view(p.shape).to(kept[i]) if all_present[rank][i] else None
             for i, (p, piece) in enumerate(zip(params, split, strict=True))
         ]
         out.append(([float(v) for v in all_values[rank]], rank_grads))

@@ -17,14 +17,16 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum._core import collectives, sync
+from lightning_accum._core import collectives, gradients, sync
 from lightning_accum._core.batchnorm import WindowBatchNorm
 from lightning_accum._core.gradients import norms, squared_norm
 from lightning_accum._core.metrics import WindowMetrics
 from lightning_accum._core.probe import NoiseProbe, measured
+from lightning_accum._core.wide import WideSums, dtype_name
 from lightning_accum._core.window import Window, check_count, check_item_count, lr_factor
 from lightning_accum.lr import LRMultiplier, adascale_gain, check_multiplier
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
@@ -109,6 +111,7 @@ class WindowEngine:
         lr_scaling: str | None = None,
         lr_schedule: LRMultiplier | None = None,
         reduction: str | None = None,
+        grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         self.plan = sync.SyncPlan()
         self.progress = Progress()
@@ -135,12 +138,57 @@ class WindowEngine:
         self._clock: float | None = None  # (the host clock at the last stepped window's end, from a fit's start)
         #: `batchnorm="window"`: the BatchNorm statistics that advance with this engine's windows
         self.batchnorm: WindowBatchNorm | None = None
-        self.configure(schedule, normalize, lr_scaling, lr_schedule, reduction)
+        #: `grad_accum_dtype`: the narrow parameters' window sums (`widen`), and the parameters the engine steps
+        self.wide: WideSums | None = None
+        self._scope: list[Tensor] | None = None
+        self.configure(schedule, normalize, lr_scaling, lr_schedule, reduction, grad_accum_dtype)
 
     def pool_batchnorm(self, stats: WindowBatchNorm | None) -> None:
         """``batchnorm="window"``: ``stats`` take each micro-batch whose backward finished, and step with the
         window (``None``: BatchNorm is left to itself)."""
         self.batchnorm = stats
+
+    def widen(self, params: Sequence[Tensor], sums: WideSums | None = None) -> None:
+        """At a fit's start: ``params`` (those the engine's windows step) have the window sums of their narrow ones
+        kept in ``grad_accum_dtype`` (``WideSums``; ``sums``: ones attached already, that several engines share);
+        nothing without it. Sums held from before are kept."""
+        if self.grad_accum_dtype is None:
+            self.wide, self._scope = None, None
+            return
+        if sums is not None:
+            self.wide = sums
+        else:
+            if self.wide is None or self.wide.dtype != self.grad_accum_dtype:
+                self.wide = WideSums(self.grad_accum_dtype)
+            self.wide.attach(params)
+        self._scope = list(params)
+
+    def unwiden(self) -> None:
+        """At a fit's end: no more gradients taken into the sums (those held are kept, for a checkpoint)."""
+        if self.wide is not None:
+            self.wide.detach()
+
+    @property
+    def widened(self) -> bool:
+        """Whether some parameter's window sum is kept in ``grad_accum_dtype`` (its losses then reach backward
+        undivided, and the whole division is the close's, in the wide dtype)."""
+        return self.wide is not None and self.wide.active
+
+    def _with_sums(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        """``grads`` (the wide parameters' ``.grad``) and the narrow parameters' sums: the window's gradient."""
+        return [*grads, *self.wide.sums(self._scope)] if self.widened else list(grads)  # type: ignore[union-attr]
+
+    def normalise(self, grads: Sequence[Tensor], scale: float, params: Sequence[Tensor] | None = None) -> None:
+        """The closing window's gradient normalised for its step: ``grads`` (``.grad`` as it is) times ``scale``, and
+        under ``grad_accum_dtype`` each narrow parameter's sum (of ``params``, else all the engine steps) times
+        ``scale`` in the wide dtype, rounded into ``.grad`` once."""
+        gradients.scale_(grads, scale)
+        if self.widened:
+            self.wide.land(scale, self._scope if params is None else params)  # type: ignore[union-attr]
+
+    def _clear_sums(self) -> None:
+        if self.wide is not None:
+            self.wide.clear(self._scope)
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         """What a fit gives: its sync plan, and whether the windows' losses are tracked (for logging)."""
@@ -155,9 +203,11 @@ class WindowEngine:
         lr_scaling: str | None,
         lr_schedule: LRMultiplier | None = None,
         reduction: str | None = None,
+        grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         """Set (or change, keeping progress and the open window) what the engine computes with."""
         self.schedule, self.normalize, self.lr_scaling = schedule, normalize, lr_scaling
+        self.grad_accum_dtype = grad_accum_dtype  # (the sums follow at the next `widen`)
         self.reduction = reduction  # (with `normalize`: what an open window's partial gradient is a sum of)
         self.lr_schedule, self._lr_multiplier = lr_schedule, None
         self.probe: NoiseProbe | None = None
@@ -184,8 +234,10 @@ class WindowEngine:
         self._lr_multiplier = None if self.lr_schedule is None else self._multiplier()
         if self.first_k is None:  # (under a budget, the first window's budget: what `lr_scaling` is relative to)
             self.first_k = k if budget is None else budget
-        if budget is None:
+        if budget is None and not self.widened:
             self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
+        elif budget is None:  # (`grad_accum_dtype`: each loss as it is; the sum divided by k in the wide dtype)
+            self.window = Window(k=k, start=start, divisor=1)
         else:  # (the window's size is known at its close only: its gradient is divided then)
             self.window = Window(k=k, start=start, divisor=1, budget=budget)
         self.closing = None
@@ -288,7 +340,7 @@ class WindowEngine:
         """Noise probe: the gradient after a micro-batch that is not the window's last (where
         ``wants_prefix``)."""
         assert self.probe is not None and self.window is not None
-        self.probe.prefix(grads, self.window, loss_scale)
+        self.probe.prefix(self._with_sums(grads), self.window, loss_scale)
 
     def close(
         self,
@@ -313,6 +365,8 @@ class WindowEngine:
         world = collectives.world_size(strategy)
         read_losses = losses and self.metrics.tracking
         measure = grads is not None and ((norm and self.metrics.tracking) or self.probe is not None)
+        if measure:
+            grads = self._with_sums(grads)  # type: ignore[arg-type]
         ident: list[int] = []
         sums: dict[str, float] = {}  # the losses' sums over ranks, by name, where read
         if world == 1 and self.probe is None:
@@ -401,8 +455,10 @@ class WindowEngine:
         """``close`` where the package makes the window's gradient global itself (the mixin and Fabric
         loops under DDP, every backward's sync skipped): the counts' all-reduce also says on how many
         ranks each parameter has a gradient, then the gradient is all-reduced in flat buckets, one round."""
-        closing = self.close(strategy, [int(p.grad is not None) for p in params])
-        collectives.all_reduce_gradients(strategy, params, closing.extra)
+        wide = self.wide if self.widened else None
+        held = [p.grad for p in params] if wide is None else wide.current(params)
+        closing = self.close(strategy, [int(g is not None) for g in held])
+        collectives.all_reduce_gradients(strategy, params, closing.extra, None if wide is None else wide.slot_of)
         return closing
 
     def measure_window(self, strategy: Any, grads: Sequence[Tensor] = (), factor: float = 1.0) -> None:
@@ -410,7 +466,7 @@ class WindowEngine:
         ``grads * factor``: one host read)."""
         if self.probe is not None and self.closing is not None:
             c = self.closing
-            final_sq = c.norm_sq if c.norm_sq is not None else float(squared_norm(grads)) * factor**2
+            final_sq = c.norm_sq if c.norm_sq is not None else float(squared_norm(self._with_sums(grads))) * factor**2
             self.probe.window_end(strategy, final_sq, [c.microbatches, c.samples, c.items])
 
     def _warn_empty(self, microbatches: int) -> None:
@@ -442,6 +498,7 @@ class WindowEngine:
             now = time.perf_counter()
             self.seconds, self._clock = now - self._clock, now
         self.window, self.closing = None, None
+        self._clear_sums()  # (landed already if it stepped)
         if self.batchnorm is not None:
             self.batchnorm.commit()
         return closing
@@ -498,6 +555,7 @@ class WindowEngine:
         its losses and the noise probe's measurements of it too."""
         self.window, self.closing, self.inflight, self.redo = None, None, None, None
         self.metrics.clear()
+        self._clear_sums()
         if self.probe is not None:
             self.probe.forget()
         if self.batchnorm is not None:
@@ -587,10 +645,15 @@ class WindowEngine:
         return state
 
     def _window_options(self) -> dict[str, str | None]:
-        return {"normalize": self.normalize, "reduction": self.reduction if self.normalize == "items" else None}
+        options = {"normalize": self.normalize, "reduction": self.reduction if self.normalize == "items" else None}
+        if self.grad_accum_dtype is not None:  # (checkpoints without it: summed in the parameters' dtype)
+            options["grad_accum_dtype"] = dtype_name(self.grad_accum_dtype)
+        return options
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved, here = state.get("window_options"), self._window_options()
+        if state.get("window") is not None and saved is not None:
+            _check_same_dtype(saved.get("grad_accum_dtype"), here.get("grad_accum_dtype"))
         if state.get("window") is not None and saved not in (None, here):  # (checkpoints before it: not known)
             raise ValueError(
                 "The checkpoint was written inside an accumulation window whose partial gradient was summed under "
@@ -659,3 +722,17 @@ class WindowEngine:
                 + f" Resume with batchnorm={saved}, or from a checkpoint written at an optimizer step.",
                 stacklevel=3,
             )
+
+
+def _check_same_dtype(saved: str | None, here: str | None) -> None:
+    """Refuse to resume a window a checkpoint holds part of under another ``grad_accum_dtype``: its partial gradient
+    was summed (and its losses divided, or not) as that dtype says."""
+    if saved == here:
+        return
+    summed = f"in {saved}" if saved else "in the parameters' dtype"
+    raise ValueError(
+        f"The checkpoint was written inside an accumulation window whose partial gradient was summed {summed} "
+        f"(`grad_accum_dtype={saved!r}`); this run has `grad_accum_dtype={here!r}`, which would sum the rest of the "
+        f"window differently. Resume with `grad_accum_dtype={saved!r}` (and change it from a checkpoint written at an "
+        "optimizer step), or resume from a checkpoint written at an optimizer step."
+    )

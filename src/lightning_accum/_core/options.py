@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_accum._core.batchnorm import check_batchnorm
 from lightning_accum._core.decay import ResidualDecay
 from lightning_accum._core.sync import SyncMode, check_sync_mode
+from lightning_accum._core.wide import check_grad_accum_dtype
 from lightning_accum._core.window import NORMALIZE
 from lightning_accum.lr import LRMultiplier, LRSchedule, check_multiplier
 from lightning_accum.schedules import Budget, Constant, Piecewise, Progress, Ramp, Schedule, as_schedule
@@ -255,8 +256,10 @@ class AccumulationConfig:
     step_schedulers: bool | None = None
     reduction: Reduction | None = None
     batchnorm: str = "micro-batch"
+    grad_accum_dtype: Any = None  # (a dtype once checked: a name is resolved in `__post_init__`)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "grad_accum_dtype", check_grad_accum_dtype(self.grad_accum_dtype))
         args = (self.schedule, self.normalize, self.count, self.lr_scaling, self.sync, self.lr_schedule)
         check_common("configure_accumulation", *args)
         check_mixin_items(self.normalize, self.count, self.reduction)

@@ -24,7 +24,8 @@ from lightning_accum._core.microbatch import AutoSize
 from lightning_accum._core.options import AccumulationConfig
 from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
-from lightning_accum._lightning import Callback, loss_scale, pl
+from lightning_accum._core.wide import inert_note, refuse_under
+from lightning_accum._lightning import Callback, loss_scale, pl, rank_zero_warn
 from lightning_accum._trainer import recovery, schedulers, steps, window_step
 from lightning_accum._trainer.block import Block
 from lightning_accum._trainer.guards import MixinGuards, refuse_callbacks
@@ -91,6 +92,10 @@ class MixinDriver(Callback):
         if self.windows.batchnorm is not None:
             self.windows.batchnorm.attach(self.module)
         sync.refuse_fsdp_root(self.plan, trainer.strategy.model)
+        dtype = self.config.grad_accum_dtype
+        refuse_under(self.plan.family, dtype, "AccumulationMixin")
+        if not self.windows.widen() and dtype is not None:
+            rank_zero_warn(inert_note(dtype))
         custom_step = type(self.module).lr_scheduler_step is not pl.LightningModule.lr_scheduler_step
         self.schedulers.check_fit(trainer.lr_scheduler_configs, self.module, self.config.step_schedulers, custom_step)
 
@@ -101,7 +106,7 @@ class MixinDriver(Callback):
         numbers = self.partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
             self.windows.load_local_numbers(numbers)
-        self.partial.put_back(self.windows.params())
+        self.partial.put_back(self.windows.params(), self.windows.wide_sums())
         if self.config.decay is not None:
             self.config.decay.attach(trainer.optimizers)
         self.guards.attach(trainer.optimizers, self.windows.optimizers(), self.windows.window_open)
@@ -143,6 +148,7 @@ class MixinDriver(Callback):
         if self.config.decay is not None:
             self.config.decay.detach()
         self.guards.detach()
+        self.windows.unwiden()
         if self.windows.batchnorm is not None:
             self.windows.batchnorm.detach()
 
@@ -168,6 +174,7 @@ class MixinDriver(Callback):
             self.config.decay.settle(processed)
             self.config.decay.detach(restore_residual=False)
         self.guards.detach()
+        self.windows.unwiden()
         if self.windows.batchnorm is not None:
             self.windows.batchnorm.detach()
 
@@ -321,7 +328,7 @@ class MixinDriver(Callback):
         state: dict[str, Any] = {"groups": groups}
         if any(g["window"] is not None and g["window"]["microbatches"] for g in groups.values()):
             strategy, params = self.module.trainer.strategy, self.windows.params()
-            state.update(self.partial.save(strategy, self.windows.local_numbers(), params))
+            state.update(self.partial.save(strategy, self.windows.local_numbers(), params, self.windows.wide_sums()))
         if self.config.decay is not None:
             state["decay"] = self.config.decay.state_dict()
         state["reported"] = self.step.reported.state_dict()

@@ -130,9 +130,9 @@ class WindowStep:
         scale, engine, done = pending
         params = [p for p in gradients.optimizer_params(optimizer) if id(p) not in done]
         done.update(id(p) for p in params)
-        grads = gradients.grads_of(params)
         self.rescaled = True
-        gradients.scale_(grads, scale)
+        engine.normalise(gradients.grads_of(params), scale, params)
+        grads = gradients.grads_of(params)  # (the narrow parameters' too, once rounded)
         if engine.closing is not None and engine.closing.norm_sq is None and not sharded:
             engine.metrics.add_grad_norm(grads)  # (made global after the counts: under DDP)
         if config.decay is not None:

@@ -14,6 +14,7 @@ from lightning_accum._core import gradients, sync
 from lightning_accum._core.batchnorm import WindowBatchNorm
 from lightning_accum._core.engine import WindowEngine, samples_needed_by
 from lightning_accum._core.options import AccumulationConfig
+from lightning_accum._core.wide import WideSums
 from lightning_accum.schedules import as_schedule
 
 GroupKey = tuple[int, ...]
@@ -38,6 +39,9 @@ class MixinWindows:
         self._optimizers: list[Any] | None = None  # the fit's (Lightning asks its strategy on every call)
         #: `batchnorm="window"`: the module's BatchNorm statistics, advanced with the (one) group's windows
         self.batchnorm: WindowBatchNorm | None = None
+        #: `grad_accum_dtype`: the narrow parameters' window sums, of every group (each engine steps its own)
+        self.wide: WideSums | None = None
+        self._widening = False  # (a fit is on: a group's engine made now takes its sums at once)
 
     def configure(self, config: AccumulationConfig) -> None:
         self.config = config
@@ -46,7 +50,10 @@ class MixinWindows:
         elif self.batchnorm is None:
             self.batchnorm = WindowBatchNorm()
         for engine in self.engines.values():
-            engine.configure(config.schedule, config.normalize, config.lr_scaling, config.lr_schedule, config.reduction)
+            engine.configure(
+                config.schedule, config.normalize, config.lr_scaling, config.lr_schedule, config.reduction,
+                config.grad_accum_dtype,
+            )  # fmt: skip
             engine.pool_batchnorm(self.batchnorm)
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
@@ -55,6 +62,31 @@ class MixinWindows:
         for engine in self.engines.values():
             engine.start_fit(plan, track)
 
+    def widen(self) -> bool:
+        """At a fit's start (its optimizers known): every group's narrow parameters have their window sums kept in
+        ``grad_accum_dtype``, one ``WideSums`` for all (sums held from before kept); whether any parameter is narrow."""
+        dtype = self.config.grad_accum_dtype
+        if dtype is None:
+            self.wide = None
+            return False
+        if self.wide is None or self.wide.dtype != dtype:
+            self.wide = WideSums(dtype)
+        self.wide.attach(self.params())
+        self._widening = True
+        for key, engine in self.engines.items():
+            engine.widen(self.params(key), self.wide)
+        return self.wide.active
+
+    def unwiden(self) -> None:
+        """At a fit's end: the sums take no more gradients (those held are kept, for a checkpoint)."""
+        self._widening = False
+        if self.wide is not None:
+            self.wide.detach()
+
+    def wide_sums(self) -> WideSums | None:
+        """Where the narrow parameters' window sums are (``None``: ``.grad`` holds every window's gradient)."""
+        return self.wide if self.wide is not None and self.wide.active else None
+
     def engine(self, key: GroupKey) -> WindowEngine:
         """The group's engine (made now if it has none)."""
         engine = self.engines.get(key)
@@ -62,9 +94,13 @@ class MixinWindows:
             if self.batchnorm is not None and self.engines:
                 self.refuse_window_of_some(key)
             c = self.config
-            engine = self.engines[key] = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule, c.reduction)
+            engine = self.engines[key] = WindowEngine(
+                c.schedule, c.normalize, c.lr_scaling, c.lr_schedule, c.reduction, c.grad_accum_dtype
+            )
             engine.start_fit(self._plan, self._track)
             engine.pool_batchnorm(self.batchnorm)
+            if self._widening:
+                engine.widen(self.params(key), self.wide)
         return engine
 
     def refuse_window_of_some(self, key: GroupKey) -> None:

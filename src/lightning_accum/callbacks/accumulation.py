@@ -7,6 +7,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -32,6 +33,7 @@ from lightning_accum._core.options import (
 from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.sync import SyncMode, SyncPlan
+from lightning_accum._core.wide import check_grad_accum_dtype, inert_note, refuse_under
 from lightning_accum._core.window import Normalize, lightning_divisor
 from lightning_accum._lightning import Callback, grad_scaler, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
@@ -99,6 +101,11 @@ class AccumulationScheduler(Callback):
             exactly, ``num_batches_tracked`` counting windows; each micro-batch is still normalised by its own
             statistics; a forward outside a micro-batch, as in an ``on_train_batch_end`` hook, is BatchNorm's own
             update). See the guide's "BatchNorm and accumulation".
+        grad_accum_dtype: ``None`` (each window's gradient is summed in ``.grad``, in the parameters' dtype) or
+            ``torch.float32`` (also ``"float32"`` / ``"fp32"``): under bf16 or fp16 parameters
+            (``precision="bf16-true"``) each narrow parameter's window gradient is summed, normalised and all-reduced
+            in float32 and rounded to its dtype once, for the step; between micro-batches its ``.grad`` is ``None``.
+            Single device and DDP; see the guide's "The window's precision".
 
     Example:
 
@@ -123,7 +130,9 @@ class AccumulationScheduler(Callback):
         microbatch_size: MicrobatchSize | None = None,
         split: Split | None = None,
         batchnorm: BatchNormMode = "micro-batch",
+        grad_accum_dtype: torch.dtype | str | None = None,
     ) -> None:
+        self.grad_accum_dtype = check_grad_accum_dtype(grad_accum_dtype)
         self.schedule = check_common("AccumulationScheduler", schedule, normalize, count, lr_scaling, sync, lr_schedule)
         self.normalize, self.reduction = normalize, check_callback_items(normalize, count, reduction)
         self.count = count
@@ -144,7 +153,9 @@ class AccumulationScheduler(Callback):
                 "out-of-memory error has run part of its forward, whose BatchNorm statistics cannot be told apart "
                 "from the retried piece's. Give `microbatch_size` an int, or use `batchnorm='micro-batch'`."
             )
-        self._engine = WindowEngine(self.schedule, normalize, lr_scaling, lr_schedule, self.reduction)
+        self._engine = WindowEngine(
+            self.schedule, normalize, lr_scaling, lr_schedule, self.reduction, grad_accum_dtype=self.grad_accum_dtype
+        )
         self._budget = isinstance(self.schedule, Budget)  # windows closed by their count (`_steer_budget`)
         # `batchnorm="window"`: the model's BatchNorm statistics, advanced by the engine with each window
         self._batchnorm = WindowBatchNorm() if batchnorm == "window" else None
@@ -180,6 +191,10 @@ class AccumulationScheduler(Callback):
         # under DeepSpeed each micro-batch's whole weight
         self._loss_factor = 1.0
         self._deepspeed = self._sharded = False  # the plan's family, read once per fit for the hot path
+        # DDP's sync skipped for every batch, the window's gradient all-reduced by the callback at its last batch
+        # (`microbatch_size`, or `grad_accum_dtype`'s wide sums, which DDP's reducer cannot see); and whether the
+        # plain path holds the skip for the batch under way itself
+        self._reduces = self._blocks = False
         self._user_divisor: int | None = None  # the Trainer's accumulate_grad_batches before this fit
         self._trained = False
         self._uncount = False  # whether Lightning is taking a step that moves nothing, which it counts
@@ -214,6 +229,7 @@ class AccumulationScheduler(Callback):
         plan = sync.loop_plan(trainer.strategy, self.sync, _seam.loop_skips_sync(trainer.strategy))
         self._deepspeed, self._sharded = plan.family == "deepspeed", plan.sharded
         fit_checks.refuse_split_misuse(self.microbatch_size, trainer, pl_module, plan)
+        refuse_under(plan.family, self.grad_accum_dtype, "AccumulationScheduler")
         self._plan = plan
         if not self._restored:  # a fit not resumed from a checkpoint continues no window an earlier fit left open
             self._engine.discard()  # (one that failed inside it; Lightning zeroes the gradients before training)
@@ -225,6 +241,11 @@ class AccumulationScheduler(Callback):
         check_noise_under(plan, self.schedule, self.lr_scaling)
         if self._batchnorm is not None:
             self._batchnorm.attach(pl_module)
+        self._engine.widen(gradients.optimizer_params(trainer.optimizers[0]))
+        if self.grad_accum_dtype is not None and not self._engine.widened:
+            rank_zero_warn(inert_note(self.grad_accum_dtype))
+        self._reduces = plan.family == "ddp" and (self._split is not None or self._engine.widened)
+        self._blocks = self._reduces and self._split is None
 
     # ------------------------------------------------------------------ fit lifetime
     @override
@@ -247,6 +268,7 @@ class AccumulationScheduler(Callback):
             and not (self._deepspeed or self._sharded)
             and self.reduction != "mean"
             and self._engine.probe is None
+            and not self._blocks
         )
         steps.warn_scheduler_horizons(trainer)
         self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
@@ -294,6 +316,10 @@ class AccumulationScheduler(Callback):
         """Lightning's ``training_step`` call: Lightning divides what it returns by ``accumulate_grad_batches``,
         read as it returns, so that value is the window's k till the loss's backward (an unaligned window steers
         Lightning's stepping with another: ``_open``), and the loss every hook and callback sees is Lightning's own."""
+        if self._blocks:  # (inside DDP's forward, which reads the flag after `training_step` returns)
+            self._release()
+            self._pass.enter_context(trainer.strategy.block_backward_sync())  # type: ignore[attr-defined]
+            self._holding = True
         output = step(*args, **kwargs)
         if self._loss_divisor != self._divisor and output is not None:  # (None: nothing divided, no backward)
             set_divisor(trainer, self._loss_divisor)
@@ -365,6 +391,7 @@ class AccumulationScheduler(Callback):
             self._lr_hook.remove()
             self._lr_hook = None
         self._optimizer = None
+        self._engine.unwiden()
         if self._batchnorm is not None:
             self._batchnorm.detach()
 
@@ -548,11 +575,11 @@ class AccumulationScheduler(Callback):
         engine = self._engine
         if self._split is not None:
             self._split.release()  # (DDP's sync back on)
-            if engine.plan.family == "ddp" and engine.window is not None and self._closes_window(trainer):
-                # every backward pass ran without DDP's sync: the window's gradient is all-reduced here, once
-                assert self._optimizer is not None  # (before AMP's unscaling, which then sees the global gradient)
-                engine.close_and_reduce(trainer.strategy, gradients.optimizer_params(self._optimizer))
-                self._closed = True
+        if self._reduces and engine.window is not None and self._closes_window(trainer):
+            # every backward pass ran without DDP's sync: the window's gradient is all-reduced here, once
+            assert self._optimizer is not None  # (before AMP's unscaling, which then sees the global gradient)
+            engine.close_and_reduce(trainer.strategy, gradients.optimizer_params(self._optimizer))
+            self._closed = True
         engine.backward_done()
         if self._split is None or self._split.whole:  # (a batch in pieces: taken as it was counted, `_count_pieces`)
             self._take_prefix(trainer)
@@ -596,6 +623,9 @@ class AccumulationScheduler(Callback):
         if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
             assert engine.closing is not None
             closing = engine.closing
+        elif self._reduces:  # (the window's last batch ran no backward: its gradient is all-reduced here)
+            closing = engine.close_and_reduce(trainer.strategy, gradients.optimizer_params(optimizer))
+            self._closed = True
         else:  # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
             # (where it is read; not DeepSpeed's, which holds its own, nor a shard's, whose norm is not the window's)
             measured = (wants.norm or engine.probe is not None) and not (deepspeed or self._sharded)
@@ -604,9 +634,9 @@ class AccumulationScheduler(Callback):
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
-        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or self._closed):
-            grads = gradients.optimizer_grads(optimizer)
-            gradients.scale_(grads, closing.scale)
+        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or self._closed or engine.widened):
+            engine.normalise(gradients.optimizer_grads(optimizer), closing.scale)
+            grads = gradients.optimizer_grads(optimizer)  # (the narrow parameters' too, once rounded)
             engine.measure_window(trainer.strategy, grads)
             if self._closed and closing.norm_sq is None and wants.norm:
                 engine.metrics.add_grad_norm(grads)
@@ -618,7 +648,11 @@ class AccumulationScheduler(Callback):
         after the resume (after any zeroing of its next batch); returns it (``None`` if nothing waited)."""
         if not self._partial.pending or self._optimizer is None:
             return None
-        return self._partial.put_back(gradients.optimizer_params(self._optimizer))
+        return self._partial.put_back(gradients.optimizer_params(self._optimizer), self._wide())
+
+    def _wide(self) -> Any:
+        """Where `grad_accum_dtype` keeps the window's narrow sums (``None``: nowhere, `.grad` holds it all)."""
+        return self._engine.wide if self._engine.widened else None
 
     def _release(self) -> None:
         """End what `_pass` holds."""
@@ -644,10 +678,10 @@ class AccumulationScheduler(Callback):
             return
         if self._holding:  # (after a step that moved nothing: clipping back on)
             self._release()
+        self._closed = False
         if self._split is not None:
             self._split.release()  # (a batch whose `training_step` returned None had no backward)
             self._split.batch_done()
-            self._closed = False
         if self._uncount:  # Lightning counted the step that moved nothing
             _seam.uncount_step(trainer)
             self._uncount = False
@@ -709,7 +743,7 @@ class AccumulationScheduler(Callback):
         if window is not None and (window["microbatches"] or cut_short) and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
             params = gradients.optimizer_params(self._optimizer)
-            state.update(self._partial.save(self._strategy, self._engine.local_numbers(), params))
+            state.update(self._partial.save(self._strategy, self._engine.local_numbers(), params, self._wide()))
         return state
 
     @override

@@ -1,0 +1,313 @@
+"""``grad_accum_dtype``: a window's gradient summed in a wider dtype than its parameters' own.
+
+Under ``bf16-true`` (or ``16-true``) a parameter's ``.grad`` is bf16, so the k micro-batch gradients of a
+window would be summed in bf16, rounded at every add: the error grows with k. ``WideSums`` moves each
+narrow trainable parameter's ``.grad`` into a slice of one flat float32 buffer as soon as autograd has
+accumulated it (``Tensor.register_post_accumulate_grad_hook``) and frees the bf16 gradient at once, so
+between micro-batches a narrow parameter holds 4 bytes of sum instead of 2 of gradient. At the window's
+end the sum is normalised in float32 and rounded to the parameter's dtype once (``land``), where the
+optimizer, clipping and every hook see it. Parameters as wide as the dtype are not touched.
+
+Plain torch, no Lightning: the engine drives it (``WindowEngine.widen``), the adapters only attach it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_accum._core.errors import NonFiniteWindowError
+
+#: what ``grad_accum_dtype`` accepts as a string (a LightningCLI config), and the dtype each names
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+def check_grad_accum_dtype(value: object) -> torch.dtype | None:
+    """``grad_accum_dtype`` as a dtype (``None``: the gradients are summed in ``.grad``, in the parameters' dtype),
+    or an error naming the argument and what it takes.
+
+    Example:
+
+        >>> check_grad_accum_dtype("fp32"), check_grad_accum_dtype(torch.float32), check_grad_accum_dtype(None)
+        (torch.float32, torch.float32, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        dtype = DTYPE_NAMES.get(value.strip().lower().removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(
+                f"`grad_accum_dtype` must be torch.float32 (or 'float32' / 'fp32'), torch.float64, or None; got "
+                f"{value!r}. Under bf16 or fp16 parameters, 'float32' sums each window's gradient in float32 and "
+                "rounds it to the parameters' dtype once."
+            )
+        return dtype
+    if not isinstance(value, torch.dtype):
+        raise TypeError(
+            f"`grad_accum_dtype` must be a torch dtype (torch.float32) or its name ('float32'), or None; got "
+            f"{type(value).__name__} {value!r}."
+        )
+    if value not in (torch.float32, torch.float64):
+        what = "not a floating dtype" if not value.is_floating_point or value.is_complex else "no wider than bf16/fp16"
+        raise ValueError(
+            f"`grad_accum_dtype={value}` is {what}: the window's gradient is summed in this dtype, so it must be "
+            "torch.float32 (or torch.float64). Give torch.float32, or None to sum in the parameters' own dtype."
+        )
+    return value
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """A dtype as a checkpoint keeps it (``"float32"``), ``None`` for ``None``."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def narrow(params: Iterable[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """The trainable floating parameters narrower than ``dtype`` (each once); a parameter wider than it is refused:
+    its gradient summed in ``dtype`` would lose what its own dtype keeps."""
+    chosen: dict[int, Tensor] = {}
+    for p in params:
+        if not p.requires_grad or not p.is_floating_point():
+            continue
+        width = torch.finfo(p.dtype).bits
+        if width > torch.finfo(dtype).bits:
+            raise ValueError(
+                f"`grad_accum_dtype={dtype}` is narrower than a trained parameter of dtype {p.dtype} (shape "
+                f"{tuple(p.shape)}): its window's gradient would be summed with less precision than `.grad` keeps. "
+                f"Give `grad_accum_dtype={p.dtype}`, or None."
+            )
+        if width < torch.finfo(dtype).bits:
+            chosen.setdefault(id(p), p)
+    return list(chosen.values())
+
+
+class WideSums:
+    """The wide sums of a window's narrow parameters: one flat buffer per device, a slice (``view``) each.
+
+    Args:
+        dtype: what the sums are kept in (``torch.float32``).
+
+    Example:
+
+        >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        >>> sums = WideSums(torch.float32)
+        >>> sums.attach([w])
+        >>> for _ in range(3):
+        ...     (w * 0.1).sum().backward()
+        >>> w.grad is None, sums.views[0].tolist()  # the bf16 gradient freed; the sum kept in float32
+        (True, [0.30029296875, 0.30029296875])
+        >>> _ = sums.land(1 / 3); w.grad.dtype, w.grad.tolist()  # normalised in float32, rounded to bf16 once
+        (torch.bfloat16, [0.10009765625, 0.10009765625])
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.params: list[Tensor] = []
+        self.views: list[Tensor] = []  # each parameter's sum, a slice of its device's flat buffer
+        self.flats: list[Tensor] = []  # the flat buffers (one per device): what a collective reduces
+        self.filled: list[bool] = []  # whether a gradient reached the sum since it was last landed or cleared
+        self._index: dict[int, int] = {}
+        self._hooks: list[RemovableHandle] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether any parameter's sums are kept here (none: every trained parameter is as wide as the dtype)."""
+        return bool(self.params)
+
+    def holds(self, p: Tensor) -> bool:
+        return id(p) in self._index
+
+    def attach(self, params: Iterable[Tensor]) -> None:
+        """Keep the sums of ``params``' narrow ones from now on (sums still held from before are kept, for a
+        checkpoint; a ``.grad`` that exists now stays where it is, for the adapter's zeroing)."""
+        self.detach()
+        chosen = narrow(params, self.dtype)
+        if [id(p) for p in chosen] != [id(p) for p in self.params]:
+            self._allocate(chosen)
+        for i, p in enumerate(self.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))  # type: ignore[no-untyped-call]
+
+    def _allocate(self, params: list[Tensor]) -> None:
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(p.device, []).append(i)
+        self.params, self.views, self.flats = params, [torch.empty(0)] * len(params), []
+        self.filled = [False] * len(params)
+        self._index = {id(p): i for i, p in enumerate(params)}
+        for device, indices in by_device.items():
+            flat = torch.zeros(sum(params[i].numel() for i in indices), dtype=self.dtype, device=device)
+            self.flats.append(flat)
+            offset = 0
+            for i in indices:
+                n = params[i].numel()
+                self.views[i] = flat[offset : offset + n].view(params[i].shape)
+                offset += n
+
+    def _hook(self, i: int) -> Any:
+        def hook(p: Tensor) -> None:
+            self._take(i, p)
+
+        return hook
+
+    def _take(self, i: int, p: Tensor) -> None:
+        """``p.grad`` into its sum, and freed."""
+        grad = p.grad
+        if grad is None:
+            return
+        if self.filled[i]:
+            self.views[i].add_(grad)
+        else:
+            self.views[i].copy_(grad)
+            self.filled[i] = True
+        p.grad = None
+
+    def detach(self) -> None:
+        """Stop taking gradients (the sums are kept: a checkpoint written after a failure still saves them)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ the window
+    def _chosen(self, params: Iterable[Tensor] | None) -> list[int]:
+        if params is None:
+            return list(range(len(self.params)))
+        return [i for i in (self._index.get(id(p)) for p in params) if i is not None]
+
+    def sums(self, params: Iterable[Tensor] | None = None) -> list[Tensor]:
+        """The sums that hold a gradient (of ``params``' narrow ones; all for ``None``)."""
+        return [self.views[i] for i in self._chosen(params) if self.filled[i]]
+
+    def slot(self, p: Tensor) -> Tensor:
+        """``p``'s sum, zeroed first if no gradient reached it (a collective must reduce it on every rank)."""
+        i = self._index[id(p)]
+        if not self.filled[i]:
+            self.views[i].zero_()
+            self.filled[i] = True
+        return self.views[i]
+
+    def slot_of(self, p: Tensor) -> Tensor:
+        """The tensor that holds ``p``'s window gradient, made (zeros) where it has none: its sum if it is narrow,
+        ``.grad`` otherwise (what a collective reduces, ``collectives.all_reduce_gradients``)."""
+        if id(p) in self._index:
+            return self.slot(p)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def land(self, scale: float, params: Iterable[Tensor] | None = None) -> list[Tensor]:
+        """The window's end: each sum that holds a gradient multiplied by ``scale`` in the wide dtype and rounded
+        to its parameter's dtype once, into ``.grad`` (of ``params``' narrow ones; all for ``None``); returns those
+        gradients. A float16 gradient whose finite sum overflows float16 is refused (``NonFiniteWindowError``)."""
+        chosen = [i for i in self._chosen(params) if self.filled[i]]
+        if not chosen:
+            return []
+        views = [self.views[i] for i in chosen]
+        if scale != 1.0:
+            torch._foreach_mul_(views, scale)
+        landed = []
+        for i, view in zip(chosen, views, strict=True):
+            p = self.params[i]
+            p.grad = view.to(p.dtype)
+            landed.append(p.grad)
+            self.filled[i] = False
+        _refuse_overflow([(g, v) for g, v in zip(landed, views, strict=True) if g.dtype == torch.float16])
+        return landed
+
+    def clear(self, params: Iterable[Tensor] | None = None) -> None:
+        """Forget the sums (of ``params``' narrow ones; all for ``None``): the window was left out or not stepped."""
+        for i in self._chosen(params):
+            self.filled[i] = False
+
+    # ------------------------------------------------------------------ checkpoints
+    def current(self, params: Sequence[Tensor]) -> list[Tensor | None]:
+        """Each parameter's window gradient so far, as a checkpoint saves it: the wide sum of a narrow one (``None``
+        if nothing reached it), ``.grad`` of any other."""
+        out: list[Tensor | None] = []
+        for p in params:
+            i = self._index.get(id(p))
+            out.append(p.grad if i is None else self.views[i] if self.filled[i] else None)
+        return out
+
+    def restore(self, params: Sequence[Tensor], saved: Sequence[Tensor | None]) -> list[Tensor]:
+        """Put a checkpoint's partial sums of the narrow ``params`` back (exactly: the sums as saved); returns the
+        parameters it did not take (wide ones), whose gradients go to ``.grad`` as before."""
+        rest = []
+        for p, g in zip(params, saved, strict=True):
+            i = self._index.get(id(p))
+            if i is None:
+                rest.append(p)
+            elif g is None:
+                self.filled[i] = False
+            else:
+                self.views[i].copy_(g.to(self.views[i].device))
+                self.filled[i] = True
+        return rest
+
+    def dtype_of(self, p: Tensor) -> torch.dtype:
+        """The dtype ``p``'s window gradient is kept in."""
+        return self.dtype if id(p) in self._index else p.dtype
+
+
+def _refuse_overflow(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """A float16 gradient (of ``pairs``: gradient, sum) that rounded to infinity from a finite sum: refused (one
+    host read, under float16 parameters only)."""
+    if not pairs:
+        return
+    over = torch.stack([(g.isinf() & v.isfinite()).any() for g, v in pairs]).any()
+    if bool(over):
+        raise NonFiniteWindowError(
+            "The window's gradient, summed in the wide `grad_accum_dtype`, is finite but exceeds float16's range "
+            "(65504) once rounded to the parameters' float16 for the step, so it was refused as a non-finite window "
+            "is. Lower the loss scale (e.g. a mean rather than a sum), use bf16 parameters (`precision='bf16-true'`), "
+            "or float32 ones with `precision='16-mixed'`."
+        )
+
+
+#: why each sharded or self-accumulating strategy family cannot take ``grad_accum_dtype``, and what does the job there
+_ELSEWHERE = {
+    "deepspeed": (
+        "DeepSpeed sums a window's gradient in its own buffers, in the dtype its config names: set "
+        "`\"data_types\": {\"grad_accum_dtype\": \"fp32\"}` in `DeepSpeedStrategy(config=...)` and leave "
+        "`grad_accum_dtype=None` here."
+    ),
+    "fsdp2": (
+        "FSDP2 holds a window's unsharded gradients itself while its sync is skipped. Over float32 sharded "
+        "parameters with `fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+        "reduce_dtype=torch.float32))` it sums them in float32 (torch's "
+        "`FSDPParam.to_accumulated_grad_if_needed`), reduce-scatters in float32 and never rounds the gradient to "
+        "bf16: use that, with `grad_accum_dtype=None`. Over bf16 sharded parameters it rounds the reduced sum to "
+        "bf16 before the window is normalised, the second rounding this option avoids."
+    ),
+    "fsdp": (
+        "FSDP (1) holds a window's unsharded gradient in its flat parameters, summed by autograd in the compute dtype "
+        "under `no_sync()`. With float32 parameters, `MixedPrecision(param_dtype=torch.bfloat16, "
+        "reduce_dtype=torch.float32)` and `sync='every'`, it sums each micro-batch's reduce-scattered gradient into a "
+        "float32 shard: use that with `grad_accum_dtype=None`, or FSDP2."
+    ),
+}
+
+
+def refuse_under(family: str, dtype: torch.dtype | None, who: str) -> None:
+    """Refuse ``grad_accum_dtype`` under a strategy family whose gradient the package does not hold (DeepSpeed,
+    FSDP, FSDP2), naming what does the job there."""
+    if dtype is None or family not in _ELSEWHERE:
+        return
+    raise ValueError(f"{who}: `grad_accum_dtype={dtype_name(dtype)!r}` cannot work here. {_ELSEWHERE[family]}")
+
+
+def inert_note(dtype: torch.dtype) -> str:
+    """What is warned, once, when no trained parameter is narrower than ``grad_accum_dtype`` (e.g. ``bf16-mixed``,
+    whose parameters are float32): the option changes nothing."""
+    return (
+        f"`grad_accum_dtype={dtype_name(dtype)!r}` changes nothing in this fit: no trained parameter is narrower than "
+        f"{dtype_name(dtype)} (under `precision='bf16-mixed'` or `'16-mixed'` the parameters and their gradients are "
+        "float32 already). The windows are summed in `.grad` as without it."
+    )
