@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accum._core import gradients
+from lightning_accum._core.wide import WideSums
 
 Factor = float | Callable[[int], float]
 """``GradientDecay``'s factor: a number in [0, 1), or ``factor(step) -> float`` for a factor that changes
@@ -67,6 +68,15 @@ class ResidualDecay:
         self._stepped: set[int] = set()
         self._optimizers: list[Optimizer] = []
         self._hooks: list[RemovableHandle] = []
+        #: `grad_accum_dtype`: where the narrow parameters' window sums are; their residual is kept in that dtype, and
+        #: G_t formed in it (`_wide_g`: optimizer index -> G_t of each narrow parameter, for a step under way)
+        self._wide: WideSums | None = None
+        self._wide_g: dict[int, dict[int, Tensor]] = {}
+
+    def keep_wide(self, sums: WideSums | None) -> None:
+        """Before ``attach``: the narrow parameters' window sums under ``grad_accum_dtype`` (``None``: none), whose
+        residual is kept, and combined with the window's normalised sum, in the wide dtype, then rounded once."""
+        self._wide = sums if sums is not None and sums.active else None
 
     def factor_at(self, step: int) -> float:
         """The decay factor for the window that ends with optimizer step ``step + 1``."""
@@ -86,6 +96,7 @@ class ResidualDecay:
             self.after_step()
         self._combined.clear()
         self._stepped.clear()
+        self._wide_g.clear()
 
     def attach(self, optimizers: Sequence[Optimizer]) -> None:
         """Start managing these optimizers' gradients (called at train start)."""
@@ -102,7 +113,12 @@ class ResidualDecay:
         for i, optimizer in enumerate(self._optimizers):
             self._hooks.append(optimizer.register_step_post_hook(lambda *_, i=i: self._stepped.add(i)))
             if i in self._residual:  # restored from a checkpoint: checked and put on the parameters' devices
-                self._residual[i] = gradients.placed(gradients.optimizer_params(optimizer), self._residual[i])
+                params = gradients.optimizer_params(optimizer)
+                placed = gradients.placed(params, self._residual[i])
+                if self._wide is not None:  # (a narrow parameter's residual kept in the wide dtype, as saved)
+                    saved = self._residual[i]
+                    placed = [self._wide_residual(p, r, g) for p, r, g in zip(params, saved, placed, strict=True)]
+                self._residual[i] = placed
 
     def detach(self, restore_residual: bool = True) -> None:
         """Stop managing; the residual goes back into ``.grad`` (unless the fit failed) so that it is
@@ -113,18 +129,24 @@ class ResidualDecay:
                 params = gradients.optimizer_params(optimizer)
                 for p, r in zip(params, _fitted(residual, params), strict=True):
                     if p.grad is None and r is not None:
-                        p.grad = r.to(p.device)
+                        p.grad = r.to(device=p.device, dtype=p.dtype)
         for hook in self._hooks:
             hook.remove()
         self._hooks, self._optimizers = [], []
 
     def combine(self, optimizer: Optimizer) -> None:
-        """``.grad`` <- G_t from the window's gradient and the residual (bias-corrected if asked)."""
+        """``.grad`` <- G_t from the window's gradient and the residual (bias-corrected if asked); under
+        ``grad_accum_dtype`` a narrow parameter's G_t is formed from its normalised wide sum and its wide residual,
+        and rounded into ``.grad`` once."""
         i = self._index(optimizer)
         params = gradients.optimizer_params(optimizer)
         new = [p.grad for p in params]
         if all(g is None for g in new):  # a window nothing went into is not stepped: the residual waits
             return
+        wide = self._wide
+        narrow = [] if wide is None else [j for j, p in enumerate(params) if wide.holds(p)]
+        for j in narrow:  # (the window's normalised gradient in the wide dtype, where it has one)
+            new[j] = wide.normalised(params[j])  # type: ignore[union-attr]
         f = self.factor_at(self.steps)
         residual = _fitted(self._residual.get(i) or [], params)
         both = [(g, r) for g, r in zip(new, residual, strict=True) if g is not None and r is not None]
@@ -135,11 +157,15 @@ class ResidualDecay:
             gradients.scale_(alone, 1.0 - f)
         elif both and f != 0.0:
             torch._foreach_add_([g for g, _ in both], [r for _, r in both], alpha=f)
-        for p, g, r in zip(params, new, residual, strict=True):
+        for j, (g, r) in enumerate(zip(new, residual, strict=True)):
             if g is None and r is not None:  # no gradient in this window: the residual alone (zeros if f=0)
-                p.grad = r.mul_(f)
+                new[j] = r.mul_(f)
         if self.bias_correction:
-            gradients.scale_(gradients.grads_of(params), 1.0 / (1.0 - f ** (self.steps + 1)))
+            gradients.scale_([g for g in new if g is not None], 1.0 / (1.0 - f ** (self.steps + 1)))
+        for p, g in zip(params, new, strict=True):
+            if g is not None and p.grad is not g:
+                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # (a narrow one rounded once)
+        self._wide_g[i] = {j: new[j] for j in narrow if new[j] is not None}  # type: ignore[misc]
         self._combined[i] = f
 
     def after_step(self) -> None:
@@ -151,15 +177,24 @@ class ResidualDecay:
             params = gradients.optimizer_params(self._optimizers[i])
             if i in self._stepped:
                 stepped_any = True
+                held = self._wide_g.get(i, {})  # (a narrow parameter's G_t in the wide dtype; copied: the sums' buffer
+                kept = [held[j].clone() if j in held else p.grad for j, p in enumerate(params)]  # is the next window's)
                 if self.bias_correction:  # keep G_t, not the corrected gradient, as the residual
-                    gradients.scale_(gradients.grads_of(params), 1.0 - f ** (self.steps + 1))
-                self._residual[i] = [p.grad for p in params]
+                    gradients.scale_([g for g in kept if g is not None], 1.0 - f ** (self.steps + 1))
+                self._residual[i] = kept
             for p in params:  # the window's gradient leaves `.grad`: zero_grad and validation cannot touch it
                 p.grad = None
         if stepped_any:
             self.steps += 1
         self._combined.clear()
         self._stepped.clear()
+        self._wide_g.clear()
+
+    def _wide_residual(self, p: Tensor, saved: Tensor | None, placed: Tensor | None) -> Tensor | None:
+        """A narrow parameter's residual from a checkpoint in the wide dtype (as it was saved), any other's placed."""
+        if saved is None or self._wide is None or not self._wide.holds(p):
+            return placed
+        return saved.to(device=p.device, dtype=self._wide.dtype, copy=True)
 
     def _index(self, optimizer: Optimizer) -> int:
         for i, o in enumerate(self._optimizers):
@@ -180,6 +215,7 @@ class ResidualDecay:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._combined.clear()  # nothing of a step that was under way when an earlier fit failed
         self._stepped.clear()
+        self._wide_g.clear()
         self.steps = int(state_dict.get("steps", 0))
         self._residual = {int(i): list(r) for i, r in state_dict.get("residual", {}).items()}
 

@@ -114,6 +114,8 @@ class WideSums:
         self.views: list[Tensor] = []  # each parameter's sum, a slice of its device's flat buffer
         self.flats: list[Tensor] = []  # the flat buffers (one per device): what a collective reduces
         self.filled: list[bool] = []  # whether a gradient reached the sum since it was last landed or cleared
+        #: whether the sum holds the window's normalised gradient (`land`), till the next window's first gradient
+        self.landed: list[bool] = []
         self._index: dict[int, int] = {}
         self._hooks: list[RemovableHandle] = []
 
@@ -140,7 +142,7 @@ class WideSums:
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
         self.params, self.views, self.flats = params, [torch.empty(0)] * len(params), []
-        self.filled = [False] * len(params)
+        self.filled, self.landed = [False] * len(params), [False] * len(params)
         self._index = {id(p): i for i, p in enumerate(params)}
         for device, indices in by_device.items():
             flat = torch.zeros(sum(params[i].numel() for i in indices), dtype=self.dtype, device=device)
@@ -166,7 +168,7 @@ class WideSums:
             self.views[i].add_(grad)
         else:
             self.views[i].copy_(grad)
-            self.filled[i] = True
+            self.filled[i], self.landed[i] = True, False
         p.grad = None
 
     def detach(self) -> None:
@@ -190,7 +192,7 @@ class WideSums:
         i = self._index[id(p)]
         if not self.filled[i]:
             self.views[i].zero_()
-            self.filled[i] = True
+            self.filled[i], self.landed[i] = True, False
         return self.views[i]
 
     def slot_of(self, p: Tensor) -> Tensor:
@@ -217,14 +219,20 @@ class WideSums:
             p = self.params[i]
             p.grad = view.to(p.dtype)
             landed.append(p.grad)
-            self.filled[i] = False
+            self.filled[i], self.landed[i] = False, True
         _refuse_overflow([(g, v) for g, v in zip(landed, views, strict=True) if g.dtype == torch.float16])
         return landed
 
     def clear(self, params: Iterable[Tensor] | None = None) -> None:
         """Forget the sums (of ``params``' narrow ones; all for ``None``): the window was left out or not stepped."""
         for i in self._chosen(params):
-            self.filled[i] = False
+            self.filled[i] = self.landed[i] = False
+
+    def normalised(self, p: Tensor) -> Tensor | None:
+        """``p``'s window gradient as ``land`` normalised it, in the wide dtype (``None``: not landed, or ``p`` is not
+        narrow): what a ``GradientDecay`` combines with its residual before rounding once."""
+        i = self._index.get(id(p))
+        return None if i is None or not self.landed[i] else self.views[i]
 
     # ------------------------------------------------------------------ checkpoints
     def current(self, params: Sequence[Tensor]) -> list[Tensor | None]:
@@ -245,10 +253,10 @@ class WideSums:
             if i is None:
                 rest.append(p)
             elif g is None:
-                self.filled[i] = False
+                self.filled[i] = self.landed[i] = False
             else:
                 self.views[i].copy_(g.to(self.views[i].device))
-                self.filled[i] = True
+                self.filled[i], self.landed[i] = True, False
         return rest
 
     def dtype_of(self, p: Tensor) -> torch.dtype:

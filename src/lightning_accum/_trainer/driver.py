@@ -108,6 +108,7 @@ class MixinDriver(Callback):
             self.windows.load_local_numbers(numbers)
         self.partial.put_back(self.windows.params(), self.windows.wide_sums())
         if self.config.decay is not None:
+            self.config.decay.keep_wide(self.windows.wide_sums())
             self.config.decay.attach(trainer.optimizers)
         self.guards.attach(trainer.optimizers, self.windows.optimizers(), self.windows.window_open)
         if self.config.step_schedulers:

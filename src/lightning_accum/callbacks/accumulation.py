@@ -254,6 +254,8 @@ class AccumulationScheduler(Callback):
         set_divisor(trainer, self._divisor)
         _seam.resume_after_finished_epoch(trainer)
         self._optimizer, self._strategy, self._fitting = trainer.optimizers[0], trainer.strategy, None
+        for decay in (cb for cb in trainer.callbacks if isinstance(cb, GradientDecay)):  # type: ignore[attr-defined]
+            decay.keep_wide(self._wide())  # (before its own train start: it comes after this callback)
         self._pass_hook = _seam.at_pass_end(self._engine.pass_ended)
         self._counters = _seam.LoopCounters(trainer)
         numbers = self._partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
