@@ -131,12 +131,18 @@ class PartialWindow:
         saved); returns it (``None`` if none waited)."""
         grads = self._grads
         if grads is not None:
-            gradients.placed(params, grads)  # (checked whole before anything is put back)
-            if wide is None:
-                gradients.restore(params, grads)
-            else:
-                rest = {id(p) for p in wide.restore(params, grads)}
-                kept = [(p, g) for p, g in zip(params, grads, strict=True) if id(p) in rest]
-                gradients.restore([p for p, _ in kept], [g for _, g in kept])
+            restore_partial(params, grads, wide)
             self._grads, self.pending = None, False
         return grads
+
+
+def restore_partial(params: Sequence[Tensor], grads: Partial, wide: WideSums | None = None) -> None:
+    """A window's partial gradient (as a checkpoint saved it) back into ``params``: a narrow parameter's into its sum
+    in ``wide`` (``grad_accum_dtype``), exactly as saved, any other's into ``.grad``; checked whole first."""
+    gradients.placed(params, grads)
+    if wide is None:
+        gradients.restore(params, grads)
+        return
+    rest = {id(p) for p in wide.restore(params, grads)}
+    kept = [(p, g) for p, g in zip(params, grads, strict=True) if id(p) in rest]
+    gradients.restore([p for p, _ in kept], [g for _, g in kept])

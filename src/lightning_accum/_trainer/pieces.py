@@ -49,8 +49,10 @@ import torch
 from torch import Tensor
 
 from lightning_accum._core import gradients, microbatch, sync
+from lightning_accum._core.checkpoint import restore_partial
 from lightning_accum._core.metrics import weigh
 from lightning_accum._core.options import Count, MicrobatchSize
+from lightning_accum._core.wide import WideSums
 from lightning_accum._core.window import check_count
 
 Grads = list[Tensor | None]
@@ -107,6 +109,8 @@ class Fit:
     put_back: Callable[[], Grads | None]  # a resumed window's partial gradient into `.grad` (returned), once
     #: after each piece's backward (`batchnorm="window"`: its forwards' statistics kept with the finished pieces)
     piece_done: Callable[[], None] | None = None
+    #: `grad_accum_dtype`: where the narrow parameters' window sums are (cleared and restored with `.grad`)
+    wide: WideSums | None = None
 
     @property
     def params(self) -> list[Tensor]:
@@ -263,6 +267,8 @@ class Pieces:
         if zeroes_after:  # Lightning zeroes after this step: the window starts from no gradient
             for p in fit.params:
                 p.grad = None
+            if fit.wide is not None:
+                fit.wide.clear(fit.params)
         base = fit.put_back()
         if base is not None:
             self._base = base
@@ -373,8 +379,10 @@ class Pieces:
         assert fit is not None
         for p in fit.params:
             p.grad = None
+        if fit.wide is not None:
+            fit.wide.clear(fit.params)
         if self._base is not None:
-            gradients.restore(fit.params, self._base)
+            restore_partial(fit.params, self._base, fit.wide)
         b.done, (b.loss, b.summed), b.whole, b.cuts = b.start, b.at_start, None, []
 
     def _replay(self, original: Callable[..., Any]) -> None:
