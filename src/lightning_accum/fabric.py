@@ -487,8 +487,10 @@ class FabricAccumulator:
             self.optimizer.zero_grad(set_to_none=True)
             engine.advance(self._epoch)
             return
-        engine.normalise(grads, closing.scale)
-        grads = gradients.grads_of(params)  # (the narrow parameters' too, once rounded)
+        gradients.scale_(grads, closing.scale)
+        if engine.widened:  # (the narrow parameters' sums, normalised and rounded once, into `.grad` beside)
+            engine.land(closing.scale)
+            grads = gradients.grads_of(params)
         if self._plan.family == "ddp" and world > 1 and engine.metrics.tracking:  # (global after the counts)
             loss_scale = self._loss_scale()
             engine.metrics.add_grad_norm(grads if loss_scale == 1.0 else [g / loss_scale for g in grads])

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum._core import collectives, gradients, sync
+from lightning_accum._core import collectives, sync
 from lightning_accum._core.batchnorm import WindowBatchNorm
 from lightning_accum._core.gradients import norms, squared_norm
 from lightning_accum._core.metrics import WindowMetrics
@@ -141,6 +141,9 @@ class WindowEngine:
         #: `grad_accum_dtype`: the narrow parameters' window sums (`widen`), and the parameters the engine steps
         self.wide: WideSums | None = None
         self._scope: list[Tensor] | None = None
+        #: whether some parameter's window sum is kept in ``grad_accum_dtype`` (its losses then reach backward
+        #: undivided, and the whole division is the close's, in the wide dtype; an attribute: the hot path reads it)
+        self.widened = False
         self.configure(schedule, normalize, lr_scaling, lr_schedule, reduction, grad_accum_dtype)
 
     def pool_batchnorm(self, stats: WindowBatchNorm | None) -> None:
@@ -153,7 +156,7 @@ class WindowEngine:
         kept in ``grad_accum_dtype`` (``WideSums``; ``sums``: ones attached already, that several engines share);
         nothing without it. Sums held from before are kept."""
         if self.grad_accum_dtype is None:
-            self.wide, self._scope = None, None
+            self.wide, self._scope, self.widened = None, None, False
             return
         if sums is not None:
             self.wide = sums
@@ -161,34 +164,23 @@ class WindowEngine:
             if self.wide is None or self.wide.dtype != self.grad_accum_dtype:
                 self.wide = WideSums(self.grad_accum_dtype)
             self.wide.attach(params)
-        self._scope = list(params)
+        self._scope, self.widened = list(params), self.wide.active
 
     def unwiden(self) -> None:
         """At a fit's end: no more gradients taken into the sums (those held are kept, for a checkpoint)."""
         if self.wide is not None:
             self.wide.detach()
 
-    @property
-    def widened(self) -> bool:
-        """Whether some parameter's window sum is kept in ``grad_accum_dtype`` (its losses then reach backward
-        undivided, and the whole division is the close's, in the wide dtype)."""
-        return self.wide is not None and self.wide.active
-
     def _with_sums(self, grads: Sequence[Tensor]) -> list[Tensor]:
         """``grads`` (the wide parameters' ``.grad``) and the narrow parameters' sums: the window's gradient."""
         return [*grads, *self.wide.sums(self._scope)] if self.widened else list(grads)  # type: ignore[union-attr]
 
-    def normalise(self, grads: Sequence[Tensor], scale: float, params: Sequence[Tensor] | None = None) -> None:
-        """The closing window's gradient normalised for its step: ``grads`` (``.grad`` as it is) times ``scale``, and
-        under ``grad_accum_dtype`` each narrow parameter's sum (of ``params``, else all the engine steps) times
-        ``scale`` in the wide dtype, rounded into ``.grad`` once."""
-        gradients.scale_(grads, scale)
-        if self.widened:
-            self.wide.land(scale, self._scope if params is None else params)  # type: ignore[union-attr]
-
-    def _clear_sums(self) -> None:
+    def land(self, scale: float, params: Sequence[Tensor] | None = None) -> None:
+        """Under ``grad_accum_dtype`` (``widened``), the closing window's step: each narrow parameter's sum (of
+        ``params``, else all the engine steps) times ``scale`` in the wide dtype, rounded into ``.grad`` once (the
+        adapters scale the other parameters' ``.grad`` by the same ``scale``)."""
         if self.wide is not None:
-            self.wide.clear(self._scope)
+            self.wide.land(scale, self._scope if params is None else params)
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         """What a fit gives: its sync plan, and whether the windows' losses are tracked (for logging)."""
@@ -498,7 +490,8 @@ class WindowEngine:
             now = time.perf_counter()
             self.seconds, self._clock = now - self._clock, now
         self.window, self.closing = None, None
-        self._clear_sums()  # (landed already if it stepped)
+        if self.wide is not None:  # (landed already if it stepped)
+            self.wide.clear(self._scope)
         if self.batchnorm is not None:
             self.batchnorm.commit()
         return closing
@@ -555,7 +548,8 @@ class WindowEngine:
         its losses and the noise probe's measurements of it too."""
         self.window, self.closing, self.inflight, self.redo = None, None, None, None
         self.metrics.clear()
-        self._clear_sums()
+        if self.wide is not None:
+            self.wide.clear(self._scope)
         if self.probe is not None:
             self.probe.forget()
         if self.batchnorm is not None:

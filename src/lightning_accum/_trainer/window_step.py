@@ -131,8 +131,11 @@ class WindowStep:
         params = [p for p in gradients.optimizer_params(optimizer) if id(p) not in done]
         done.update(id(p) for p in params)
         self.rescaled = True
-        engine.normalise(gradients.grads_of(params), scale, params)
-        grads = gradients.grads_of(params)  # (the narrow parameters' too, once rounded)
+        grads = gradients.grads_of(params)
+        gradients.scale_(grads, scale)
+        if engine.widened:  # (the narrow parameters' sums, normalised and rounded once, into `.grad` beside)
+            engine.land(scale, params)
+            grads = gradients.grads_of(params)
         if engine.closing is not None and engine.closing.norm_sq is None and not sharded:
             engine.metrics.add_grad_norm(grads)  # (made global after the counts: under DDP)
         if config.decay is not None:

@@ -638,8 +638,11 @@ class AccumulationScheduler(Callback):
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
         elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or self._closed or engine.widened):
-            engine.normalise(gradients.optimizer_grads(optimizer), closing.scale)
-            grads = gradients.optimizer_grads(optimizer)  # (the narrow parameters' too, once rounded)
+            grads = gradients.optimizer_grads(optimizer)
+            gradients.scale_(grads, closing.scale)
+            if engine.widened:  # (the narrow parameters' sums, normalised and rounded once, into `.grad` beside)
+                engine.land(closing.scale)
+                grads = gradients.optimizer_grads(optimizer)
             engine.measure_window(trainer.strategy, grads)
             if self._closed and closing.norm_sq is None and wants.norm:
                 engine.metrics.add_grad_norm(grads)
