@@ -36,11 +36,8 @@ from lightning_accum.fabric import FabricAccumulator
 
 from helpers import (
     Batch,
-    FileReport,
-    ManualTokenModel,
     RankStrided,
     TokenData,
-    TokenModel,
     count_tokens,
     loader,
     make_net,
@@ -89,11 +86,12 @@ def sum_loss(model: Callable[[Tensor], Tensor], batch: Batch) -> Tensor:
 # ---------------------------------------------------------------------------------------------------- the models
 class Recording(pl.LightningModule):
     """Keeps the gradient the optimizer gets at each step (after every callback's ``on_before_optimizer_step``)
-    and writes it, with the collective counts, to ``out/rank{r}.pt`` at the fit's end."""
+    and writes it, with the collective counts and the final parameters, to ``out/rank{r}.pt`` at the fit's end.
+    ``lr=0``: plain SGD that moves nothing; else SGD with momentum."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, lr: float = 0.0) -> None:
         super().__init__()
-        self.out = out
+        self.out, self.lr = out, lr
         self.net = net()
         self.seen: list[list[Tensor]] = []
 
@@ -105,18 +103,19 @@ class Recording(pl.LightningModule):
         self.seen.append([p.grad.detach().double().clone() for p in self.parameters()])  # type: ignore[union-attr]
 
     def on_train_end(self) -> None:
+        params = [p.detach().clone() for p in self.parameters()]
         report = {"seen": self.seen, "hook": HOOK, "explicit": EXPLICIT, "steps": self.trainer.global_step}
-        torch.save(report, self.out / f"rank{self.global_rank}.pt")
+        torch.save({**report, "params": params}, self.out / f"rank{self.global_rank}.pt")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9 if self.lr else 0.0)
 
 
 class Automatic(Recording):
     """For the callback: a token mean (``"sum"``: a token sum, for ``normalize="items"``)."""
 
-    def __init__(self, out: Path, reduction: str = "mean") -> None:
-        super().__init__(out)
+    def __init__(self, out: Path, reduction: str = "mean", lr: float = 0.0) -> None:
+        super().__init__(out, lr)
         self.reduction = reduction
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -127,10 +126,10 @@ class Manual(AccumulationMixin, Recording):
     """The mixin: ``acc.backward(loss)``, or ``acc.backward_each`` over the tokens' first 2 and last 3 positions
     (two forwards, each of the whole net)."""
 
-    def __init__(self, out: Path, mode: str, dtype: torch.dtype | None) -> None:
-        super().__init__(out)
+    def __init__(self, out: Path, mode: str, dtype: torch.dtype | None, schedule: Any = K, lr: float = 0.0) -> None:
+        super().__init__(out, lr)
         self.mode = mode
-        self.configure_accumulation(K, grad_accum_dtype=dtype, log=False)
+        self.configure_accumulation(schedule, grad_accum_dtype=dtype, log=False)
 
     def training_step(self, batch: Batch, batch_idx: int) -> None:
         with self.accumulate(batch) as acc:
@@ -312,7 +311,7 @@ def test_fabric_window_gradient_is_rounded_once(tmp_path: Path, monkeypatch: pyt
 
 # ---------------------------------------------------------------------------------------------------- resume
 WINDOWS = Piecewise({0: 3, 2: 2}, unit="step")  # per rank: windows [0-2] [3-5] [6-7]
-RESUME_DATA = TokenData(64)  # 8 batches of 4 per rank
+RESUME_DATA = TokenData(64, d=D, seed=1)  # 8 batches of 4 per rank
 
 
 class ShardedLoader(ProcessedLoader):
@@ -332,18 +331,17 @@ class SaveInside(pl.Callback):
             trainer.save_checkpoint(self.path)
 
 
-def resume_fit(kind: str, out: Path, save: Path | None = None, resume: Path | None = None) -> list[Any]:
-    """One epoch on 2 ranks under bf16-true with the option (SGD with momentum, lr 0.1); each rank's final
-    parameters. ``save``: a checkpoint written there inside the window [3-5], then an exception at its last batch."""
+def resume_fit(kind: str, out: Path, save: Path | None = None, resume: Path | None = None) -> list[dict[str, Any]]:
+    """One epoch on 2 ranks under bf16-true with the option (SGD with momentum, lr 0.1, 3 steps); each rank's
+    report. ``save``: a checkpoint written there inside the window [3-5], then an exception at its last batch."""
     out.mkdir(parents=True, exist_ok=True)
     if kind == "callback":
-        model: pl.LightningModule = TokenModel()
+        model: pl.LightningModule = Automatic(out, lr=0.1)
         callbacks: list[pl.Callback] = [AccumulationScheduler(WINDOWS, grad_accum_dtype="float32", log=False)]
     else:
-        model, callbacks = ManualTokenModel(schedule=WINDOWS, grad_accum_dtype="float32", log=False), []
+        model, callbacks = Manual(out, "backward", FP32, schedule=WINDOWS, lr=0.1), []
     data = ShardedLoader()
-    report = FileReport(out)
-    callbacks += [Bind(data), report]
+    callbacks.append(Bind(data))
     if save is not None:
         callbacks += [SaveInside(save), Fault("on_after_backward", (0, 5))]
     t = trainer(
@@ -355,7 +353,7 @@ def resume_fit(kind: str, out: Path, save: Path | None = None, resume: Path | No
         precision="bf16-true",
     )
     t.fit(model, data, ckpt_path=resume)
-    return [r["params"] for r in report.read(world=WORLD)]
+    return read(out)
 
 
 def saved_ranks(state: Any) -> list[Any] | None:
@@ -371,11 +369,12 @@ def saved_ranks(state: Any) -> list[Any] | None:
 
 
 @pytest.mark.parametrize("kind", ["callback", "mixin"])
-def test_a_window_saved_inside_resumes_bit_identically_on_two_ranks(tmp_path: Path, kind: str) -> None:
+def test_a_window_saved_inside_resumes_bit_identically(tmp_path: Path, kind: str) -> None:
+    """The checkpoint holds each rank's float32 sums of the window's first 2 micro-batches (each its own, finer
+    than bf16); resumed on 2 ranks, every step's gradient and the final parameters are the uninterrupted run's."""
     full = resume_fit(kind, tmp_path / "full")
     with pytest.raises(Exception, match=Injected.__name__):
         resume_fit(kind, tmp_path / "failed", save=tmp_path / "inside.ckpt")
-    # both ranks' float32 sums of the window's 2 micro-batches so far, each its own and finer than bf16
     ranks = saved_ranks(torch.load(tmp_path / "inside.ckpt", weights_only=False))
     assert ranks is not None and len(ranks) == WORLD
     sums = [grads for _, grads in ranks]
@@ -383,8 +382,12 @@ def test_a_window_saved_inside_resumes_bit_identically_on_two_ranks(tmp_path: Pa
     assert any(not torch.equal(g, g.to(torch.bfloat16).float()) for grads in sums for g in grads)
     assert not all(torch.equal(a, b) for a, b in zip(*sums, strict=True))
     resumed = resume_fit(kind, tmp_path / "resumed", resume=tmp_path / "inside.ckpt")
+    initial = [p.detach().to(torch.bfloat16) for p in net().parameters()]
     for rank in range(WORLD):
-        assert all(torch.equal(a, b) for a, b in zip(resumed[rank], full[rank], strict=True)), rank
-    assert all(torch.equal(a, b) for a, b in zip(full[0], full[1], strict=True))
-    initial = [p.detach().to(torch.bfloat16).double() for p in make_net().parameters()]
-    assert not any(torch.equal(a, b) for a, b in zip(full[0], initial, strict=True))  # (the 3 steps moved them all)
+        assert full[rank]["steps"] == 3
+        assert len(resumed[rank]["seen"]) == 2  # (the windows [3-5] and [6-7])
+        for got, want in zip(resumed[rank]["seen"], full[rank]["seen"][1:], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), rank
+        assert all(torch.equal(a, b) for a, b in zip(resumed[rank]["params"], full[rank]["params"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(full[rank]["params"], full[0]["params"], strict=True))
+        assert not any(torch.equal(a, b) for a, b in zip(full[rank]["params"], initial, strict=True))  # (all moved)
