@@ -533,7 +533,12 @@ class AccumulationScheduler(Callback):
             if self._redoing:
                 return
         if mean or self._loss_factor != 1.0:  # (the hot path of an aligned window: nothing to scale)
-            sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
+            factor = self._loss_factor * self._counts[1] if mean else self._loss_factor
+            if engine.widened:  # (`grad_accum_dtype`: weighted in the wide dtype as each gradient is taken)
+                self._pass.enter_context(engine.wide.weighting(factor))  # type: ignore[union-attr]
+                self._holding = True
+            else:
+                sync.scale_backward(loss, factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._pass.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
