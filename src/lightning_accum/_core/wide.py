@@ -137,6 +137,11 @@ class WideSums:
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))  # type: ignore[no-untyped-call]
 
+    def stale(self, params: Iterable[Tensor]) -> bool:
+        """Whether ``params``' narrow trainable ones are no longer those attached (a param group was added, a
+        parameter unfrozen or frozen since): ``attach`` them again where no sum is held."""
+        return [id(p) for p in narrow(params, self.dtype)] != [id(p) for p in self.params]
+
     def _allocate(self, params: list[Tensor]) -> None:
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(params):
