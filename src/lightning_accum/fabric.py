@@ -275,6 +275,8 @@ class FabricAccumulator:
         counted = None if self.count is None else check_count(self.count(batch))
         if isinstance(counted, Tensor):
             counted = counted.detach().clone()
+        if engine.window is None and self.grad_accum_dtype is not None:  # (a param group added, a layer unfrozen)
+            engine.rewiden(self.params)
         window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
         engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget)

@@ -166,6 +166,15 @@ class WindowEngine:
             self.wide.attach(params)
         self._scope, self.widened = list(params), self.wide.active
 
+    def rewiden(self, params: Sequence[Tensor]) -> bool:
+        """As a window opens (no sum held): under ``grad_accum_dtype``, ``params``' narrow trainable ones taken again if
+        they changed since ``widen`` (a param group added mid-fit, as ``BaseFinetuning`` does, or a parameter unfrozen);
+        whether they did. Not for sums several engines share (the mixin's ``MixinWindows.rewiden``)."""
+        if self.grad_accum_dtype is None or self.wide is None or not self.wide.stale(params):
+            return False
+        self.widen(params)
+        return True
+
     def unwiden(self) -> None:
         """At a fit's end: no more gradients taken into the sums (those held are kept, for a checkpoint)."""
         if self.wide is not None:

@@ -146,6 +146,11 @@ class WideSums:
             for p in others.values():
                 self._hooks.append(p.register_hook(self._weigh))  # type: ignore[no-untyped-call]
 
+    def stale(self, params: Iterable[Tensor]) -> bool:
+        """Whether ``params``' narrow trainable ones are no longer those attached (a param group was added, a
+        parameter unfrozen or frozen since): ``attach`` them again where no sum is held."""
+        return [id(p) for p in narrow(params, self.dtype)] != [id(p) for p in self.params]
+
     def _allocate(self, params: list[Tensor]) -> None:
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(params):

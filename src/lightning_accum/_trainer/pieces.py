@@ -173,6 +173,11 @@ class Pieces:
         self._fit = fit
         self._window, self._base = [], None
 
+    def rewiden(self, wide: WideSums | None) -> None:
+        """``grad_accum_dtype``'s sums taken again (the narrow parameters changed as a window opened)."""
+        if self._fit is not None:
+            self._fit = dataclasses.replace(self._fit, wide=wide)
+
     def detach(self) -> None:
         self.release()
         self._fit, self.batch, self._next = None, None, None

@@ -244,7 +244,12 @@ class AccumulationScheduler(Callback):
         self._engine.widen(gradients.optimizer_params(trainer.optimizers[0]))
         if self.grad_accum_dtype is not None and not self._engine.widened:
             rank_zero_warn(inert_note(self.grad_accum_dtype))
-        self._reduces = plan.family == "ddp" and (self._split is not None or self._engine.widened)
+        self._set_reduces()
+
+    def _set_reduces(self) -> None:
+        """Whether the callback all-reduces each window's gradient itself under DDP (every batch's sync skipped):
+        with ``microbatch_size``, or where ``grad_accum_dtype`` keeps sums DDP's reducer cannot see."""
+        self._reduces = self._plan.family == "ddp" and (self._split is not None or self._engine.widened)
         self._blocks = self._reduces and self._split is None
 
     # ------------------------------------------------------------------ fit lifetime
@@ -270,7 +275,7 @@ class AccumulationScheduler(Callback):
             and not (self._deepspeed or self._sharded)
             and self.reduction != "mean"
             and self._engine.probe is None
-            and not self._blocks
+            and self.grad_accum_dtype is None  # (the parameters it sums in float32 may change at a window's opening)
         )
         steps.warn_scheduler_horizons(trainer)
         self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
@@ -474,6 +479,10 @@ class AccumulationScheduler(Callback):
             zero_grad_like_lightning(trainer, batch_idx, self._optimizer)
 
     def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        if self.grad_accum_dtype is not None and self._rewiden():  # (a param group added, a layer unfrozen)
+            self._set_reduces()
+            if self._split is not None:
+                self._split.rewiden(self._wide())
         window = self._engine.open(trainer.current_epoch, batch_idx, self._strategy)
         if self._batchnorm is not None:
             self._batchnorm.resume()
@@ -660,6 +669,9 @@ class AccumulationScheduler(Callback):
         if not self._partial.pending or self._optimizer is None:
             return None
         return self._partial.put_back(gradients.optimizer_params(self._optimizer), self._wide())
+
+    def _rewiden(self) -> bool:
+        return self._optimizer is not None and self._engine.rewiden(gradients.optimizer_params(self._optimizer))
 
     def _wide(self) -> Any:
         """Where `grad_accum_dtype` keeps the window's narrow sums (``None``: nowhere, `.grad` holds it all)."""
