@@ -470,7 +470,7 @@ def each_step(m: Manual, acc: Any, b: Batch) -> None:
 
 def each_passes(p: Passes, b: Batch) -> None:
     p.backward(mse(p.net, first(b)))
-    p.backward(mse(p.net, last(b)) * 0.3)  # (a task's weight is part of its loss)
+    p.backward(mse(p.net, last(b)), weight=0.3)  # (a task's weight, on its gradient in float64)
 
 
 def heads_step(m: Manual, acc: Any, b: Batch) -> None:

@@ -27,7 +27,7 @@ from lightning_accum._core.gradients import norms, squared_norm
 from lightning_accum._core.metrics import WindowMetrics
 from lightning_accum._core.probe import NoiseProbe, measured
 from lightning_accum._core.wide import WideSums, dtype_name
-from lightning_accum._core.window import Window, check_count, check_item_count, lr_factor
+from lightning_accum._core.window import Window, check_count, check_item_count, lr_factor, wide_divisor
 from lightning_accum.lr import LRMultiplier, adascale_gain, check_multiplier
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
 from lightning_accum.schedules import Budget, Progress, Schedule
@@ -237,8 +237,8 @@ class WindowEngine:
             self.first_k = k if budget is None else budget
         if budget is None and not self.widened:
             self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
-        elif budget is None:  # (`grad_accum_dtype`: each loss as it is; the sum divided by k in the wide dtype)
-            self.window = Window(k=k, start=start, divisor=1)
+        elif budget is None:  # (`grad_accum_dtype`: each loss divided exactly; the sum divided by k in the wide dtype)
+            self.window = Window(k=k, start=start, divisor=wide_divisor(k))
         else:  # (the window's size is known at its close only: its gradient is divided then)
             self.window = Window(k=k, start=start, divisor=1, budget=budget)
         self.closing = None

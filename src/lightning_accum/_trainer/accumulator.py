@@ -147,8 +147,17 @@ class Accumulator:
         """
         self._check_open()
         params = self._block.windows.params() if grad_norms else None
-        backward, _, _ = self._passes()
-        losses, norms = multitask.backward_each(backward, closures, weights, grad_norms_of=params)
+        backward, empty, weight = self._passes()
+        if self._block.windows.wide_sums() is None:
+            losses, norms = multitask.backward_each(backward, closures, weights, grad_norms_of=params)
+        else:  # (`grad_accum_dtype`: each task's weight, with the count, on its gradients as they are taken)
+
+            def weighed(loss: Tensor, w: float) -> None:
+                both = w if weight is None else weight if w == 1.0 else weight * w
+                plain = not isinstance(both, Tensor) and both == 1.0
+                self._backward(loss, empty, None if plain else both)
+
+            losses, norms = multitask.backward_each(weighed, closures, weights, grad_norms_of=params, weighs=True)
         self._record_tasks(losses, names)
         return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
 
@@ -211,6 +220,8 @@ class Accumulator:
             # outside the `except` block, so that the error's frames (and their tensors) are freed
             for p in self._block.params():
                 p.grad = None
+            if self._block.engine.wide is not None:  # (`grad_accum_dtype`'s sums with it)
+                self._block.engine.wide.clear(self._block.params())
             self._block.engine.metrics.clear()  # (the window is redone from its start)
             if self._block.engine.batchnorm is not None:  # (and its BatchNorm statistics with it)
                 self._block.engine.batchnorm.discard()

@@ -699,6 +699,8 @@ class AccumulationScheduler(Callback):
         engine.batch_done()
         if self._lean and engine.closing is None:
             return
+        if engine.widened:  # Lightning divided the loss by the power of two at or above k: `outputs` gets it over k
+            _over_k(outputs, engine.window)
         if self._holding:  # (after a step that moved nothing: clipping back on)
             self._release()
         self._closed = False
@@ -786,3 +788,12 @@ class AccumulationScheduler(Callback):
         self._loss_factor = 1.0
         if window is not None and window.microbatches and not self._partial.loaded:
             rank_zero_warn("The checkpoint was saved inside an accumulation window without its gradients.")
+
+
+def _over_k(outputs: Any, window: Any) -> None:
+    """Under ``grad_accum_dtype`` each loss went to backward divided by ``wide_divisor(k)``, the power of two at or
+    above ``k``: the loss ``outputs`` hands the batch-end hooks is divided by the window's ``k`` instead, as without
+    it (``(loss / p) * p`` is ``loss`` exactly, so this is Lightning's own ``loss / k``)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else None
+    if window is not None and window.budget is None and window.divisor != window.k and isinstance(loss, Tensor):
+        outputs["loss"] = loss * window.divisor / window.k
