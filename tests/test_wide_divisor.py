@@ -21,7 +21,7 @@ class Scalar(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.zeros(1))
+        self.w = nn.Parameter(torch.full((1,), 0.75))
         self.stepped: list[float] = []
         self.outputs: list[float] = []
 
