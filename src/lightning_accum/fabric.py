@@ -587,6 +587,7 @@ class FabricAccumulator:
             )
         if "grads" in state_dict:
             check_world(state_dict, self._ranks)
+        self._engine.check_state(dict(state_dict))  # (before the window under way is given up)
         live = self._engine.window
         held_by_fsdp2 = live is not None and live.microbatches and self._plan.sharded and self._plan.skip
         # the window under way is given up for the checkpoint's (put back at the next block, if it holds one)
