@@ -353,12 +353,11 @@ def fabric_run(
     *,
     precision: str = "bf16-true",
     state: dict[str, Any] | None = None,
-    setup: tuple[Fabric, Any, Any] | None = None,
     flush: bool = True,
 ) -> tuple[FabricAccumulator, Any, Any, list[list[Tensor]]]:
     """A Fabric loop over ``BATCHES[batches]`` with windows of ``K`` (``state``: model, optimizer and accumulator
     states to start from); returns the accumulator, the model, the optimizer and each step's gradient."""
-    fabric, model, optimizer = setup if setup is not None else bf16_setup(precision)
+    fabric, model, optimizer = bf16_setup(precision)
     acc = FabricAccumulator(fabric, model, optimizer, schedule=K, grad_accum_dtype=option)
     if state is not None:
         model.load_state_dict(state["model"])
@@ -412,7 +411,7 @@ def test_sums_narrower_than_the_parameters_are_refused_at_the_fit_start(adapter:
     """float64 parameters (``64-true``): refused before any batch, naming the argument and the fix; nothing is left
     behind: the same model then trains as the float64 reference does."""
     counting = Counting()
-    model = TokenModel(optimizer="plain-sgd") if adapter == "callback" else None
+    model: Any = TokenModel(optimizer="plain-sgd")
     if adapter == "mixin":
         model = ManualTokenModel(schedule=K, grad_accum_dtype=option, optimizer="plain-sgd")
     before = params_of(model)
@@ -527,7 +526,7 @@ def _with_part(model: pl.LightningModule, part: nn.Module) -> pl.LightningModule
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
 @pytest.mark.parametrize("family", ["deepspeed", "fsdp2", "fsdp"])
-def test_the_trainer_adapters_refuse_under_sharded_strategies_before_any_batch(
+def test_the_trainer_adapters_refuse_where_the_strategy_holds_the_gradient(
     adapter: str, family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The adapters' call sites with stand-ins of each strategy family, one process (see the stand-ins). The mixin
