@@ -130,7 +130,7 @@ def hand_windows(kind: str, batches: list[Any], k: int) -> tuple[list[Tensor], l
 
     def backward(batch: Any, divisor: int) -> None:
         with precision.forward_context():
-            loss = loss_of(model, batch)
+            loss = loss_of(model, precision.convert_input(batch))
         (loss / divisor).backward()
 
     def flat() -> Tensor:
