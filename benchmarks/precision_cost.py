@@ -15,7 +15,10 @@ with the ratio of the best windows beside it. What the option itself does (``Wid
 per-parameter hook that moves each micro-batch's bf16 ``.grad`` into the float32 sum, and ``WideSums.land``,
 the normalisation and the one rounding at the close) is also timed in place in one more fit, per window: the
 ratio that work alone would make on ``None``'s window is an upper bound of the option's cost (``None``'s own
-bf16 ``.grad += g`` is not taken off), and is steady on a loaded machine where the loop's ratio is not.
+bf16 ``.grad += g`` is not taken off), and is steady on a loaded machine where the loop's ratio is not. So the
+adds are also timed alone, on the model's parameter shapes, the option's (``WideSums._take``) against ``None``'s
+(bf16 ``.grad += g``), interleaved: k times the difference plus ``land`` estimates the option's net work a
+window (``net ratio``).
 
 **Memory.** One more fit each, under ``torch.profiler`` with ``profile_memory=True``: torch's CPU allocator
 reports every allocation and free to it with its running total of the bytes alive among those allocated while
@@ -196,6 +199,39 @@ def clock_floor(calls: int) -> float:
     return time.process_time() - start
 
 
+def take_against_add(model: nn.Module, reps: int) -> tuple[float, float]:
+    """CPU seconds of one micro-batch's adds, on ``model``'s parameter shapes, alone (interleaved, the medians of
+    ``reps``): the option's (``WideSums._take`` of a fresh bf16 gradient per parameter, into a sum that holds one
+    already) and what ``None`` does instead (autograd's bf16 ``.grad += g``). Each fresh gradient is a copy, as
+    autograd's is new memory, in both."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    params = [nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16)) for shape in shapes]
+    grads = [torch.randn(shape, generator=g).bfloat16() for shape in shapes]
+    held = [torch.zeros_like(grad) for grad in grads]
+    sums = wide.WideSums(torch.float32)
+    sums.attach(params)
+
+    def option() -> None:
+        for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
+            p.grad = grad.clone()
+            sums._take(i, p)
+
+    def none() -> None:
+        for total, grad in zip(held, grads, strict=True):
+            total.add_(grad.clone())
+
+    seconds: dict[str, list[float]] = {"option": [], "none": []}
+    option()  # (the sums' first gradient: copied; the timed calls add)
+    for _ in range(reps):
+        for name, run in (("option", option), ("none", none)):
+            start = time.process_time()
+            run()
+            seconds[name].append(time.process_time() - start)
+    sums.detach()
+    return statistics.median(seconds["option"]), statistics.median(seconds["none"])
+
+
 def memory_fit(base: nn.Module, batches: list[Tensor], name: str, k: int) -> dict[str, float]:
     """The CPU allocator's bytes alive (among those allocated during the fit): the peak over the fit, and the
     median as a micro-batch starts inside a window (not its first) after the first window."""
@@ -248,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--builtin", action="store_true", help="the built-in's fits too (for reference)")
     parser.add_argument("--no-memory", action="store_true", help="leave out the profiled memory fits")
+    parser.add_argument("--reps", type=int, default=15, help="repetitions of the adds timed alone")
     parser.add_argument(
         "--whole-adds", action="store_true", help="no pieces: each CPU gradient added whole (as before, to compare)"
     )
@@ -293,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     in_place_ms = (inside["take"] + inside["land"] - floor) / fits_windows * 1e3
     take_ms, land_ms = (inside["take"] - floor) / fits_windows * 1e3, inside["land"] / fits_windows * 1e3
     implied = 1 + in_place_ms / baseline_ms
+    take_alone, add_alone = take_against_add(base, args.reps)
+    net_ms = (k * (take_alone - add_alone)) * 1e3 + land_ms
 
     result: dict[str, Any] = {
         "benchmark": "precision_cost",
@@ -308,6 +347,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "take_ms_per_window": take_ms,
         "land_ms_per_window": land_ms,
         "ratio_implied": implied,
+        "take_alone_ms_per_microbatch": take_alone * 1e3,
+        "bf16_add_alone_ms_per_microbatch": add_alone * 1e3,
+        "net_ms_per_window": net_ms,
+        "ratio_net": 1 + net_ms / baseline_ms,
         "target": 1.03,
         "whole_adds": args.whole_adds,
         "machine": f"{platform.machine()} torch {torch.__version__} lightning {pl.__version__}",
@@ -325,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         f"in place: WideSums._take {take_ms:.1f} ms + land {land_ms:.1f} ms a window = {in_place_ms:.1f} ms of a "
         f"{baseline_ms:.0f} ms window: implied ratio <= {implied:.4f}"
+    )
+    print(
+        f"alone, one micro-batch's adds on these shapes: the option's {take_alone * 1e3:.1f} ms, None's bf16 "
+        f".grad += g {add_alone * 1e3:.1f} ms; k x the difference + land = {net_ms:+.1f} ms a window: "
+        f"net ratio {result['ratio_net']:.4f}"
     )
     if not args.no_memory:
         memory = {name: memory_fit(base, batches, name, k) for name in (NONE, WIDE)}
