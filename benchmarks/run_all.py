@@ -34,6 +34,9 @@ QUICK = {
     "progress_bar.py": ["--reps", "20", "--rounds", "1", "--epochs", "1"],
     "batchnorm.py": ["--windows", "1", "--rounds", "1", "--batch", "4"],
     "budget.py": ["--batches", "16", "--rounds", "1", "--rank-batches", "8", "--rank-rounds", "1"],
+    "precision.py": ["--ks", "1", "4", "--windows", "1"],
+    "precision_cost.py": ["--rounds", "1", "--warmup", "0", "--windows", "1", "--k", "2", "--layers", "1", "--width",
+                          "64", "--vocab", "1024", "--seq", "32", "--microbatch", "2"],
 }
 
 
@@ -104,6 +107,31 @@ def budget_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  #
         (f"{what}, 2 gloo ranks", f"rank 0's CPU time per window vs fixed k (median of rounds; "
          f"{ranks['ms_per_window_fixed']:.1f} ms/window)", f"{ranks['cpu_ratio_median']:.3f}", "(reported; noisy)"),
     ]  # fmt: skip
+
+
+def precision_rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: ignore[type-arg]
+    """The rows of ``precision.py`` (the window gradient's error against k) and ``precision_cost.py`` (its cost)."""
+    errors = results["precision.py"]
+    table = []
+    for row in errors["rows"]:
+        if row["k"] > 1:
+            floor, option, builtin = row["one rounding (floor)"], row["grad_accum_dtype=float32"], row["built-in"]
+            what = f"precision: bf16-true, k={row['k']}, window gradient error vs one rounding ({floor:.2e})"
+            table.append((f"{what}, grad_accum_dtype=float32", "error / one rounding's", f"{option / floor:.3f}",
+                          "<= 1.1"))  # fmt: skip
+            table.append((f"{what}, built-in", "error / one rounding's", f"{builtin / floor:.2f}", "(reported)"))
+    cost = results["precision_cost.py"]
+    what = f"precision cost: grad_accum_dtype=float32 vs None, {cost['what'].split(', micro')[0]}, k={cost['k']}"
+    table.append((what, "CPU time per window (median of the rounds' ratios)", f"{cost['ratio_median_pair']:.3f}",
+                  f"<= {cost['target']}"))  # fmt: skip
+    table.append((what, f"its own work in place, implied ({cost['in_place_ms_per_window']:.1f} ms/window)",
+                  f"{cost['ratio_implied']:.3f}", "(reported; an upper bound)"))  # fmt: skip
+    memory = (("between", "between micro-batches", "+2"), ("peak", "at the fit's peak", "(reported)"))
+    for key, measured, target in memory:
+        if f"{key}_bytes_per_param_added" in cost:
+            table.append((what, f"CPU allocator bytes per bf16 parameter added, {measured}",
+                          f"{cost[f'{key}_bytes_per_param_added']:+.2f}", target))  # fmt: skip
+    return table
 
 
 def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: ignore[type-arg]
@@ -190,6 +218,7 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
          f"{check['check'] / check['counts']:.2f}", "(reported; 0 for built-in schedules)")
     )  # fmt: skip
     table.extend(realistic_rows(results))
+    table.extend(precision_rows(results))
     bars = results["progress_bar.py"]
     for row in bars["rows"]:
         target = "(baseline)" if row["run"].endswith("lightning") else "(reported)"

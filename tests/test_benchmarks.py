@@ -25,7 +25,8 @@ def test_every_benchmark_runs(tmp_path: Path) -> None:
     table = out.read_text()
     rows = ("overhead:", "multitask:", "decay:", "noise scale", "comm,", "cached backward vs GradCache", "rank check",
             "microbatches:", "cached backward vs sentence-transformers", "2 gloo ranks, rank-local", "realistic:",
-            "window host work", "progress bar refresh", "budget: Budget(n, unit='items')")
+            "window host work", "progress bar refresh", "budget: Budget(n, unit='items')",
+            "precision: bf16-true, k=4, window gradient error", "precision cost: grad_accum_dtype=float32 vs None")
     for row in rows:
         assert row in table, row
     # one script again, the others' rows from the JSON files the run above left beside the table
@@ -38,7 +39,7 @@ def test_every_benchmark_runs(tmp_path: Path) -> None:
 
 
 GPU = BENCHMARKS / "gpu"
-GPU_PARTS = ("loop", "syncs", "memory", "passes")
+GPU_PARTS = ("loop", "syncs", "memory", "passes", "precision")
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_gpu_harness_dry_run(tmp_path: Path, gpu_harness: Any) -> None:
     assert gpu_harness.main(["--quick", "--out", str(out)]) == 0
     table = out.read_text()
     assert "FAILED" not in table and "## Failures" not in table, table
-    assert "CPU dry run" in table and "Parts run: loop, syncs, memory, passes." in table
+    assert "CPU dry run" in table and "Parts run: loop, syncs, memory, passes, precision." in table
     for part in GPU_PARTS:
         assert f"| {part} |" in table, part
     for row in (
@@ -81,6 +82,9 @@ def test_gpu_harness_dry_run(tmp_path: Path, gpu_harness: Any) -> None:
         "best hand-picked size, 1 (2: out of memory, 1: ",
         ": GradientDecay(0.9, mode='ema'): combine and reset | ",
         ": the window's normalisation (g *= scale) | ",
+        "| precision | k=2: AccumulationScheduler(k, grad_accum_dtype=torch.float32), bf16-true, ",
+        "| time per optimizer step vs AccumulationScheduler(k) (median of 2; ",
+        "allocated as a micro-batch starts inside a window, vs AccumulationScheduler(k) (",
     ):
         assert row in table, row
     # the syncs: the baselines' counts beside each adapter's, nothing added inside a window
@@ -93,19 +97,20 @@ def test_gpu_harness_records_a_failure_and_skips(tmp_path: Path, gpu_harness: An
     the exit status says so; skipped parts are named; ``run.sh`` runs the harness with the interpreter
     ``PYTHON`` names and writes where ``--out`` says."""
     out = tmp_path / "RESULTS.md"
-    args = ["--quick", "--skip", "loop", "syncs", "memory", "--inject-failure", "passes", "--out", str(out)]
+    skip = ["loop", "syncs", "memory", "precision"]
+    args = ["--quick", "--skip", *skip, "--inject-failure", "passes", "--out", str(out)]
     assert gpu_harness.main(args) == 1
     table = out.read_text()
     assert "| passes | injected | FAILED | RuntimeError: injected failure in part passes (--inject-failure) |" in table
     assert "fraction of copy bandwidth" in table  # the part's sections after it ran
     assert "## Failures" in table and "Traceback" in table
-    assert "skipped: loop, syncs, memory." in table and "| loop |" not in table and "| memory |" not in table
+    assert "skipped: loop, syncs, memory, precision." in table and "| loop |" not in table and "| memory |" not in table
     committed = (GPU / "RESULTS.md").read_bytes()
     env = {**os.environ, "PYTHON": sys.executable}
     command = ["bash", str(GPU / "run.sh"), "--quick", "--skip", *GPU_PARTS, "--out", str(tmp_path / "none.md")]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Parts run: none; skipped: loop, syncs, memory, passes." in (tmp_path / "none.md").read_text()
+    assert "Parts run: none; skipped: loop, syncs, memory, passes, precision." in (tmp_path / "none.md").read_text()
     assert (GPU / "RESULTS.md").read_bytes() == committed
 
 

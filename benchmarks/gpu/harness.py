@@ -1,5 +1,5 @@
 """The GPU figures (issue 43): what the package costs and saves on a real card, every figure a ratio against
-a baseline run in the same process (or a count, or an allocator peak). Four parts, each skippable, each
+a baseline run in the same process (or a count, or an allocator peak). Five parts, each skippable, each
 catching its own failure (recorded in the results; the others go on):
 
 1. ``loop``: time per optimizer step of every adapter against its own baseline, GPT-2-small-sized, bf16-mixed,
@@ -8,14 +8,16 @@ catching its own failure (recorded in the results; the others go on):
 3. ``memory``: the cached backward against sentence-transformers' cached loss, multitask against the joint
    backward, ``microbatch_size="auto"`` on a batch that does not fit (``memory_saved.py``);
 4. ``passes``: the passes over a 124M-parameter gradient against ``zero_grad`` and the copy bandwidth
-   (``gradient_passes.py``).
+   (``gradient_passes.py``);
+5. ``precision``: ``grad_accum_dtype=torch.float32`` against ``None`` under ``bf16-true``, the same GPT-2 at
+   k = 8: time per optimizer step and the allocator's peak (``wide_sums.py``).
 
 Run it through ``run.sh`` (it puts ``src`` and ``benchmarks`` on the path). ``--quick`` is the CPU dry run
 CI executes: the same functions at tiny sizes (its figures mean nothing); it must not overwrite the
 committed results, so CI gives ``--out`` a temporary path. The results file is rewritten after every part,
 so that a run cut short keeps what it measured.
 
-    bash benchmarks/gpu/run.sh [--skip loop syncs memory passes] [--out PATH]   # about 5 minutes on an H100
+    bash benchmarks/gpu/run.sh [--skip loop syncs memory passes precision] [--out PATH]  # about 6 min, H100
     bash benchmarks/gpu/run.sh --quick --out /tmp/GPU_RESULTS.md                # the CPU dry run, seconds
 """
 
@@ -40,9 +42,9 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("loop", "syncs", "memory", "passes")
+PARTS = ("loop", "syncs", "memory", "passes", "precision")
 # seconds a full run takes on an H100, model builds included (syncs: from the loop's fits; alone about 40)
-ESTIMATE_S = {"loop": 170, "syncs": 5, "memory": 110, "passes": 15}
+ESTIMATE_S = {"loop": 170, "syncs": 5, "memory": 110, "passes": 15, "precision": 40}
 Row = tuple[str, str, str, str, str]
 
 
@@ -57,6 +59,8 @@ class Sizes:
     reps: int
     auto_batch: int
     auto_windows: int
+    wide_k: int
+    wide_rounds: int
 
 
 def sizes(quick: bool, microbatch: int) -> Sizes:
@@ -64,8 +68,8 @@ def sizes(quick: bool, microbatch: int) -> Sizes:
     from memory_saved import TowerSize
 
     if quick:  # the same code paths, tiny
-        return Sizes(LMSize(1, 32, 2, 128, 16, 2), [2], 1, 1, TowerSize(1, 32, 2, (16,), 8, 1), 16, 1, 4, 1)
-    return Sizes(LMSize(microbatch=microbatch), [4, 16], 5, 2, TowerSize(), 1, 5, 8 * microbatch, 3)
+        return Sizes(LMSize(1, 32, 2, 128, 16, 2), [2], 1, 1, TowerSize(1, 32, 2, (16,), 8, 1), 16, 1, 4, 1, 2, 1)
+    return Sizes(LMSize(microbatch=microbatch), [4, 16], 5, 2, TowerSize(), 1, 5, 8 * microbatch, 3, 8, 3)
 
 
 @dataclass
@@ -256,12 +260,18 @@ def run(args: argparse.Namespace, name: str, argv: list[str]) -> int:
 
         return pass_rows(device, size.lm, 4 * size.reps)
 
+    def precision() -> list[Row]:
+        from wide_sums import wide_rows
+
+        return wide_rows(device, size.lm, size.wide_k, size.wide_rounds, size.per_round)
+
     what = size.lm.describe()
     part("loop", [(what, loop)])
     part("syncs", [(what, syncs)])
     part("memory", [("cached backward vs sentence-transformers", cached), ("multitask", multitask),
                     ("microbatch_size='auto'", auto)])  # fmt: skip
     part("passes", [("gradient passes", passes)])
+    part("precision", [(f"grad_accum_dtype, {what}, bf16-true", precision)])
     results.write()
     print(args.out.read_text(), flush=True)
     return 1 if results.failures else 0

@@ -214,11 +214,19 @@ class Mixin(AccumulationMixin, LM):
             acc.backward(lm_loss(self.model, batch))
 
 
-def fit(device: Device, module: LM, batches: list[Any], plan: Plan, callbacks: list[Any], **kw: Any) -> Probe:
+def fit(
+    device: Device,
+    module: LM,
+    batches: list[Any],
+    plan: Plan,
+    callbacks: list[Any],
+    precision: str = PRECISION,
+    **kw: Any,
+) -> Probe:
     module.plan = plan
     probe = Probe()
     trainer = pl.Trainer(
-        accelerator="gpu" if device.cuda else "cpu", devices=1, precision=PRECISION, max_epochs=1, logger=False,
+        accelerator="gpu" if device.cuda else "cpu", devices=1, precision=precision, max_epochs=1, logger=False,
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         callbacks=[*callbacks, probe], **kw,
     )  # fmt: skip
