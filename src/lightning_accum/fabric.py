@@ -275,6 +275,8 @@ class FabricAccumulator:
         counted = None if self.count is None else check_count(self.count(batch))
         if isinstance(counted, Tensor):
             counted = counted.detach().clone()
+        if engine.window is None and self.grad_accum_dtype is not None:  # (a param group added, a layer unfrozen)
+            engine.rewiden(self.params)
         window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
         engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget)
@@ -419,11 +421,18 @@ class FabricAccumulator:
             step._implicit += 1
         step.passes += 1
         # a mean over the micro-batch's items, counted once however many passes; a mean over no items (NaN) adds nothing
-        loss, nothing = weighted(loss, pass_items(items, self.reduction == "mean", step._counted))
-        self._engine.metrics.add_loss(loss)
+        weight = pass_items(items, self.reduction == "mean", step._counted)
+        weighed, nothing = weighted(loss, weight)
+        self._engine.metrics.add_loss(weighed)
+        wide = self._wide()
+        if wide is None or weight is None:
+            loss, weighting = weighed, contextlib.nullcontext()
+        else:  # (`grad_accum_dtype`: the weight on the gradients as they are taken, in the wide dtype)
+            weighting = wide.weighting(weight)
         handles = gradients.add_nothing_if(self.params, nothing)
         try:
-            self._fabric_backward(loss / window.divisor, model=self.model, retain_graph=retain_graph)
+            with weighting:
+                self._fabric_backward(loss / window.divisor, model=self.model, retain_graph=retain_graph)
         finally:
             for handle in handles:
                 handle.remove()

@@ -57,13 +57,15 @@ def check_loss(loss: object, label: str) -> Tensor:
 
 
 def backward_each(
-    backward: Backward,
+    backward: Backward | Callable[[Tensor, float], None],
     closures: Sequence[Callable[[], Tensor]],
     weights: Sequence[float] | None = None,
     *,
     grad_norms_of: Sequence[Tensor] | None = None,
+    weighs: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Run each closure's forward and ``backward(w_i * loss_i)`` in turn.
+    """Run each closure's forward and ``backward(w_i * loss_i)`` in turn (``weighs=True``: ``backward(loss_i, w_i)``,
+    for a ``backward`` that weighs the pass itself).
 
     Returns the detached per-task losses and, when ``grad_norms_of`` gives parameters, the L2
     norm of each task's weighted gradient on them (this costs one gradient copy per task).
@@ -73,7 +75,10 @@ def backward_each(
     for i, (closure, w) in enumerate(zip(closures, ws, strict=True)):
         before = None if grad_norms_of is None else _grad_copy(grad_norms_of)
         loss = check_loss(closure(), f"the loss of closure {i}")
-        backward(loss * w if w != 1.0 else loss)
+        if weighs:
+            backward(loss, w)  # type: ignore[call-arg]
+        else:
+            backward(loss * w if w != 1.0 else loss)  # type: ignore[call-arg]
         losses.append(loss.detach())
         if before is not None:
             norms.append(_increment_norm(grad_norms_of, before))  # type: ignore[arg-type]

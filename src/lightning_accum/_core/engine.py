@@ -27,7 +27,7 @@ from lightning_accum._core.gradients import norms, squared_norm
 from lightning_accum._core.metrics import WindowMetrics
 from lightning_accum._core.probe import NoiseProbe, measured
 from lightning_accum._core.wide import WideSums, dtype_name
-from lightning_accum._core.window import Window, check_count, check_item_count, lr_factor
+from lightning_accum._core.window import Window, check_count, check_item_count, lr_factor, wide_divisor
 from lightning_accum.lr import LRMultiplier, adascale_gain, check_multiplier
 from lightning_accum.noise import NoiseScale, NoiseScaleEstimator
 from lightning_accum.schedules import Budget, Progress, Schedule
@@ -168,6 +168,15 @@ class WindowEngine:
             self.wide.attach(params)
         self._scope, self.widened = list(params), self.wide.active
 
+    def rewiden(self, params: Sequence[Tensor]) -> bool:
+        """As a window opens (no sum held): under ``grad_accum_dtype``, ``params``' narrow trainable ones taken again if
+        they changed since ``widen`` (a param group added mid-fit, as ``BaseFinetuning`` does, or a parameter unfrozen);
+        whether they did. Not for sums several engines share (the mixin's ``MixinWindows.rewiden``)."""
+        if self.grad_accum_dtype is None or self.wide is None or not self.wide.stale(params):
+            return False
+        self.widen(params)
+        return True
+
     def unwiden(self) -> None:
         """At a fit's end: no more gradients taken into the sums (those held are kept, for a checkpoint)."""
         if self.wide is not None:
@@ -230,8 +239,8 @@ class WindowEngine:
             self.first_k = k if budget is None else budget
         if budget is None and not self.widened:
             self.window = Window(k=k, start=start, divisor=k)  # each loss reaches backward divided by k
-        elif budget is None:  # (`grad_accum_dtype`: each loss as it is; the sum divided by k in the wide dtype)
-            self.window = Window(k=k, start=start, divisor=1)
+        elif budget is None:  # (`grad_accum_dtype`: each loss divided exactly; the sum divided by k in the wide dtype)
+            self.window = Window(k=k, start=start, divisor=wide_divisor(k))
         else:  # (the window's size is known at its close only: its gradient is divided then)
             self.window = Window(k=k, start=start, divisor=1, budget=budget)
         self.closing = None

@@ -13,7 +13,8 @@ Plain torch, no Lightning: the engine drives it (``WindowEngine.widen``), the ad
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -118,6 +119,9 @@ class WideSums:
         self.landed: list[bool] = []
         self._index: dict[int, int] = {}
         self._hooks: list[RemovableHandle] = []
+        #: what the backward passes under way are weighted by (`weighting`): each gradient as it is taken
+        self.weight: float | Tensor = 1.0
+        self._moved: dict[torch.device, Tensor] = {}  # a tensor weight on each other device it was needed on
 
     @property
     def active(self) -> bool:
@@ -136,6 +140,16 @@ class WideSums:
             self._allocate(chosen)
         for i, p in enumerate(self.params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))  # type: ignore[no-untyped-call]
+        if self.params:  # the other trained parameters (as wide as the dtype) take `weighting`'s weight on their own
+            ids = {id(p) for p in self.params}
+            others = {id(p): p for p in params if p.requires_grad and p.is_floating_point() and id(p) not in ids}
+            for p in others.values():
+                self._hooks.append(p.register_hook(self._weigh))  # type: ignore[no-untyped-call]
+
+    def stale(self, params: Iterable[Tensor]) -> bool:
+        """Whether ``params``' narrow trainable ones are no longer those attached (a param group was added, a
+        parameter unfrozen or frozen since): ``attach`` them again where no sum is held."""
+        return [id(p) for p in narrow(params, self.dtype)] != [id(p) for p in self.params]
 
     def _allocate(self, params: list[Tensor]) -> None:
         by_device: dict[torch.device, list[int]] = {}
@@ -160,16 +174,60 @@ class WideSums:
         return hook
 
     def _take(self, i: int, p: Tensor) -> None:
-        """``p.grad`` into its sum, and freed."""
-        grad = p.grad
+        """``p.grad`` (times the pass's weight, in the wide dtype) into its sum, and freed."""
+        grad, view = p.grad, self.views[i]
         if grad is None:
             return
-        if self.filled[i]:
-            self.views[i].add_(grad)
-        else:
-            self.views[i].copy_(grad)
+        weight = self._weight_on(view.device)
+        if not self.filled[i]:
+            view.copy_(grad)
             self.filled[i], self.landed[i] = True, False
+            if _weighted(weight):
+                view.mul_(weight)
+        elif not _weighted(weight):
+            view.add_(grad)
+        elif isinstance(weight, Tensor):
+            view.addcmul_(grad, weight)
+        else:
+            view.add_(grad, alpha=weight)
         p.grad = None
+
+    def _weigh(self, grad: Tensor) -> Tensor:
+        """A wide parameter's gradient, before it is accumulated: times the pass's weight, in its own dtype."""
+        weight = self._weight_on(grad.device)
+        return (grad * weight).to(grad.dtype) if _weighted(weight) else grad
+
+    def _weight_on(self, device: torch.device) -> float | Tensor:
+        """The pass's weight, a tensor one on ``device`` (moved once per `weighting`)."""
+        weight = self.weight
+        if not isinstance(weight, Tensor) or weight.device == device:
+            return weight
+        if device not in self._moved:
+            self._moved[device] = weight.to(device)
+        return self._moved[device]
+
+    @contextlib.contextmanager
+    def weighting(self, weight: float | Tensor) -> Iterator[None]:
+        """Inside: the backward passes' gradients are weighted by ``weight`` (a number or a 0-d tensor, e.g. a
+        mean loss's item count) as they are taken: a narrow parameter's multiplied in the wide dtype as it goes into
+        its sum, any other's in its own dtype before it is accumulated. The passes themselves run unweighted, so the
+        weight adds no rounding in the narrow dtype, as it would on the loss (``loss * n``).
+
+        Example:
+
+            >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+            >>> sums = WideSums(torch.float32)
+            >>> sums.attach([w])
+            >>> with sums.weighting(3):
+            ...     (w * 0.1).sum().backward()
+            >>> sums.views[0].tolist()  # bf16's 0.1 times 3, in float32 (bf16 would round it to 0.30078125)
+            [0.30029296875, 0.30029296875]
+        """
+        previous, self.weight, self._moved = self.weight, weight, {}
+        try:
+            yield
+        finally:
+            self.weight, self._moved = previous, {}
 
     def detach(self) -> None:
         """Stop taking gradients (the sums are kept: a checkpoint written after a failure still saves them)."""
@@ -262,6 +320,11 @@ class WideSums:
     def dtype_of(self, p: Tensor) -> torch.dtype:
         """The dtype ``p``'s window gradient is kept in."""
         return self.dtype if id(p) in self._index else p.dtype
+
+
+def _weighted(weight: float | Tensor) -> bool:
+    """Whether a pass's weight is other than 1 (a tensor always counts as one: it is not read on the host)."""
+    return isinstance(weight, Tensor) or weight != 1.0
 
 
 def _refuse_overflow(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:

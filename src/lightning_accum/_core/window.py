@@ -253,6 +253,19 @@ def lr_factor(lr_scaling: str | None, k: int, first_k: int | None) -> float:
     return ratio if lr_scaling == "linear" else math.sqrt(ratio)
 
 
+def wide_divisor(k: int) -> int:
+    """What each loss of a window of ``k`` is divided by before backward under ``grad_accum_dtype``: the power of two
+    at or above ``k``, which scales a bf16 or fp16 gradient exactly (where ``1/k`` would be rounded), keeps an fp16
+    gradient in range as dividing by ``k`` does, and leaves the window's exact division to its close.
+
+    Example:
+
+        >>> [wide_divisor(k) for k in (1, 2, 3, 4, 5, 8, 9, 64, 100)]
+        [1, 2, 4, 4, 8, 8, 16, 64, 128]
+    """
+    return 1 << (k - 1).bit_length()
+
+
 def lightning_divisor(start: int, k: int) -> int:
     """The ``accumulate_grad_batches`` value that makes Lightning close a window of ``k``
     opened at batch index ``start`` exactly after its ``k``-th batch.

@@ -7,6 +7,7 @@ items they declare, which the driver adds to the window when the block exits.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from lightning_accum import multitask
 from lightning_accum._core import cached, collectives, gradients, microbatch
-from lightning_accum._core.metrics import weigh, weighted
+from lightning_accum._core.metrics import weigh
 from lightning_accum._core.microbatch import AutoSize
 from lightning_accum._core.options import check_flag
 from lightning_accum._trainer.block import Block
@@ -78,10 +79,24 @@ class Accumulator:
                 "for every pass of the window, or give `size` a number."
             )
 
-    def _backward(self, loss: Tensor, nothing: bool | Tensor = False) -> None:
-        """``manual_backward(loss / divisor)`` with gradient sync skipped as the plan says."""
-        self._block.record_loss(loss)
-        self._block.backward(loss / self._block.window.divisor, nothing=nothing)
+    def _backward(self, loss: Tensor, nothing: bool | Tensor = False, weight: float | Tensor | None = None) -> None:
+        """``manual_backward(loss * weight / divisor)`` with gradient sync skipped as the plan says (``weight``: a mean
+        loss's item count or a part's share, ``None`` for none; under ``grad_accum_dtype`` it goes on the gradients
+        as they are taken, in the wide dtype, not on the loss: ``_weighting``)."""
+        block = self._block
+        weighed = loss if weight is None else weigh(loss, weight)
+        block.record_loss(weighed)
+        if block.windows.wide_sums() is None or weight is None:
+            block.backward(weighed / block.window.divisor, nothing=nothing)
+            return
+        with self._weighting(weight):
+            block.backward(loss / block.window.divisor, nothing=nothing)
+
+    def _weighting(self, weight: float | Tensor | None) -> contextlib.AbstractContextManager[None]:
+        """Under ``grad_accum_dtype``: the passes inside have their gradients weighted by ``weight`` as they are
+        taken (``WideSums.weighting``); else (or for no weight) nothing."""
+        wide = self._block.windows.wide_sums()
+        return contextlib.nullcontext() if wide is None or weight is None else wide.weighting(weight)
 
     def backward(self, loss: Tensor, *, items: int | Tensor | None = None) -> None:
         """Back-propagate one loss into the window.
@@ -106,15 +121,15 @@ class Accumulator:
     def _weighted(self, loss: Tensor, items: int | Tensor | None) -> None:
         """A pass of a loss weighted by ``items`` (a mean over them; ``None``: as it is): a pass of no items
         counts, and adds nothing to any gradient (for a tensor count, decided on the device)."""
-        loss, nothing = weighted(loss, items)
-        self._backward(loss, nothing=nothing)
+        self._backward(loss, False if items is None else gradients.no_items(items), items)
 
-    def _passes(self) -> tuple[Callable[[Tensor], None], bool | Tensor]:
+    def _passes(self) -> tuple[Callable[[Tensor], None], bool | Tensor, int | Tensor | None]:
         """A call of several passes without ``items=`` (``backward_each``, ``backward_heads``): each pass's backward,
-        weighted by ``count(batch)`` under ``reduction="mean"``, and whether they add nothing (no items)."""
+        weighted by ``count(batch)`` under ``reduction="mean"``, whether they add nothing (no items), and the
+        weight (``None``: none)."""
         weight = self._block.weight(None)
         empty = False if weight is None else gradients.no_items(weight)
-        return (lambda loss: self._weighted(loss, weight)), empty
+        return (lambda loss: self._weighted(loss, weight)), empty, weight
 
     def backward_each(
         self,
@@ -132,8 +147,17 @@ class Accumulator:
         """
         self._check_open()
         params = self._block.windows.params() if grad_norms else None
-        backward, _ = self._passes()
-        losses, norms = multitask.backward_each(backward, closures, weights, grad_norms_of=params)
+        backward, empty, weight = self._passes()
+        if self._block.windows.wide_sums() is None:
+            losses, norms = multitask.backward_each(backward, closures, weights, grad_norms_of=params)
+        else:  # (`grad_accum_dtype`: each task's weight, with the count, on its gradients as they are taken)
+
+            def weighed(loss: Tensor, w: float) -> None:
+                both = w if weight is None else weight if w == 1.0 else weight * w
+                plain = not isinstance(both, Tensor) and both == 1.0
+                self._backward(loss, empty, None if plain else both)
+
+            losses, norms = multitask.backward_each(weighed, closures, weights, grad_norms_of=params, weighs=True)
         self._record_tasks(losses, names)
         return (losses, norms) if grad_norms else losses  # type: ignore[return-value]
 
@@ -196,6 +220,8 @@ class Accumulator:
             # outside the `except` block, so that the error's frames (and their tensors) are freed
             for p in self._block.params():
                 p.grad = None
+            if self._block.engine.wide is not None:  # (`grad_accum_dtype`'s sums with it)
+                self._block.engine.wide.clear(self._block.params())
             self._block.engine.metrics.clear()  # (the window is redone from its start)
             if self._block.engine.batchnorm is not None:  # (and its BatchNorm statistics with it)
                 self._block.engine.batchnorm.discard()
@@ -229,7 +255,7 @@ class Accumulator:
             if whole is not None:  # a mean over the part's items: weighted by them (the whole batch: as counted)
                 self._weighted(loss, whole if weights is None else weights[i])
             else:
-                self._backward(loss * (microbatch.batch_length(part, rule) / n) if mean and size < n else loss)
+                self._backward(loss, weight=microbatch.batch_length(part, rule) / n if mean and size < n else None)
             losses.append(loss.detach())
         return torch.stack(losses)
 
@@ -310,19 +336,25 @@ class Accumulator:
             weight = collectives.sum_over_ranks(strategy, [weight])[0][0] / world
         empty = False if weight is None else gradients.no_items(weight)
 
+        wide = block.windows.wide_sums() is not None  # (the weight then goes on each pass's gradients: `_weighting`)
+
         def loss_backward(loss: Tensor) -> None:
             loss = multitask.check_loss(loss, "the loss returned by `loss_fn`")
             if weight is None:
                 block.backward(loss / block.window.divisor)
             elif empty is True:  # (a mean over no items: it adds nothing)
                 block.backward(loss, nothing=True)
+            elif wide:
+                with self._weighting(weight):
+                    block.backward(loss / block.window.divisor, nothing=empty)
             else:
                 block.backward(weigh(loss, weight) / block.window.divisor, nothing=empty)
 
         def reps_backward(reps: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
             # (FSDP, FSDP2: every chunk of the window's last batch syncs, since each module
             # reduce-scatters in its own backward and two towers end at different chunks)
-            block.trunk_backward(reps, gradients.zero_where(grads, empty))  # (no items: it may be NaN, adds nothing)
+            with self._weighting(weight if wide else None):
+                block.trunk_backward(reps, gradients.zero_where(grads, empty))  # (no items: may be NaN, adds nothing)
 
         def gather_rows(reps: Sequence[Tensor]) -> tuple[list[Tensor], int]:
             return collectives.gather_rows(strategy, reps)
@@ -355,10 +387,11 @@ class Accumulator:
         trunk's graph plus the largest head's. Returns the detached per-head losses; each head's
         window loss is logged as ``accum/loss/<name>`` (``names``, default ``task0``, ...)."""
         self._check_open()
-        backward, empty = self._passes()
+        backward, empty, weight = self._passes()
 
         def trunk_backward(features: Tensor, grad: Tensor) -> None:  # (no items: the heads' NaN adds nothing)
-            self._block.trunk_backward(features, gradients.zero_where([grad], empty)[0])
+            with self._weighting(weight):  # (`grad_accum_dtype`: the heads' passes were not weighted)
+                self._block.trunk_backward(features, gradients.zero_where([grad], empty)[0])
 
         losses = multitask.backward_heads(backward, features, heads, weights, trunk_backward=trunk_backward)
         self._record_tasks(losses, names)

@@ -202,6 +202,8 @@ class MixinDriver(Callback):
         windows.refuse_window_of_some(key)  # (`batchnorm="window"`: one window of every optimizer)
         engine = windows.engine(key)
         epoch, batch_idx = trainer.current_epoch, _seam.batch_index(trainer)
+        if engine.window is None and self.config.grad_accum_dtype is not None:
+            windows.rewiden()  # (a param group added, a layer unfrozen)
         window = engine.window or engine.open(epoch, batch_idx, trainer.strategy)
         # a batch whose gradient a checkpoint holds already (saved on an exception after its block) adds nothing
         redoing = engine.redo == (epoch, batch_idx)

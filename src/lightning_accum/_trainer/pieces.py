@@ -112,7 +112,8 @@ class Fit:
     #: `batchnorm="window"`: around a loader batch of SWA's BatchNorm epoch (no backward), so that its pieces' forwards
     #: make one BatchNorm update with their pooled statistics, as the loader batch whole would
     one_update: Callable[[], contextlib.AbstractContextManager[None]] | None = None
-    #: `grad_accum_dtype`: where the narrow parameters' window sums are (cleared and restored with `.grad`)
+    #: `grad_accum_dtype`: where the narrow parameters' window sums are (cleared and restored with `.grad`; they take
+    #: a piece's weight themselves, `WideSums.weighting`)
     wide: WideSums | None = None
 
     @property
@@ -174,6 +175,11 @@ class Pieces:
         """At train start."""
         self._fit = fit
         self._window, self._base = [], None
+
+    def rewiden(self, wide: WideSums | None) -> None:
+        """``grad_accum_dtype``'s sums taken again (the narrow parameters changed as a window opened)."""
+        if self._fit is not None:
+            self._fit = dataclasses.replace(self._fit, wide=wide)
 
     def detach(self) -> None:
         self.release()
@@ -459,6 +465,7 @@ class Pieces:
         whole = n == b.samples
         factor: float | Tensor = self._factor if backward else 1.0
         nothing: bool | Tensor = b.redoing
+        share = 1.0  # (`grad_accum_dtype`: a mean piece's share goes on its gradients as they are taken, not its loss)
         if fit.mean_items:
             items = b.items if whole else b.counts[bounds]
             factor = factor * items
@@ -468,9 +475,13 @@ class Pieces:
             value = loss
         elif whole:
             value = loss
-        else:
-            value = loss if fit.normalize != "mean" else loss * (n / b.samples)
+        elif fit.normalize != "mean":
+            value = loss
             b.loss = b.loss + value.detach()
+        else:
+            share = n / b.samples
+            value = loss if fit.wide is not None else loss * share
+            b.loss = b.loss + loss.detach() * share
         if whole:
             b.whole = loss.detach()
         if not backward:
@@ -479,11 +490,15 @@ class Pieces:
         scaled = value / self._divisor if self._divisor != 1 else value
         if fit.scaler is not None:
             scaled = fit.scaler.scale(scaled)
-        sync.scale_backward(scaled, factor)
+        if fit.wide is None:
+            sync.scale_backward(scaled, factor)
+            weighting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        else:
+            weighting = fit.wide.weighting(factor * share)
         handles = [] if nothing is False else gradients.add_nothing_if(fit.params, nothing)
         self.in_backward = True
         try:
-            with _no_autocast(scaled), self._sync(final):
+            with _no_autocast(scaled), self._sync(final), weighting:
                 fit.precision.backward(scaled, fit.module, fit.optimizer)
         finally:
             for handle in handles:

@@ -83,7 +83,7 @@ class WindowStep:
         self.rescaled = False
         if closing.empty:  # nothing went in, over all ranks: no step (it would move Adam's state)
             with guards.resetting():
-                _reset(config, optimizers)
+                _reset(config, optimizers, engine)
             engine.advance(trainer.current_epoch)
             return
         # the window's normalised gradient is `.grad * scale / loss scale`
@@ -106,7 +106,7 @@ class WindowStep:
         if config.decay is not None:
             config.decay.after_step()
         with guards.resetting():
-            _reset(config, optimizers)
+            _reset(config, optimizers, engine)
         engine.advance(trainer.current_epoch)
         auto.window_closed(key, strategy, world)
         window = None
@@ -157,10 +157,17 @@ def drop(engine: WindowEngine, params: Sequence[Tensor], config: AccumulationCon
             p.grad = None
 
 
-def _reset(config: AccumulationConfig, stepped: Sequence[Any]) -> None:
-    """Open the next window: zero the gradients (keeping the buffers) or set them to ``None``."""
+def _reset(config: AccumulationConfig, stepped: Sequence[Any], engine: WindowEngine) -> None:
+    """Open the next window: zero the gradients (keeping the buffers) or set them to ``None``. Under
+    ``grad_accum_dtype`` a narrow parameter's ``.grad`` is set to ``None`` either way: its window sum is kept in the
+    wide buffer, and ``.grad`` is ``None`` between micro-batches."""
+    wide = engine.wide if engine.widened else None
     for optimizer in stepped:
         if config.reset == "none":
             optimizer.zero_grad(set_to_none=True)
         elif config.reset == "zero":
+            if wide is not None:
+                for p in gradients.optimizer_params(optimizer.optimizer):
+                    if wide.holds(p):
+                        p.grad = None
             gradients.zero_(gradients.optimizer_grads(optimizer.optimizer))

@@ -77,6 +77,12 @@ class MixinWindows:
             engine.widen(self.params(key), self.wide)
         return self.wide.active
 
+    def rewiden(self) -> None:
+        """As a window opens: the narrow parameters taken again if they changed since ``widen`` (a param group added,
+        a parameter unfrozen), where no group's window holds a sum."""
+        if self.wide is not None and not self.window_open() and self.wide.stale(self.params()):
+            self.widen()
+
     def unwiden(self) -> None:
         """At a fit's end: the sums take no more gradients (those held are kept, for a checkpoint)."""
         self._widening = False

@@ -244,7 +244,12 @@ class AccumulationScheduler(Callback):
         self._engine.widen(gradients.optimizer_params(trainer.optimizers[0]))
         if self.grad_accum_dtype is not None and not self._engine.widened:
             rank_zero_warn(inert_note(self.grad_accum_dtype))
-        self._reduces = plan.family == "ddp" and (self._split is not None or self._engine.widened)
+        self._set_reduces()
+
+    def _set_reduces(self) -> None:
+        """Whether the callback all-reduces each window's gradient itself under DDP (every batch's sync skipped):
+        with ``microbatch_size``, or where ``grad_accum_dtype`` keeps sums DDP's reducer cannot see."""
+        self._reduces = self._plan.family == "ddp" and (self._split is not None or self._engine.widened)
         self._blocks = self._reduces and self._split is None
 
     # ------------------------------------------------------------------ fit lifetime
@@ -270,7 +275,7 @@ class AccumulationScheduler(Callback):
             and not (self._deepspeed or self._sharded)
             and self.reduction != "mean"
             and self._engine.probe is None
-            and not self._blocks
+            and self.grad_accum_dtype is None  # (the parameters it sums in float32 may change at a window's opening)
         )
         steps.warn_scheduler_horizons(trainer)
         self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
@@ -489,6 +494,10 @@ class AccumulationScheduler(Callback):
             zero_grad_like_lightning(trainer, batch_idx, self._optimizer)
 
     def _open(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        if self.grad_accum_dtype is not None and self._rewiden():  # (a param group added, a layer unfrozen)
+            self._set_reduces()
+            if self._split is not None:
+                self._split.rewiden(self._wide())
         window = self._engine.open(trainer.current_epoch, batch_idx, self._strategy)
         if self._batchnorm is not None:
             self._batchnorm.resume()
@@ -548,7 +557,12 @@ class AccumulationScheduler(Callback):
             if self._redoing:
                 return
         if mean or self._loss_factor != 1.0:  # (the hot path of an aligned window: nothing to scale)
-            sync.scale_backward(loss, self._loss_factor * self._counts[1] if mean else self._loss_factor)
+            factor = self._loss_factor * self._counts[1] if mean else self._loss_factor
+            if engine.widened:  # (`grad_accum_dtype`: weighted in the wide dtype as each gradient is taken)
+                self._pass.enter_context(engine.wide.weighting(factor))  # type: ignore[union-attr]
+                self._holding = True
+            else:
+                sync.scale_backward(loss, factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
             final = self._closes_window(trainer)
             self._pass.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
@@ -671,6 +685,9 @@ class AccumulationScheduler(Callback):
             return None
         return self._partial.put_back(gradients.optimizer_params(self._optimizer), self._wide())
 
+    def _rewiden(self) -> bool:
+        return self._optimizer is not None and self._engine.rewiden(gradients.optimizer_params(self._optimizer))
+
     def _wide(self) -> Any:
         """Where `grad_accum_dtype` keeps the window's narrow sums (``None``: nowhere, `.grad` holds it all)."""
         return self._engine.wide if self._engine.widened else None
@@ -697,6 +714,8 @@ class AccumulationScheduler(Callback):
         engine.batch_done()
         if self._lean and engine.closing is None:
             return
+        if engine.widened:  # Lightning divided the loss by the power of two at or above k: `outputs` gets it over k
+            _over_k(outputs, engine.window)
         if self._holding:  # (after a step that moved nothing: clipping back on)
             self._release()
         self._closed = False
@@ -784,3 +803,12 @@ class AccumulationScheduler(Callback):
         self._loss_factor = 1.0
         if window is not None and window.microbatches and not self._partial.loaded:
             rank_zero_warn("The checkpoint was saved inside an accumulation window without its gradients.")
+
+
+def _over_k(outputs: Any, window: Any) -> None:
+    """Under ``grad_accum_dtype`` each loss went to backward divided by ``wide_divisor(k)``, the power of two at or
+    above ``k``: the loss ``outputs`` hands the batch-end hooks is divided by the window's ``k`` instead, as without
+    it (``(loss / p) * p`` is ``loss`` exactly, so this is Lightning's own ``loss / k``)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else None
+    if window is not None and window.budget is None and window.divisor != window.k and isinstance(loss, Tensor):
+        outputs["loss"] = loss * window.divisor / window.k

@@ -1,0 +1,145 @@
+"""Which parameters ``grad_accum_dtype`` sums in float32 follows the optimizer through the fit: a layer unfrozen and
+added as a param group mid-fit (Lightning's ``BaseFinetuning``, at an epoch's start) is summed in float32 from the
+window that opens next, in every adapter, its window gradient within 1.1x one rounding of the float64 value formed
+by hand (2.8x where it is left in `.grad`). Each epoch is one window of the same data (the parameters do not move)."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import BaseFinetuning
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AccumulationMixin, AccumulationScheduler
+from lightning_accum.fabric import FabricAccumulator
+
+K, WINDOWS, UNFREEZE_AT = 8, 2, 1  # the first layer joins the optimizer at the second epoch (window)
+
+
+def data() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(K * 4, 16, generator=g), torch.randn(K * 4, 1, generator=g)
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+class Unfreeze(BaseFinetuning):
+    """The first layer frozen at the start, unfrozen and added as a param group of its own at an epoch's start."""
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.net[0])
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == UNFREEZE_AT:
+            self.unfreeze_and_add_param_group(pl_module.net[0], optimizer, lr=0.0, train_bn=False)
+
+
+class Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = net()
+        self.seen: list[Tensor] = []  # the first layer's weight gradient, where it has one
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grad = self.net[0].weight.grad
+        if grad is not None:
+            self.seen.append(grad.detach().double().clone())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.0)
+
+
+class MixinModel(AccumulationMixin, Model):
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.configure_accumulation(K, grad_accum_dtype=dtype, log=False)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:  # type: ignore[override]
+        with self.accumulate(batch) as acc:
+            acc.backward(nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+
+def fit_trainer(adapter: str, dtype: torch.dtype | None) -> list[Tensor]:
+    x, y = data()
+    model = Model() if adapter == "callback" else MixinModel(dtype)
+    callbacks: list[pl.Callback] = [Unfreeze()]
+    if adapter == "callback":
+        callbacks.insert(0, AccumulationScheduler(K, grad_accum_dtype=dtype, log=False))
+    trainer = pl.Trainer(
+        max_epochs=WINDOWS, callbacks=callbacks, precision="bf16-true", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    return model.seen
+
+
+def fit_fabric(dtype: torch.dtype | None) -> list[Tensor]:
+    x, y = data()
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    module = net()
+    module[0].requires_grad_(False)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module[2].parameters(), lr=0.0))
+    acc = FabricAccumulator(fabric, model, optimizer, K, grad_accum_dtype=dtype, log=False)
+    seen: list[Tensor] = []
+
+    def record(*_: object) -> None:
+        if module[0].weight.grad is not None:
+            seen.append(module[0].weight.grad.detach().double().clone())
+
+    optimizer.optimizer.register_step_pre_hook(record)
+    for epoch in range(WINDOWS):
+        if epoch == UNFREEZE_AT:
+            module[0].requires_grad_(True)
+            optimizer.optimizer.add_param_group({"params": list(module[0].parameters()), "lr": 0.0})
+        for j in range(K):
+            with acc.accumulate(None) as step:
+                step.backward(nn.functional.mse_loss(model(x[4 * j : 4 * j + 4]), y[4 * j : 4 * j + 4]))
+    return seen
+
+
+def exact(fabric: bool) -> list[Tensor]:
+    """The first layer's weight gradient of each window from the unfreezing on, in float64, from the bf16 model (its
+    output and loss in float32 as Fabric's precision gives them, in bf16 as the Trainer's)."""
+    x, y = data()
+    reference = net().to(torch.bfloat16)
+    out = []
+    for _ in range(UNFREEZE_AT, WINDOWS):
+        total = torch.zeros(64, 16, dtype=torch.float64)
+        for j in range(K):
+            reference.zero_grad()
+            output, target = reference(x[4 * j : 4 * j + 4].bfloat16()), y[4 * j : 4 * j + 4]
+            loss = nn.functional.mse_loss(output.float(), target) if fabric else nn.functional.mse_loss(
+                output, target.bfloat16()
+            )  # fmt: skip
+            loss.backward()
+            total += reference[0].weight.grad.double()  # type: ignore[union-attr]
+        out.append(total / K)
+    return out
+
+
+def relative(got: Tensor, want: Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("adapter", ["callback", "mixin", "fabric"])
+def test_a_param_group_added_mid_fit_is_summed_in_float32(adapter: str) -> None:
+    want = exact(adapter == "fabric")
+    once = [relative(w.to(torch.bfloat16).double(), w) for w in want]
+    got = fit_fabric(torch.float32) if adapter == "fabric" else fit_trainer(adapter, torch.float32)
+    assert len(got) == len(want)
+    assert all(relative(g, w) <= 1.1 * o for g, w, o in zip(got, want, once, strict=True)), [
+        relative(g, w) / o for g, w, o in zip(got, want, once, strict=True)
+    ]
