@@ -100,6 +100,11 @@ def test_builtin_divides_twice_under_deepspeed(tmp_path: Path) -> None:
         ([AccumulationScheduler(2, lr_scaling="sqrt")], r"lr_scaling='sqrt'"),
         ([AccumulationScheduler(NoiseScale(2, 8))], "`NoiseScale` cannot measure the gradient noise under DEEPSPEED"),
         ([AccumulationScheduler(2), GradientDecay(0.5)], "`GradientDecay` cannot run under `CPUDeepSpeed`"),
+        (  # (DeepSpeed sums the window in its own buffers: its config's `data_types.grad_accum_dtype` does the job)
+            [AccumulationScheduler(2, grad_accum_dtype="float32")],
+            r"`grad_accum_dtype='float32'` cannot work here\. DeepSpeed .*"
+            r"\"data_types\": \{\"grad_accum_dtype\": \"fp32\"\}",
+        ),
     ],
 )
 def test_what_needs_the_gradient_after_backward_is_refused(tmp_path: Path, callbacks: list[Any], match: str) -> None:

@@ -77,6 +77,27 @@ def test_hf_causal_lm() -> None:
 
 
 @pytest.mark.slow
+def test_bf16_window(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = run("bf16_window.py", "--steps", "3", "--probes", "2", "--out", str(tmp_path))
+    windows = [line for line in out.splitlines() if line.startswith("  step") and ":  32-true " in line]
+    for name in ("32-true", "bf16-true", "bf16-true + float32 sum"):
+        first, last = (float(line.split(f"  {name} ")[1].split()[0]) for line in (windows[0], windows[-1]))
+        assert last < first - 0.1, (name, first, last)
+    probes = [line for line in out.splitlines() if "32-true vs float64" in line]
+    assert len(probes) == 2
+    for line in probes:
+        assert float(line.split("32-true vs float64 ")[1].split(";")[0]) < 1e-5
+        plain, wide = line.split("; bf16-true: ")[1].split("; bf16-true + float32 sum: ")
+        error, once = (float(wide.split(key)[1].split()[0].rstrip("),")) for key in ("sum ", "(once "))
+        assert error <= 1.1 * once, line  # the option: within one rounding of the window's exact mean
+        error, once = (float(plain.split(key)[1].split()[0].rstrip("),")) for key in ("sum ", "(once "))
+        assert error > 1.5 * once, line  # bf16 `.grad`: rounded at every add (k >= 16)
+    assert "the two bf16 runs' parameters differ by" in out
+    assert (tmp_path / "bf16_window.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
 def test_gradient_decay(tmp_path: Path) -> None:
     out = run("gradient_decay.py", "--epochs", "1", "--out", str(tmp_path))
     assert out.count("mean loss over the last epoch") == 4

@@ -197,6 +197,7 @@ class FabricAccumulator:
         self.reduction = check_callback_items(normalize, count, reduction, "`step.backward(loss)` gets")
         check_clip(gradient_clip_val, gradient_clip_algorithm)
         self.log = check_flag("log", log)
+        self.batchnorm = check_batchnorm(batchnorm)  # (every argument checked before a hook is attached)
         self._plan = sync_plan(fabric, model, sync)
         check_same_owner(fabric, model, optimizer)
         check_noise_under(self._plan, self.schedule, lr_scaling)
@@ -211,7 +212,6 @@ class FabricAccumulator:
         self._engine.widen(self.params)  # (the hooks live as long as the accumulator)
         if self.grad_accum_dtype is not None and not self._engine.widened:
             rank_zero_warn(inert_note(self.grad_accum_dtype))
-        self.batchnorm = check_batchnorm(batchnorm)
         if batchnorm == "window":  # (the module's own names: a checkpoint's statistics are keyed by them)
             stats = WindowBatchNorm()
             stats.attach(getattr(model, "module", model))
@@ -587,6 +587,7 @@ class FabricAccumulator:
             )
         if "grads" in state_dict:
             check_world(state_dict, self._ranks)
+        self._engine.check_state(dict(state_dict))  # (before the window under way is given up)
         live = self._engine.window
         held_by_fsdp2 = live is not None and live.microbatches and self._plan.sharded and self._plan.skip
         # the window under way is given up for the checkpoint's (put back at the next block, if it holds one)

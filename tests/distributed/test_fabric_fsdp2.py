@@ -102,6 +102,13 @@ def ranks(fabric: Fabric, out: Path) -> None:
         report["partly sharded"] = ""
     except ValueError as error:
         report["partly sharded"] = str(error)
+    model = fabric.setup_module(make_net())  # FSDP2 holds a window's unsharded gradient itself: refused, naming
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))  # what does the job there
+    try:
+        FabricAccumulator(fabric, model, optimizer, grad_accum_dtype="float32")
+        report["grad_accum_dtype"] = ""
+    except ValueError as error:
+        report["grad_accum_dtype"] = str(error)
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
 
 
@@ -135,3 +142,7 @@ def test_fsdp2_in_a_fabric_loop_matches_one_process(tmp_path: Path, monkeypatch:
         assert "its last micro-batch skipped the gradient sync" in report["refused"]
         assert "Give `last=True`" in report["refused"]
         assert "the parameters 2.weight, 2.bias are not sharded by `fully_shard`" in report["partly sharded"]
+        assert "`grad_accum_dtype='float32'` cannot work here. FSDP2" in report["grad_accum_dtype"]
+        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in (
+            report["grad_accum_dtype"]
+        )

@@ -164,3 +164,20 @@ def test_fsdp2_callback_with_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         SCHEDULE, normalize="items", reduction="sum", count=count_tokens, microbatch_size=3
     )
     check(fit_fsdp2(tmp_path, ShardedTokenModel(reduction="sum"), [callback], monkeypatch), "items", "auto")
+
+
+@pytest.mark.parametrize("adapter", ["callback", "mixin"])
+def test_grad_accum_dtype_is_refused_before_any_batch(
+    tmp_path: Path, adapter: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP2 holds a window's unsharded gradients itself: ``grad_accum_dtype`` is refused at the fit's start, naming
+    the ``MixedPrecisionPolicy`` that does the job there (``reduce_dtype=torch.float32``)."""
+    if adapter == "callback":
+        model: pl.LightningModule = ShardedTokenModel()
+        callbacks: list[pl.Callback] = [AccumulationScheduler(SCHEDULE, grad_accum_dtype="float32")]
+    else:
+        model, callbacks = ShardedManualTokenModel(schedule=SCHEDULE, grad_accum_dtype="float32"), []
+    refusal = r"`grad_accum_dtype='float32'` cannot work here\. FSDP2 .*reduce_dtype=torch\.float32"
+    with pytest.raises(Exception, match=refusal):  # raised in the forked ranks, re-raised here
+        fit_fsdp2(tmp_path, model, callbacks, monkeypatch)
+    assert not list(tmp_path.glob("rank*.json"))  # no rank reached the fit's end

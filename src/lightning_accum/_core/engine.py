@@ -678,6 +678,13 @@ class WindowEngine:
         return options
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self._load(state)
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a state whose open window this engine cannot go on with (another ``grad_accum_dtype``, ``normalize``
+        or ``reduction``, or kind of schedule); changes nothing, so that an adapter can check before it changes
+        anything of its own."""
         saved, here = state.get("window_options"), self._window_options()
         if state.get("window") is not None and saved is not None:
             _check_same_dtype(saved.get("grad_accum_dtype"), here.get("grad_accum_dtype"))
@@ -710,6 +717,10 @@ class WindowEngine:
                 f"`unit={unit!r}` in the `Budget` (and change the unit from a checkpoint written at an optimizer "
                 "step), or resume from a checkpoint written at an optimizer step."
             )
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if self.wide is not None:  # (the open window is the state's: sums a failed fit left are no part of it)
+            self.wide.clear(self._scope)
         self.progress = Progress(**state["progress"])
         if "schedule" in state:
             self.schedule.load_state_dict(state["schedule"])

@@ -14,12 +14,14 @@ Plain torch, no Lightning: the engine drives it (``WindowEngine.widen``), the ad
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_accum._core.errors import NonFiniteWindowError
 
@@ -30,6 +32,13 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "fp64": torch.float64,
 }
+
+
+#: which ``WideSums`` takes (or weighs) each parameter's gradient now: an ``attach`` takes a parameter over from an
+#: earlier owner (whose hook on it is removed), so that a gradient goes into one sum only (a ``FabricAccumulator``
+#: keeps its hooks as long as it lives: a second one on the model must not find each gradient taken already). Both
+#: held weakly.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def check_grad_accum_dtype(value: object) -> torch.dtype | None:
@@ -118,7 +127,7 @@ class WideSums:
         #: whether the sum holds the window's normalised gradient (`land`), till the next window's first gradient
         self.landed: list[bool] = []
         self._index: dict[int, int] = {}
-        self._hooks: list[RemovableHandle] = []
+        self._hooks: dict[int, RemovableHandle] = {}  # by the parameter's id
         #: what the backward passes under way are weighted by (`weighting`): each gradient as it is taken
         self.weight: float | Tensor = 1.0
         self._moved: dict[torch.device, Tensor] = {}  # a tensor weight on each other device it was needed on
@@ -133,18 +142,35 @@ class WideSums:
 
     def attach(self, params: Iterable[Tensor]) -> None:
         """Keep the sums of ``params``' narrow ones from now on (sums still held from before are kept, for a
-        checkpoint; a ``.grad`` that exists now stays where it is, for the adapter's zeroing)."""
+        checkpoint; a ``.grad`` that exists now stays where it is, for the adapter's zeroing). A parameter another
+        ``WideSums`` takes (or weighs) the gradient of is taken over from it."""
         self.detach()
         chosen = narrow(params, self.dtype)
         if [id(p) for p in chosen] != [id(p) for p in self.params]:
             self._allocate(chosen)
         for i, p in enumerate(self.params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))  # type: ignore[no-untyped-call]
+            self._own(p)
+            self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._hook(i))  # type: ignore[no-untyped-call]
         if self.params:  # the other trained parameters (as wide as the dtype) take `weighting`'s weight on their own
             ids = {id(p) for p in self.params}
             others = {id(p): p for p in params if p.requires_grad and p.is_floating_point() and id(p) not in ids}
             for p in others.values():
-                self._hooks.append(p.register_hook(self._weigh))  # type: ignore[no-untyped-call]
+                self._own(p)
+                self._hooks[id(p)] = p.register_hook(self._weigh)  # type: ignore[no-untyped-call]
+
+    def _own(self, p: Tensor) -> None:
+        """``p``'s gradient is this one's to take (or weigh) from now on: taken over from an earlier owner."""
+        owner = _OWNERS.get(p)  # type: ignore[no-untyped-call]
+        previous = None if owner is None else owner()
+        if previous is not None and previous is not self:
+            previous._give_up(p)
+        _OWNERS[p] = weakref.ref(self)
+
+    def _give_up(self, p: Tensor) -> None:
+        """Take (or weigh) no more of ``p``'s gradient: another ``WideSums`` took it over."""
+        handle = self._hooks.pop(id(p), None)
+        if handle is not None:
+            handle.remove()
 
     def stale(self, params: Iterable[Tensor]) -> bool:
         """Whether ``params``' narrow trainable ones are no longer those attached (a param group was added, a
@@ -231,9 +257,9 @@ class WideSums:
 
     def detach(self) -> None:
         """Stop taking gradients (the sums are kept: a checkpoint written after a failure still saves them)."""
-        for handle in self._hooks:
+        for handle in self._hooks.values():
             handle.remove()
-        self._hooks = []
+        self._hooks = {}
 
     # ------------------------------------------------------------------ the window
     def _chosen(self, params: Iterable[Tensor] | None) -> list[int]:

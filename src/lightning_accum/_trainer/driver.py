@@ -341,8 +341,8 @@ class MixinDriver(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._fitting is not None:  # (a partial window on another world size: refused before anything changes)
             self.partial.check(state_dict, self._fitting.strategy, self._fitting.ckpt_path)
-        self._restored = True
         self.windows.load_state_dict(state_dict["groups"])
+        self._restored = True  # (not before: a refused checkpoint restores nothing)
         self.partial.load(state_dict)
         if self.config.decay is not None and "decay" in state_dict:
             self.config.decay.load_state_dict(state_dict["decay"])

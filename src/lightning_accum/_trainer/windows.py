@@ -217,6 +217,12 @@ class MixinWindows:
         return {",".join(map(str, key)): engine.state_dict() for key, engine in self.engines.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        c = self.config  # (every group checked first, by an engine of the configuration: a refusal changes nothing)
+        checks = WindowEngine(c.schedule, c.normalize, c.lr_scaling, c.lr_schedule, c.reduction, c.grad_accum_dtype)
+        for group in state.values():
+            checks.check_state(group)
         self.engines = {}
+        if self.wide is not None:  # (the windows are the state's: sums a failed fit left are no part of them)
+            self.wide.clear()
         for name, group in state.items():
             self.engine(tuple(int(i) for i in name.split(",") if i)).load_state_dict(group)

@@ -791,8 +791,8 @@ class AccumulationScheduler(Callback):
         """Restore what ``state_dict`` returned (the partial gradient is put back at train start)."""
         if self._fitting is not None:  # (a partial window on another world size: refused before anything changes)
             self._partial.check(state_dict, self._fitting.strategy, self._fitting.ckpt_path)
-        self._restored = True
         self._engine.load_state_dict(state_dict)
+        self._restored = True  # (not before: a refused checkpoint restores nothing)
         self._divisor = int(state_dict.get("divisor", 1))
         self._reported.load_state_dict(state_dict.get("reported", {}))
         if self._split is not None:
