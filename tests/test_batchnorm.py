@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from lightning_accum import AccumulationMixin, AccumulationScheduler
+from lightning_accum import AccumulationMixin, AccumulationScheduler, Budget
 from lightning_accum._core.batchnorm import Moments, WindowBatchNorm
 from lightning_accum.fabric import FabricAccumulator
 
@@ -113,6 +113,7 @@ def reference(
     repeat: int = 1,
     own: int = 0,
     failed_outside: str | None = None,
+    forward_only: list[Batch] = (),  # type: ignore[assignment]
 ) -> nn.Module:
     """The plain loop: each window's gradient the mean of its micro-batches', and each BatchNorm layer's update
     one forward of that layer alone over everything the window's micro-batches gave it, as a single batch (the
@@ -123,7 +124,9 @@ def reference(
     weighted ``1 / repeat``), all of which BatchNorm is given; ``own``: the first that many micro-batches update
     the buffers themselves, as under ``"micro-batch"``; ``failed_outside="outside"``: a training forward outside any
     micro-batch raised inside ``bn2``, which (as PyTorch's BatchNorm does) counted it in ``num_batches_tracked``
-    first."""
+    first; ``forward_only``: batches (the same objects as in ``windows``) that run their forward but no backward (a
+    ``training_step`` returning ``None``, a block making no pass; with ``piece``, the first piece's forward only),
+    which count in their window's statistics and not in its gradient, the mean of the others'."""
     net = make_net()
     train_mode(net)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
@@ -131,24 +134,33 @@ def reference(
     for window in windows:
         before: dict[str, Tensor] | None = None
         inputs: dict[str, list[Tensor]] = {"bn2": [], "bn1": []}
+        trained = [b for b in window if not any(b is f for f in forward_only)]
         for batch in window:
             if seen >= own and before is None:
                 before = buffers(net)
             counted = inputs if seen >= own else None
             seen += 1
-            n = len(batch["x"])
+            n, skipped = len(batch["x"]), not any(batch is b for b in trained)
             for i in range(0, n, piece or n):
                 x, y = batch["x"][i : i + (piece or n)], batch["y"][i : i + (piece or n)]
+                if skipped:  # (its forward, no backward: Lightning's skip of the batch)
+                    try:
+                        forward(net, x, counted)
+                    except ValueError:  # (`bn1` refused one sample: what it was given counts nowhere, `bn2`'s does)
+                        if counted is not None:
+                            counted["bn1"].pop()
+                    break
                 for _ in range(repeat):
                     out = forward(net, x, counted)
-                    (nn.functional.mse_loss(out, y) * len(x) / n / len(window) / repeat).backward()
+                    (nn.functional.mse_loss(out, y) * len(x) / n / len(trained) / repeat).backward()
         if before is not None:
             with torch.no_grad():
                 for name, b in net.named_buffers():
                     b.copy_(before[name])
                 for name, given in inputs.items():
                     net[name](torch.cat(given))  # the window as one batch
-        opt.step()
+        if trained:  # (a window that took no backward pass is not stepped)
+            opt.step()
         opt.zero_grad()
     if failed_outside == "outside":  # a forward outside the window that `bn2` refused: PyTorch counted it
         net["bn2"].num_batches_tracked += 1
@@ -519,10 +531,6 @@ def poison(batch: Batch) -> Tensor:
     return batch["x"][:1]
 
 
-def without(windows: list[list[Batch]], skipped: Batch) -> list[list[Batch]]:
-    return [[b for b in window if not torch.equal(b["x"], skipped["x"])] for window in windows]
-
-
 class CatchesInStep(Model):
     """Batch 4's ``training_step`` runs a forward that raises inside ``bn1``, catches it and returns None (the batch
     is skipped)."""
@@ -540,13 +548,16 @@ class CatchesInStep(Model):
 
 
 def test_callback_failed_forward_caught_in_training_step() -> None:
-    """The layer's own buffers and momentum come back; the skipped batch adds nothing to its window (its window is
-    batches 3 and 5), and training goes on equal to the reference."""
+    """The layer's own buffers and momentum come back; the skipped batch's gradient is out of its window (batches 3
+    and 5), and of its forward only what ran through counts (issue 53): ``bn2``'s statistics take the poison sample,
+    ``bn1``, which refused it, nothing; training goes on equal to the reference."""
     model = CatchesInStep()
     trainer(callbacks=[AccumulationScheduler(3, batchnorm="window")], max_epochs=1).fit(model, ResumableLoader(DATA, 4))
     assert model.net["bn1"].momentum is None and model.net["bn2"].momentum == 0.1
-    ref = reference(without(windows_of(3, epochs=1), batches()[4]))
-    assert max_diff(state(model.net), state(ref)) <= 1e-12
+    windows = windows_of(3, epochs=1)
+    poisoned = {"x": poison(windows[1][1]), "y": windows[1][1]["y"][:1]}
+    windows[1][1] = poisoned
+    assert max_diff(state(model.net), state(reference(windows, forward_only=[poisoned]))) <= 1e-12
 
 
 class CatchesAroundBlock(MixinModel):
@@ -583,6 +594,194 @@ def test_fabric_failed_forward_caught_around_the_block(where: str) -> None:
     net = fabric_run(3, fail=4, how=where)
     assert net["bn1"].momentum is None and net["bn2"].momentum == 0.1
     assert max_diff(state(net), state(reference(windows_of(3), failed_outside=where))) <= 1e-12
+
+
+# ---------------------------------------------------------------------- forwards without a backward (issue 53)
+class SkipsAfterForward(Model):
+    """Batches 4, 9 and 10 (or ``skips``) run their forward in training mode and return None (Lightning skips their
+    backward); with ``microbatch_size`` their first piece does, which skips the batch."""
+
+    def __init__(self, skips: tuple[int, ...] = (4, 9, 10)) -> None:
+        super().__init__()
+        self.skips = skips
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor | None:
+        if batch_idx in self.skips:
+            forward(self.net, batch["x"])
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("size", [None, 2])
+def test_callback_a_batch_returning_none_counts_its_forward_once(size: int | None) -> None:
+    """Every training forward counts once: batch 4's samples join its window's statistics (batches 3-5; its gradient
+    is batches 3 and 5's), and the window of batches 9 and 10, which took no backward, is not stepped but advances
+    the statistics with their samples, as the documented window of no items does. (Before issue 53 both were left
+    out: the run with those batches deleted.)"""
+    model = SkipsAfterForward()
+    callback = AccumulationScheduler(3, batchnorm="window", microbatch_size=size)
+    trainer(callbacks=[callback], max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    windows = windows_of(3, epochs=1)
+    skipped = [windows[1][1], *windows[3]]
+    assert max_diff(state(model.net), state(reference(windows, piece=size, forward_only=skipped))) <= 1e-12
+    assert int(model.net["bn2"].num_batches_tracked) == 4 and callback.progress.step == 3
+
+
+class FailsOnce(pl.Callback):
+    """Raises once in ``on_before_optimizer_step`` of batch 5 (its forward ran, its window steps after it)."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.armed and trainer.fit_loop.batch_idx == 5:
+            self.armed = False
+            raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("schedule", [3, Budget(12, unit="samples")], ids=["k", "budget"])
+def test_callback_a_batch_returning_none_trained_again_counts_once(tmp_path: Path, schedule: Any) -> None:
+    """Batch 5 returns None at the end of the window of batches 3-5, and a callback before the package's raises as the
+    window steps: the batch's statistics are in the window the exception's checkpoint holds, so the resumed run,
+    which trains the batch again, adds nothing of it (it is marked as trained, as a batch whose gradient is in; a
+    budget keeps its count, which closed the window)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    from test_faults import Bind, ProcessedLoader
+
+    data = ProcessedLoader(DATA, 4)
+    callbacks = [FailsOnce(), AccumulationScheduler(schedule, batchnorm="window"), Bind(data)]
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(callbacks=[*callbacks, OnExceptionCheckpoint(tmp_path, "failed")], max_epochs=1,
+                enable_checkpointing=True).fit(SkipsAfterForward(skips=(5,)), data)  # fmt: skip
+    resumed, data = SkipsAfterForward(skips=(5,)), ProcessedLoader(DATA, 4)
+    trainer(callbacks=[AccumulationScheduler(schedule, batchnorm="window"), Bind(data)], max_epochs=1).fit(
+        resumed, data, ckpt_path=tmp_path / "failed.ckpt"
+    )
+    windows = windows_of(3, epochs=1)
+    assert max_diff(state(resumed.net), state(reference(windows, forward_only=[windows[1][2]]))) <= 1e-12
+
+
+class BlocksWithoutPass(MixinModel):
+    """Batches 4, 9 and 10 (``skips``) run a block whose forward ran and that makes no backward pass: it does not count
+    among the window's k micro-batches (batch 9's, the window's k-th, closes it); batch 10's is alone in a window that
+    the epoch's end closes, with nothing to step."""
+
+    skips: tuple[int, ...] = (4, 9, 10)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        if batch_idx not in self.skips:
+            return super().training_step(batch, batch_idx)
+        with self.accumulate(batch):
+            forward(self.net, batch["x"])
+        return None
+
+
+def test_mixin_a_block_without_a_pass_counts_its_forward_once() -> None:
+    model = BlocksWithoutPass(3)
+    trainer(max_epochs=1).fit(model, ResumableLoader(DATA, 4))
+    each = batches()
+    windows = [each[0:3], each[3:7], each[7:10], each[10:11]]
+    ref = reference(windows, forward_only=[each[4], each[9], each[10]])
+    assert max_diff(state(model.net), state(ref)) <= 1e-12
+    assert int(model.net["bn2"].num_batches_tracked) == 4 and model.accumulation_progress.step == 3
+
+
+class RaisesAfterPass(pl.Callback):
+    """Raises once in ``on_after_backward`` of batch 4: inside the mixin's block, after its pass (part of a window the
+    block did not finish)."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def on_after_backward(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.armed and trainer.fit_loop.batch_idx == 4:
+            self.armed = False
+            raise RuntimeError("boom")
+
+
+def test_mixin_a_block_without_a_pass_kept_when_the_next_block_fails(tmp_path: Path) -> None:
+    """Batch 3 runs a block without a pass (the window's only block so far), batch 4's block raises after its pass:
+    no gradient of the window went in before, so the window goes on as it was, batch 3's statistics kept in it (the
+    checkpoint holds them), and the resumed run, which trains batch 4 again, equals the uninterrupted one (before,
+    the window was dropped with batch 3's statistics, silently: nothing was said to be lost)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    from test_faults import Bind, ProcessedLoader
+
+    class SkipsThree(BlocksWithoutPass):
+        skips = (3,)
+
+    data = ProcessedLoader(DATA, 4)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(callbacks=[RaisesAfterPass(), Bind(data), OnExceptionCheckpoint(tmp_path, "failed")], max_epochs=1,
+                enable_checkpointing=True).fit(SkipsThree(3), data)  # fmt: skip
+    resumed, data = SkipsThree(3), ProcessedLoader(DATA, 4)
+    trainer(callbacks=[Bind(data)], max_epochs=1).fit(resumed, data, ckpt_path=tmp_path / "failed.ckpt")
+    each = batches()
+    ref = reference([each[0:3], each[3:7], each[7:10], each[10:11]], forward_only=[each[3]])
+    assert max_diff(state(resumed.net), state(ref)) <= 1e-12
+
+
+@pytest.mark.usefixtures("float64_outputs")
+def test_fabric_block_without_a_backward_is_refused_and_its_window_left_out_with_its_statistics() -> None:
+    """A Fabric block must make a ``step.backward`` (a backward around it cannot be seen): one that makes none is
+    refused and its window left out, its statistics with its gradient (the documented exception to the count-once
+    rule); the loop that goes on starts a clean window."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+    net = _Wrapped(make_net())
+    train_mode(net.inner)
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    acc = FabricAccumulator(fabric, model, opt, 3, batchnorm="window")
+    each = batches()
+    for batch in each[:4]:
+        with acc.accumulate(batch) as step:
+            step.backward(nn.functional.mse_loss(model(batch["x"]), batch["y"]))
+    stepped = buffers(net.inner)
+    refused = pytest.raises(RuntimeError, match=r"made no `step\.backward")
+    with pytest.warns(UserWarning, match="was left out"), refused, acc.accumulate(each[4]):
+        model(each[4]["x"])
+    assert max_diff(list(buffers(net.inner).values()), list(stepped.values())) == 0.0
+    for batch in each[5:8]:
+        with acc.accumulate(batch) as step:
+            step.backward(nn.functional.mse_loss(model(batch["x"]), batch["y"]))
+    ref = reference([each[0:3], each[5:8]])  # (the window of batches 3 and 4 left out: no step, no statistics)
+    assert max_diff(state(net.inner), state(ref)) <= 1e-12
+
+
+class SWAModel(Model):
+    """``Model`` for Lightning's ``StochasticWeightAveraging`` (whose last epoch runs every batch forward only), without
+    the layer that tracks nothing (which SWA's reset of the statistics refuses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net["untracked"] = nn.Identity()
+
+
+def test_swa_batchnorm_epoch_in_pieces_pools_each_loader_batch() -> None:
+    """SWA's BatchNorm epoch under ``microbatch_size=2`` and ``"window"``: one BatchNorm update per loader batch of 4,
+    with its pieces' statistics pooled, as ``torch.optim.swa_utils.update_bn`` over the loader's batches gives (the
+    first layer; the second is given activations each piece normalised by its own statistics: ``update_bn`` of it
+    over what it was given, per loader batch). Before issue 53 each piece updated the buffers itself (a variance
+    averaged over pieces of 2 samples)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    model = SWAModel()
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)
+    callback = AccumulationScheduler(3, batchnorm="window", microbatch_size=2)
+    trainer(callbacks=[callback, swa], max_epochs=2).fit(model, ResumableLoader(DATA, 4))
+    ref = copy.deepcopy(model.net)
+    train_mode(ref)
+    loader = [(b["x"],) for b in batches()]
+    torch.optim.swa_utils.update_bn(loader, nn.Sequential(ref["conv"], ref["bn2"]))
+    given: dict[str, list[Tensor]] = {"bn2": [], "bn1": []}
+    with torch.no_grad():
+        for (x,) in loader:
+            for part in x.split(2):
+                trunk(copy.deepcopy(ref), part, given)  # (a copy: its buffers are not the reference's)
+    pairs = [(torch.cat(given["bn1"][i : i + 2]),) for i in range(0, len(given["bn1"]), 2)]
+    torch.optim.swa_utils.update_bn(pairs, ref["bn1"])
+    for name in ("bn2", "bn1"):
+        assert max_diff(list(buffers(model.net[name]).values()), list(buffers(ref[name]).values())) <= 1e-12, name
+    assert int(model.net["bn2"].num_batches_tracked) == len(loader)
 
 
 # ---------------------------------------------------------------------- hooks that outlive their owner (issue 44)

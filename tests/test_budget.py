@@ -540,3 +540,77 @@ def test_a_fabric_block_that_raised_before_its_backward_counts_once_when_retried
     expected, sizes, _ = reference(epochs_of(2), lambda p: 25, optimizer="plain-sgd")
     assert max_diff([p.detach() for p in net.parameters()], expected) < 1e-12
     assert acc.progress.step == len(sizes)
+
+
+# ---------------------------------------------------------------------- a window of count 0 (issue 53)
+def zero_token_data() -> TokenData:
+    """16 samples, 4 batches of 4: batches 1 and 2 hold no token (their masks zero)."""
+    data = TokenData(16, seed=5)
+    data.mask[4:12] = 0.0
+    return data
+
+
+def position_mean(net: Any, batch: Batch) -> torch.Tensor:
+    """A micro-batch's loss: the mean squared error over every position, tokens or not (``normalize="mean"``)."""
+    return ((net(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def zero_count_reference(data: TokenData, scaling: str) -> list[torch.Tensor]:
+    """``Budget(6, unit="items", max_k=2)`` under ``normalize="mean"`` by hand: batch 0 (its tokens reach 6), then
+    batches 1 and 2 (0 tokens, closed by ``max_k``), then batch 3; each window steps with the LR times its tokens
+    over the first window's n, 6 (the square root for ``"sqrt"``): 0 for the window of no token, which moves nothing.
+    Two epochs."""
+    net = make_net()
+    opt = make_optimizer("plain-sgd", net.parameters(), 0.1)
+    every = [data.batch(slice(i, i + 4)) for i in range(0, 16, 4)]
+    for _ in range(2):
+        for window in ([every[0]], every[1:3], [every[3]]):
+            opt.zero_grad()
+            sum(position_mean(net, b) / len(window) for b in window).backward()  # type: ignore[union-attr]
+            ratio = sum(tokens_of(b) for b in window) / 6
+            opt.param_groups[0]["lr"] = 0.1 * (ratio if scaling == "linear" else math.sqrt(ratio))
+            opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+class PositionMean(TokenModel):
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return position_mean(self.net, batch)
+
+
+class ManualPositionMean(ManualTokenModel):
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        with self.accumulate(batch) as acc:
+            acc.backward(position_mean(self.net, batch))
+
+
+@pytest.mark.parametrize("scaling", ["linear", "sqrt"])
+@pytest.mark.parametrize("adapter", ["callback", "mixin", "fabric"])
+def test_a_window_of_count_zero_steps_with_the_guides_factor_zero(adapter: str, scaling: str) -> None:
+    """The guide's factor is the window's count over the first window's n: a window whose count is 0 (closed by
+    ``max_k``, under ``normalize="mean"``, so stepped) gets 0, not 1.0 (a larger LR than a window of 1 to n-1 items,
+    before issue 53), in every adapter."""
+    data = zero_token_data()
+    budget = Budget(6, unit="items", max_k=2)
+    options: dict[str, Any] = dict(normalize="mean", count=count_tokens, lr_scaling=scaling)
+    if adapter == "callback":
+        model = PositionMean(optimizer="plain-sgd")
+        trainer(callbacks=[AccumulationScheduler(budget, **options)]).fit(model, loader(data, 4))
+        params = params_of(model)
+    elif adapter == "mixin":
+        manual = ManualPositionMean(optimizer="plain-sgd", schedule=budget, **options)
+        trainer().fit(manual, loader(data, 4))
+        params = params_of(manual)
+    else:
+        net = make_net()
+        with default_dtype(torch.float64):
+            fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+            wrapped, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            acc = FabricAccumulator(fabric, wrapped, optimizer, budget, **options)
+            for epoch in range(2):
+                for i in range(0, 16, 4):
+                    batch = data.batch(slice(i, i + 4))
+                    with acc.accumulate(batch, epoch=epoch, last=i == 12) as step:
+                        step.backward(position_mean(wrapped, batch))
+        params = [p.detach().clone() for p in net.parameters()]
+    assert max_diff(params, zero_count_reference(data, scaling)) < 1e-12

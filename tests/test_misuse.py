@@ -72,6 +72,31 @@ def test_count_returning_a_vector_names_count_and_the_fix() -> None:
         trainer(max_epochs=1).fit(model, loader(DATA, 4))
 
 
+class CountsSteps(TokenModel):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.steps = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_count_returning_a_vector_is_refused_before_the_batch_runs(reduction: str) -> None:
+    """Without pieces too, a per-sample vector is refused as the batch starts, by its shape (no host read): before
+    its `training_step` and any gradient. (Before issue 53, under `reduction="mean"` it reached the loss's weighting
+    and raised torch's own "shape '[]' is invalid for input of size 4".)"""
+    model = CountsSteps(reduction=reduction)
+    before = params_of(model)
+    callback = AccumulationScheduler(2, normalize="items", reduction=reduction, count=per_sample_tokens)  # type: ignore[arg-type]
+    match = r"`count\(batch\)` returned a tensor of shape \(4,\).*rather than `.sum\(1\)`"
+    with pytest.raises(ValueError, match=match):
+        trainer(callbacks=[callback], max_epochs=1).fit(model, loader(DATA, 4))
+    assert model.steps == 0 and all(p.grad is None for p in model.parameters())
+    assert max(float((a - b).abs().max()) for a, b in zip(params_of(model), before, strict=True)) == 0.0
+
+
 def test_negative_items_blame_acc_backward() -> None:
     class Negative(ManualTokenModel):
         def training_step(self, batch: Any, batch_idx: int) -> None:

@@ -193,6 +193,28 @@ def test_rendered_frames_show_the_window() -> None:
         assert field in epoch, text
 
 
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+@pytest.mark.parametrize("mixin", [False, True])
+def test_k_is_the_micro_batches_the_window_took(kind: str, mixin: bool) -> None:
+    """The postfix's ``k`` is the last window's micro-batches: 3 in the epoch's windows of ``Constant(3)``, 1 in its
+    last (16 batches of 2: five windows of 3 and one of 1), beside its ``batch`` of 2 samples (before issue 53 the
+    bar showed ``k=3`` beside ``batch=2``)."""
+    bar = BARS[kind]("steps")
+    shown: list[str] = []
+
+    class Frame(pl.Callback):  # (after the bar: what it draws at each batch's end)
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+            shown.append(str(bar.get_metrics(trainer, pl_module)))
+
+    model = ManualTokenModel(schedule=3) if mixin else TokenModel()
+    accumulation = [] if mixin else [AccumulationScheduler(3)]
+    trainer(callbacks=[*accumulation, bar, Frame()], enable_progress_bar=True, max_epochs=1).fit(model, loader(DATA, 2))
+    k = [re.search(r"k.?[=:]\D*(\d+)", frame) for frame in shown]
+    batch = [re.search(r"batch.?[=:]\D*(\d+)", frame) for frame in shown]
+    assert [int(m[1]) for m in k if m] == [3] * 13 + [1]  # (shown from the first window's last batch on)
+    assert [int(m[1]) for m in batch if m] == [6] * 13 + [2]
+
+
 class SaveAt(pl.Callback):
     def __init__(self, at: int, path: Path) -> None:
         self.at, self.path = at, path

@@ -311,6 +311,28 @@ CASES: dict[str, dict[str, Any]] = {
         "lr_scaling": "adascale", "probe_in": "module", "interruptions": [["on_before_backward", 0, 4]],
         "schedule": {"family": "noise", "min_k": 2, "max_k": 3, "start": 2, "every": 1, "warmup": 2,
                      "hysteresis": 0.0, "max_ratio": 4.0, "beta": 0.9}},
+    # issue 53: under `batchnorm="window"` a batch whose `training_step` ran its forward and returned `None` (the first
+    # piece, with `microbatch_size`) counts in its window's statistics; they were left out (the run without the batch)
+    "skip_forward_window_callback_pieces": {
+        "batchnorm": "window", "microbatch_size": 2, "n": 24, "skip": [1, 4, 5], "skip_forward": True,
+        "schedule": {"family": "constant", "k": 3}, "interruptions": [["save", 0, 4]]},
+    # the mixin's blocks that make no backward pass: one in the place of the window's k-th closes it, a window of
+    # them only (at the epoch's end) advances the statistics unstepped (one device: it was dropped)
+    "skip_forward_window_mixin_k": {
+        "adapter": "mixin", "batchnorm": "window", "bn_momentum": None, "n": 22, "batch_size": 2, "epochs": 1,
+        "skip": [2, 9, 10], "skip_forward": True, "schedule": {"family": "constant", "k": 3}},
+    # (fuzzer, seed 0) a window holding a block without a pass only, then a block whose pass raised (in
+    # `on_after_backward`): the window was dropped, "nothing lost", with that block's statistics and the budget's count
+    "skip_forward_window_mixin_failed_after_pass": {
+        "adapter": "mixin", "mode": "heads", "batchnorm": "window", "bn_momentum": 0.5, "seed": 891, "n": 23,
+        "batch_size": 2, "epochs": 1, "limit_train_batches": 10, "skip": [2, 4, 5, 7, 8], "skip_forward": True,
+        "schedule": {"family": "budget", "n": 4, "unit": "samples", "max_k": None},
+        "interruptions": [["on_after_backward", 0, 3]]},
+    # a budget window of count 0 (batches without tokens, closed by `max_k`) under `normalize="mean"`: stepped with the
+    # guide's LR factor, 0, not 1.0
+    "budget_zero_count_window_lr_scaling": {
+        "count": True, "n": 16, "batch_size": 4, "empty_batches": [1, 2], "lr_scaling": "linear",
+        "schedule": {"family": "budget", "n": 6, "unit": "items", "max_k": 2}},
 }  # fmt: skip
 
 

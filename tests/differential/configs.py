@@ -91,6 +91,10 @@ class Config:
     windows: str = "shared"  # the mixin's 2 optimizers: one "shared" window, or "each" its own, one after the other
     skip: list[int] = dataclasses.field(default_factory=list)  # batches (each epoch) trained by no block (the mixin)
     # or whose `training_step` returns `None` (the callback)
+    # issue 53: the skipped batches run their forward first (the callback: in `training_step`, its first piece with
+    # `microbatch_size`; the mixin: in a block that makes no backward pass), which under `batchnorm="window"` counts
+    # once in its window's statistics
+    skip_forward: bool = False
     plain: bool = False  # the callback adapter without `AccumulationScheduler`: Lightning's own loop (k = 1)
     estimate: bool = False  # `configure_optimizers` calls `lightning_accum.estimated_stepping_batches(trainer)`
     # the callback's `microbatch_size` (None, an int, or "auto"); with "auto", `oom` = [above, "forward" |
@@ -269,6 +273,13 @@ def _budget(c: Config) -> None:
     c.count = c.count or "items" in c.units() or (isinstance(n, dict) and n["unit"] == "items")
     inner_items = isinstance(n, dict) and n["unit"] == "items"
     c.estimate = c.estimate and unit == "samples" and not inner_items and c.world == 1
+    # issue 53: under "mean", batches of no item, so that a window's count can be 0 (closed by `max_k` or the epoch's
+    # end): it is stepped, with the guide's LR factor of 0 under `lr_scaling`
+    batches = c.batches_per_epoch()
+    if unit == "items" and c.normalize == "mean" and not c.empty_batches and rng.random() < 0.5:
+        c.empty_batches = sorted(rng.sample(range(batches), rng.randint(1, min(3, batches))))
+        if c.lr_scaling is None and rng.random() < 0.5:
+            c.lr_scaling = rng.choice(["linear", "sqrt"])
 
 
 def _noise(c: Config) -> None:
@@ -340,6 +351,8 @@ def _batchnorm(c: Config) -> None:
         c.interruptions = [i for i in c.interruptions if i[0] in FORWARD_ONCE]
         c.fail_piece = 0
         c.refit = None
+    elif c.skip and rng.random() < 0.7:  # (issue 53: under "micro-batch" such a forward is BatchNorm's own update)
+        c.skip_forward = True
 
 
 def _mean_by(c: Config) -> None:

@@ -177,6 +177,8 @@ class Automatic(_Base):
         if self.calls[here] - 1 == self.c.fail_piece:  # (with `microbatch_size`, a later piece of the batch)
             self.maybe_fail()
         if batch_idx in self.c.skip:
+            if self.c.skip_forward:  # (its forward ran in training mode: under "window" its statistics count)
+                self.net(batch["x"])
             return None  # (Lightning runs no backward pass for the batch)
         over = self.c.oom is not None and len(batch["x"]) > self.c.oom[0]
         if over and self.c.oom[1] == "forward":  # type: ignore[index]
@@ -267,6 +269,12 @@ class Manual(la.AccumulationMixin, _Base):
         if self.c.zero_grad:  # (left over from Lightning's manual optimization: refused)
             optimizers = self.optimizers()
             (optimizers[0] if isinstance(optimizers, list) else optimizers).zero_grad()  # type: ignore[union-attr]
+        if batch_idx in self.c.skip and self.c.skip_forward:  # a block whose forward ran, with no backward pass
+            with self.accumulate(batch) as acc:
+                self.net(batch["x"])
+            if self.steps_scheduler and self.c.scheduler.get("interval") == "step" and acc.last:  # type: ignore[union-attr]
+                self.lr_schedulers().step()  # type: ignore[union-attr]
+            return None
         if batch_idx in self.c.skip:
             return None  # (Lightning's manual optimization: the batch trains nothing)
         if self.c.windows == "each":  # a window per optimizer, one after the other (a GAN's habit)

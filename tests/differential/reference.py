@@ -226,16 +226,45 @@ class BatchNormStatistics:
         with self._untracked():
             yield
 
-    def unstepped(self, c: Config, net: nn.Module, batches: list[dict[str, Tensor]]) -> None:
-        """A window of no items is not stepped, but its forwards ran: under ``"micro-batch"`` they updated the
-        buffers, under ``"window"`` the window's statistics are those of its samples all the same (as the
-        package does: the statistics follow the samples the layer saw, not the step)."""
+    def unstepped(
+        self, c: Config, net: nn.Module, batches: list[dict[str, Tensor]], skipped: list[Tensor] | None = None
+    ) -> None:
+        """A window of no items (or of no backward pass: ``skipped``, the forwards of batches that ran no backward)
+        is not stepped, but its forwards ran: under ``"micro-batch"`` they updated the buffers, under ``"window"``
+        the window's statistics are those of its samples all the same (as the package does: the statistics follow
+        the samples the layer saw, not the step)."""
         with torch.no_grad(), self.window():
             for b in batches:
                 forward(net, b["x"], piece(c))
+            for x in skipped or []:
+                net(x)
 
     def result(self) -> list[Tensor] | None:
         return [b.detach().clone() for layer in self.layers for b in layer.buffers()] if self.mode else None
+
+
+def _mixin_span(c: Config, ahead: list[int], k: int) -> tuple[list[int], bool]:
+    """The mixin's window of ``k`` from the batches ``ahead`` where skipped batches run a block without a backward
+    pass (``skip_forward``): such a block is none of the window's k micro-batches, but one at its k-th place closes it
+    (as ``acc.last`` said as it opened: the window then holds k - 1); whether it closed so (else the epoch ended)."""
+    span, counted = [], 0
+    for j in ahead:
+        span.append(j)
+        if counted + 1 >= k:
+            return span, True
+        counted += j not in c.skip
+    return span, False
+
+
+def _skipped(c: Config, data: Data, span: list[int]) -> list[Tensor]:
+    """The inputs of the forwards that the skipped batches of a window (``span``) ran without a backward pass
+    (``skip_forward``): the callback's first piece of each (``microbatch_size``: the piece that returned ``None``
+    skips the batch), the mixin's whole batch; under ``batchnorm="window"`` they count in the window's statistics."""
+    if not c.skip_forward:
+        return []
+    size = c.microbatch_size if c.adapter == "callback" and isinstance(c.microbatch_size, int) else None
+    xs = [data.batch(j * c.world + r)["x"] for j in span if j in c.skip for r in range(c.world)]
+    return [x if size is None else x[:size] for x in xs]
 
 
 def _step(c: Config, opt: torch.optim.Optimizer, factor: float, lrs: list[list[float]]) -> None:
@@ -345,9 +374,9 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
             else:
                 n = epoch - (c.swa[1] - 1)  # (averaged so far)
                 average = [a + (prm.detach() - a) / (n + 1) for a, prm in zip(average, net.parameters(), strict=True)]
-        # (the mixin: a skipped batch is in no window; the callback: a window is k of the loader's batches, and one
-        # whose `training_step` returned `None` puts nothing in it)
-        trained = [j for j in range(batches) if c.adapter != "mixin" or j not in c.skip]
+        # (the mixin: a skipped batch is in no window, unless its block ran a forward (`skip_forward`); the callback: a
+        # window is k of the loader's batches, and one whose `training_step` returned `None` puts nothing in it)
+        trained = [j for j in range(batches) if c.adapter != "mixin" or c.skip_forward or j not in c.skip]
         i, end = 0, -1  # the position in `trained`; the batch index the last window was stepped at
         while i < len(trained) and not done:
             if c.schedule["family"] == "budget":  # closed by the count over ranks (`budget_span`)
@@ -358,6 +387,8 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 first_k = first_k or k
                 span = trained[i : i + k]
                 full = len(span) == k
+                if c.adapter == "mixin" and c.skip_forward:
+                    span, full = _mixin_span(c, trained[i:], k)
             i += len(span)
             indices = [j for j in span if j not in c.skip]
             # each process's batches j: the data's j * world + r
@@ -376,7 +407,7 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
             counts = [float(b["mask"].sum()) if c.count else float(len(b["x"])) for b in window]
             tokens = sum(counts)
             if not window or (c.normalize == "items" and tokens == 0):  # nothing went in: no step, nothing changes
-                bn.unstepped(c, net, window)
+                bn.unstepped(c, net, window, _skipped(c, data, span))
                 if joins is not None:
                     _join(net, opts[0])
                 p["samples"] += samples
@@ -407,6 +438,9 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                     done = True
                 continue
             with bn.window():
+                with torch.no_grad():  # (the skipped batches' forwards, no backward: `skip_forward`)
+                    for x in _skipped(c, data, span):
+                        net(x)
                 if joins is not None:  # the batches before the join ran with the first layer frozen
                     before = [data.batch(j * c.world + r) for j in indices if j < joins for r in range(c.world)]
                     terms = _terms(c, net, before, tokens, len(window), guide)

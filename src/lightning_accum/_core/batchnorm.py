@@ -324,6 +324,24 @@ class WindowBatchNorm:
         """The window's statistics again (after ``suspend``)."""
         self._suspended = False
 
+    @contextlib.contextmanager
+    def one_update(self) -> Iterator[None]:
+        """The training forwards inside make one BatchNorm update together, with their pooled statistics, as one
+        forward of all their samples would (a loader batch's pieces in Stochastic Weight Averaging's BatchNorm
+        epoch, which runs no backward: ``update_bn`` over the loader's batches, not over the pieces). Suspended or
+        not, and whatever window is open (kept aside); a forward that raised adds nothing."""
+        window, self._window = self._window, {}
+        suspended, self._suspended = self._suspended, False
+        self.drop_pending()
+        self.arm()
+        try:
+            yield
+            self.accept()
+            self.commit()
+        finally:
+            self.drop_pending()  # (after an exception: nothing of it pooled, a layer whose forward raised put back)
+            self._window, self._suspended = window, suspended
+
     def _before_forward(self, layer: _BatchNorm, args: Any) -> None:
         name = self._names.get(layer)
         if name is None:  # (a deep copy's layer, or one taken over)

@@ -125,6 +125,8 @@ class WindowEngine:
         #: the micro-batch under way: its counts once counted, and whether its backward pass finished
         self.inflight: tuple[int, int | Tensor] | None = None
         self.backward_finished = False
+        #: the micro-batch under way ran no backward pass, and its forwards' BatchNorm statistics are in the window
+        self.pooled_alone = False
         #: a batch (epoch, index) whose gradient is in the window already, which Lightning trains again
         #: after a resume from a checkpoint written on an exception: it must then add nothing
         self.redo: tuple[int, int] | None = None
@@ -306,6 +308,14 @@ class WindowEngine:
         if self.metrics.tracking:  # (else nothing was added)
             self.metrics.commit()
 
+    def ran_without_backward(self) -> None:
+        """The micro-batch under way ran to its end without a backward pass (a ``training_step`` that returned
+        ``None``, a block that made none): its training forwards count all the same, once, so their BatchNorm
+        statistics join the window (``batchnorm="window"``); the hooks rest."""
+        if self.batchnorm is not None:
+            self.batchnorm.accept()
+            self.pooled_alone = True
+
     def take_back(self) -> None:
         """Under a ``Budget``: the micro-batch asked about (``closes_after``) did not go in (an exception before it was
         counted): its count leaves the window's, so that it counts once if it comes again."""
@@ -319,6 +329,7 @@ class WindowEngine:
             self.window.keep_reach()
         if self.batchnorm is not None:  # (`microbatch_over`, inline: the hot path)
             self.batchnorm.drop_pending()
+            self.pooled_alone = False
 
     def microbatch_over(self) -> None:
         """The micro-batch ended (its block exited, or raised): BatchNorm statistics of forwards it did not put in
@@ -421,7 +432,7 @@ class WindowEngine:
             factor = gain = adascale_gain(self.probe.estimator, units, self.first_units or units)
         elif window.budget is not None:  # relative to the first window's budget: the window's real size
             real = counts[1] if self.schedule.unit == "samples" else counts[2]
-            factor = lr_factor(self.lr_scaling, real, self.first_k) if real else 1.0
+            factor = lr_factor(self.lr_scaling, real, self.first_k)  # (a window of count 0: 0, it moves nothing)
         else:
             factor = lr_factor(self.lr_scaling, window.k, self.first_k)
         if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
@@ -524,6 +535,11 @@ class WindowEngine:
             self.closing = None  # the step had not touched the gradient: the window is as it was
         window, inflight = self.window, self.inflight
         self.inflight = None
+        # (a micro-batch that ran no backward, whose forwards' BatchNorm statistics are in the window: trained again,
+        # it adds nothing, and a budget keeps its count)
+        alone, self.pooled_alone = self.pooled_alone and window is not None and not processed, False
+        if alone:
+            window.keep_reach()  # type: ignore[union-attr]
         if not processed:  # (a budget's count of a micro-batch not counted: it comes again)
             self.take_back()
         if processed:
@@ -533,6 +549,8 @@ class WindowEngine:
             return None
         stepping = self.closing is not None  # (and its gradient changed in place for the step)
         if inflight is None and not (in_backward or open_pass or stepping):
+            if alone:
+                self.redo = batch
             return None  # nothing of this batch reached the window (a batch trained again adds nothing)
         if window is None:
             return "this batch's accumulation window was stepped already, and the batch will be trained again"
@@ -544,9 +562,15 @@ class WindowEngine:
                 self.metrics.drop()
             return None
         lost = window.microbatches
-        self.discard()
         if not (lost or stepping):
-            return None  # the window's first micro-batch, trained again from its start: nothing is lost
+            # no micro-batch's gradient went in before this one, which is trained again from its start: the window goes
+            # on as it was (its start, a budget's count and the BatchNorm statistics of micro-batches that ran no
+            # backward kept), without what this one left (its loss, a wide sum; its `.grad` is in no checkpoint)
+            self.metrics.drop()
+            if self.wide is not None:
+                self.wide.clear(self._scope)
+            return None
+        self.discard()
         what = "the accumulation window was being stepped" if stepping else (
             "a backward pass into the accumulation window was cut short"
         )  # fmt: skip

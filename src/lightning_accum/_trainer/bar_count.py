@@ -71,8 +71,9 @@ class BarCount:
         self.steps = 0
         #: the training bar's total (inf: unbounded, shown as '?')
         self.total: float = math.inf
-        #: the last stepped window
+        #: the last stepped window, and the micro-batches it took (each rank's)
         self.last: WindowReport | None = None
+        self.taken = 0
         #: samples (or items, with a ``count``) per second over the last window (``WindowReport.seconds``)
         self.rate: float | None = None
 
@@ -136,7 +137,7 @@ class BarCount:
 
     def window_end(self, trainer: Any, window: WindowReport) -> bool:
         """A window stepped: count it, its throughput; whether the total changed."""
-        self.last = window
+        self.last, self.taken = window, self._taken(trainer, window)
         done = window.items if self.counted else window.samples
         self.rate = done / window.seconds if window.seconds else None
         self.steps += 1
@@ -145,6 +146,16 @@ class BarCount:
         total = self._total(trainer, window.progress, self.last_batch + 1)
         changed, self.total = total != self.total, total
         return changed
+
+    def _taken(self, trainer: Any, window: WindowReport) -> int:
+        """The micro-batches ``window`` took, each rank's: a ``Budget``'s ``k`` is that already; a schedule's ``k`` is
+        what it gave the window, which holds fewer where it was cut short at the epoch's end (or some of its batches
+        ran no backward): its micro-batches over all ranks, per rank."""
+        assert self._accumulating is not None
+        if isinstance(self._accumulating.schedule, Budget):
+            return window.k
+        world = max(int(getattr(trainer, "world_size", 1) or 1), 1)
+        return min(window.k, -(-window.microbatches // world))
 
     def _progress(self) -> Progress:
         assert self._accumulating is not None
@@ -187,7 +198,7 @@ class BarCount:
         window = self.last
         if window is None:
             return out
-        out["k"] = window.k
+        out["k"] = self.taken
         out["batch"] = window.samples
         if self.counted:
             out["tokens"] = window.items

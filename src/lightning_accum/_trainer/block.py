@@ -122,6 +122,8 @@ class Block:
     # ------------------------------------------------------------------ the block's end
     def finish(self, loss_scale: Callable[[], float]) -> None:
         """Count a micro-batch that back-propagated into the window (and the noise probe's prefix)."""
+        if not self.passes and not self.redoing:  # (its forwards ran: their BatchNorm statistics count all the same)
+            self.engine.ran_without_backward()
         if self.redoing or not self.passes:  # (a micro-batch that back-propagated nothing does not count)
             return
         self._guards.passes_made(self.passes)

@@ -109,6 +109,9 @@ class Fit:
     put_back: Callable[[], Grads | None]  # a resumed window's partial gradient into `.grad` (returned), once
     #: after each piece's backward (`batchnorm="window"`: its forwards' statistics kept with the finished pieces)
     piece_done: Callable[[], None] | None = None
+    #: `batchnorm="window"`: around a loader batch of SWA's BatchNorm epoch (no backward), so that its pieces' forwards
+    #: make one BatchNorm update with their pooled statistics, as the loader batch whole would
+    one_update: Callable[[], contextlib.AbstractContextManager[None]] | None = None
     #: `grad_accum_dtype`: where the narrow parameters' window sums are (cleared and restored with `.grad`; they take
     #: a piece's weight themselves, `WideSums.weighting`)
     wide: WideSums | None = None
@@ -263,7 +266,9 @@ class Pieces:
         if self._forward_only or self._next is None:  # (no backward: the pieces' forward, and the batch's loss)
             items = _count(fit.count, batch) if fit.mean_items else samples
             b = _Batch(batch, args, kwargs, samples, items, final=False, redoing=True)
-            out = self._train(original, b, backward=False)
+            pooled = fit.one_update if fit.one_update is not None and self._forward_only else contextlib.nullcontext
+            with pooled():
+                out = self._train(original, b, backward=False)
             return out if out is None else _with_loss(out, self._value(b).detach())
         where, items, final, zeroes_after, redoing, self._divisor, self._factor = self._next
         if self.size != "auto" and samples <= self.size and self.resume is None:

@@ -71,6 +71,8 @@ class WindowStep:
         assert engine.window is not None
         world = collectives.world_size(strategy)
         if not engine.window.microbatches and world == 1:  # nothing went in: nothing to step
+            if engine.batchnorm is not None:  # (but blocks without a pass ran forwards: their statistics count)
+                engine.batchnorm.commit()
             engine.discard()
             return
         if world > 1 and plan.family == "ddp":

@@ -34,7 +34,7 @@ from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.sync import SyncMode, SyncPlan
 from lightning_accum._core.wide import check_grad_accum_dtype, inert_note, refuse_under
-from lightning_accum._core.window import Normalize, lightning_divisor
+from lightning_accum._core.window import Normalize, check_count, lightning_divisor
 from lightning_accum._lightning import Callback, grad_scaler, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum._trainer import fit_checks, recovery, reporting, steps
@@ -295,7 +295,7 @@ class AccumulationScheduler(Callback):
         if self._split is not None:
             self._attach_pieces(trainer, pl_module)
         else:
-            self._unroute = _seam.route_training_step(pl_module, functools.partial(self._training_step, trainer))
+            self._unroute = _seam.route_training_step(pl_module, functools.partial(self._routed(), trainer))
 
     def _attach_pieces(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``microbatch_size``: Lightning's ``training_step`` calls go to the pieces until the fit ends."""
@@ -312,13 +312,18 @@ class AccumulationScheduler(Callback):
             count=self.count,
             put_back=self._put_back,
             piece_done=None if self._batchnorm is None else self._batchnorm.hold,
+            one_update=None if self._batchnorm is None else self._batchnorm.one_update,
             wide=self._wide(),
         )
         self._split.attach(fit)
-        split = self._split
+        split, routed = self._split, self._routed()
         self._unroute = _seam.route_training_step(
-            pl_module, lambda *args, **kwargs: self._training_step(trainer, split.step, *args, **kwargs)
+            pl_module, lambda *args, **kwargs: routed(trainer, split.step, *args, **kwargs)
         )
+
+    def _routed(self) -> Any:
+        """What Lightning's ``training_step`` calls go to (``batchnorm="window"``: a ``None`` return counted too)."""
+        return self._training_step if self._batchnorm is None else self._training_step_pooled
 
     def _training_step(self, trainer: pl.Trainer, step: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``training_step`` call: Lightning divides what it returns by ``accumulate_grad_batches``,
@@ -332,6 +337,15 @@ class AccumulationScheduler(Callback):
         if self._loss_divisor != self._divisor and output is not None:  # (None: nothing divided, no backward)
             set_divisor(trainer, self._loss_divisor)
             self._dividing = trainer
+        return output
+
+    def _training_step_pooled(self, trainer: pl.Trainer, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """``_training_step`` under ``batchnorm="window"``: a ``training_step`` that returns ``None`` (the batch's
+        backward skipped, or its first piece's) ran its forwards in training mode, whose statistics join the
+        window as it returns, once (not a batch trained again, counted in its first run)."""
+        output = self._training_step(trainer, step, *args, **kwargs)
+        if output is None and not self._redoing:
+            self._engine.ran_without_backward()
         return output
 
     @override
@@ -436,7 +450,8 @@ class AccumulationScheduler(Callback):
             samples = self._split.length(batch)
         else:
             samples = sample_count(batch, engine.samples_needed_by)
-        self._counts = (samples, samples if self.count is None else self.count(batch))
+        # (a count that is no one number is refused now, before any forward: a tensor's shape needs no host read)
+        self._counts = (samples, samples if self.count is None else check_count(self.count(batch)))
         self._batch_idx = batch_idx
         if self._budget:  # (before Lightning decides, after this hook, whether the batch steps)
             self._steer_budget(trainer, batch_idx)
