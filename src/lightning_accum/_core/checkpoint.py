@@ -131,12 +131,18 @@ class PartialWindow:
         saved); returns it (``None`` if none waited)."""
         grads = self._grads
         if grads is not None:
-            gradients.placed(params, grads)  # (checked whole before anything is put back)
-            if wide is None:
-                gradients.restore(params, grads)
-            else:
-                rest = {id(p) for p in wide.restore(params, grads)}
-                kept = [(p, g) for p, g in zip(params, grads, strict=True) if id(p) in rest]
-                gradients.restore([p for p, _ in kept], [g for _, g in kept])
+            restore(params, grads, wide)
             self._grads, self.pending = None, False
         return grads
+
+
+def restore(params: Sequence[Tensor], grads: Partial, wide: WideSums | None = None) -> None:
+    """A partial gradient (as ``save_partial`` saved it) put back into ``params``: a narrow parameter's into its sum in
+    ``wide`` (exactly, as saved), every other one's into ``.grad``."""
+    gradients.placed(params, grads)  # (checked whole before anything is put back)
+    if wide is None:
+        gradients.restore(params, grads)
+        return
+    rest = {id(p) for p in wide.restore(params, grads)}
+    kept = [(p, g) for p, g in zip(params, grads, strict=True) if id(p) in rest]
+    gradients.restore([p for p, _ in kept], [g for _, g in kept])

@@ -196,7 +196,10 @@ class Accumulator:
             # outside the `except` block, so that the error's frames (and their tensors) are freed
             for p in self._block.params():
                 p.grad = None
-            self._block.engine.metrics.clear()  # (the window is redone from its start)
+            engine = self._block.engine
+            if engine.wide is not None and engine.widened:  # (`grad_accum_dtype`: the narrow parameters' window
+                engine.wide.clear(self._block.params())  # gradient is in their sums)
+            engine.metrics.clear()  # (the window is redone from its start)
             if self._block.engine.batchnorm is not None:  # (and its BatchNorm statistics with it)
                 self._block.engine.batchnorm.discard()
             if torch.cuda.is_available():

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_accum._core import gradients, microbatch, sync
+from lightning_accum._core import checkpoint, gradients, microbatch, sync
 from lightning_accum._core.metrics import weigh
 from lightning_accum._core.options import Count, MicrobatchSize
 from lightning_accum._core.window import check_count
@@ -107,6 +107,8 @@ class Fit:
     put_back: Callable[[], Grads | None]  # a resumed window's partial gradient into `.grad` (returned), once
     #: after each piece's backward (`batchnorm="window"`: its forwards' statistics kept with the finished pieces)
     piece_done: Callable[[], None] | None = None
+    #: where `grad_accum_dtype` keeps the window's narrow sums now (`None`: nowhere, `.grad` holds it all)
+    wide: Callable[[], Any] | None = None
 
     @property
     def params(self) -> list[Tensor]:
@@ -371,10 +373,14 @@ class Pieces:
         """The window's gradient as it was at its start (none, or a resumed window's partial one), ``b`` not begun."""
         fit = self._fit
         assert fit is not None
-        for p in fit.params:
+        params = fit.params
+        for p in params:
             p.grad = None
+        wide = None if fit.wide is None else fit.wide()
+        if wide is not None:  # (`grad_accum_dtype`: the narrow parameters' window gradient is in their sums)
+            wide.clear(params)
         if self._base is not None:
-            gradients.restore(fit.params, self._base)
+            checkpoint.restore(params, self._base, wide)
         b.done, (b.loss, b.summed), b.whole, b.cuts = b.start, b.at_start, None, []
 
     def _replay(self, original: Callable[..., Any]) -> None:

@@ -305,6 +305,7 @@ class AccumulationScheduler(Callback):
             count=self.count,
             put_back=self._put_back,
             piece_done=None if self._batchnorm is None else self._batchnorm.hold,
+            wide=self._wide,
         )
         self._split.attach(fit)
         split = self._split
