@@ -21,6 +21,11 @@ def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def group_sizes(optimizer: Optimizer) -> tuple[int, ...]:
+    """How many parameters each param group holds: it changes when a group is added during the fit."""
+    return tuple(len(group["params"]) for group in optimizer.param_groups)
+
+
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
     """The existing ``.grad`` tensors of ``params``."""
     return [p.grad for p in params if p.grad is not None]

@@ -127,7 +127,8 @@ class WideSums:
 
     def attach(self, params: Iterable[Tensor]) -> None:
         """Keep the sums of ``params``' narrow ones from now on (sums still held from before are kept, for a
-        checkpoint; a ``.grad`` that exists now stays where it is, for the adapter's zeroing)."""
+        checkpoint or a window under way that a param group joins; a ``.grad`` that exists now stays where it is, for
+        the adapter's zeroing)."""
         self.detach()
         chosen = narrow(params, self.dtype)
         if [id(p) for p in chosen] != [id(p) for p in self.params]:
@@ -136,6 +137,7 @@ class WideSums:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))  # type: ignore[no-untyped-call]
 
     def _allocate(self, params: list[Tensor]) -> None:
+        held = {id(p): self.views[i] for i, p in enumerate(self.params) if self.filled[i]}  # (kept: copied over)
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
@@ -150,6 +152,10 @@ class WideSums:
                 n = params[i].numel()
                 self.views[i] = flat[offset : offset + n].view(params[i].shape)
                 offset += n
+        for i, p in enumerate(params):
+            if id(p) in held:
+                self.views[i].copy_(held[id(p)])
+                self.filled[i] = True
 
     def _hook(self, i: int) -> Any:
         def hook(p: Tensor) -> None:
