@@ -1,6 +1,6 @@
 """``grad_accum_dtype`` for a param group added during the fit (``BaseFinetuning``'s way; found by the differential
 fuzzer, issue 51): its bf16 parameters' window gradient is summed in float32 and rounded once, as the others' are,
-from the micro-batch it joins at, a window under way included."""
+from the micro-batch it joins at, a window under way included, in every adapter."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
+from lightning.fabric import Fabric
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accum import AccumulationScheduler
+from lightning_accum import AccumulationMixin, AccumulationScheduler
+from lightning_accum.fabric import FabricAccumulator
 
 N, BATCH, K, JOINS = 16, 2, 8, 2  # one window of 8 micro-batches; the first layer joins at the third
 
@@ -22,24 +25,33 @@ def _data() -> tuple[Tensor, Tensor]:
     return torch.randn(N, 3, generator=g), torch.randn(N, 1, generator=g)
 
 
+def _net() -> nn.Sequential:
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+    net[0].requires_grad_(False)  # (frozen, and outside the optimizer, until it joins)
+    return net
+
+
+def _join(net: nn.Module, optimizer: Any) -> None:
+    net[0].requires_grad_(True)
+    getattr(optimizer, "optimizer", optimizer).add_param_group({"params": list(net[0].parameters())})
+
+
 class Model(pl.LightningModule):
-    """The first layer frozen and outside the optimizer until batch ``JOINS``, where it joins as a param group of its
-    own; its ``.grad`` after each batch, and the window gradient the step gets."""
+    """The first layer joins the optimizer at batch ``JOINS``; its ``.grad`` after each batch inside the window, and
+    the window gradients the step gets (the joined layer's, the last layer's)."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(1)
-        self.net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
-        self.net[0].requires_grad_(False)
+        self.net = _net()
         self.between: list[Tensor | None] = []
         self.stepped: list[Tensor] = []
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == JOINS:
-            self.net[0].requires_grad_(True)
-            self.optimizers().optimizer.add_param_group({"params": list(self.net[0].parameters())})  # type: ignore[union-attr]
+            _join(self.net, self.optimizers())
 
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -47,10 +59,52 @@ class Model(pl.LightningModule):
             self.between.append(self.net[0].weight.grad)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        self.stepped = [self.net[0].weight.grad.detach().clone(), self.net[2].weight.grad.detach().clone()]  # type: ignore[union-attr]
+        self.stepped = [self.net[i].weight.grad.detach().clone() for i in (0, 2)]  # type: ignore[union-attr]
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.net[2].parameters(), lr=0.1)
+
+
+class Manual(AccumulationMixin, Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.configure_accumulation(K, grad_accum_dtype="float32")
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        with self.accumulate(batch) as acc:
+            acc.backward(nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+
+def _trainer(model: pl.LightningModule, callbacks: list[pl.Callback]) -> tuple[list[Tensor | None], list[Tensor]]:
+    x, y = _data()
+    trainer = pl.Trainer(
+        max_steps=1, precision="bf16-true", callbacks=callbacks, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    return model.between, model.stepped  # type: ignore[return-value]
+
+
+def _fabric() -> tuple[list[Tensor | None], list[Tensor]]:
+    x, y = _data()
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    net = _net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net[2].parameters(), lr=0.1))
+    acc = FabricAccumulator(fabric, model, optimizer, K, grad_accum_dtype="float32", log=False)
+    between: list[Tensor | None] = []
+    stepped: list[Tensor] = []
+    optimizer.register_step_pre_hook(lambda *_: stepped.extend(net[i].weight.grad.clone() for i in (0, 2)))
+    for j in range(K):
+        if j == JOINS:
+            _join(net, optimizer)
+        xb, yb = x[j * BATCH : (j + 1) * BATCH], y[j * BATCH : (j + 1) * BATCH]
+        with acc.accumulate((xb, yb)) as step:
+            step.backward(nn.functional.mse_loss(model(xb), yb.bfloat16()))
+        if JOINS <= j < K - 1:
+            between.append(net[0].weight.grad)
+    return between, stepped
 
 
 def _round_bf16(x: Tensor) -> Tensor:
@@ -60,31 +114,30 @@ def _round_bf16(x: Tensor) -> Tensor:
     return torch.ldexp(torch.round(mantissa * 256.0) / 256.0, exponent)
 
 
-def test_a_param_group_joining_a_window_is_summed_in_float32() -> None:
-    x, y = _data()
-    model = Model()
-    trainer = pl.Trainer(
-        max_steps=1, precision="bf16-true", callbacks=[AccumulationScheduler(K, grad_accum_dtype="float32")],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu",
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+@pytest.mark.parametrize("adapter", ["callback", "mixin", "fabric"])
+def test_a_param_group_joining_a_window_is_summed_in_float32(adapter: str) -> None:
+    if adapter == "callback":
+        between, stepped = _trainer(Model(), [AccumulationScheduler(K, grad_accum_dtype="float32")])
+    elif adapter == "mixin":
+        between, stepped = _trainer(Manual(), [])
+    else:
+        between, stepped = _fabric()
     # between micro-batches the joined layer's gradient is in its float32 sum, not in a bf16 `.grad`
-    assert model.between == [None] * (K - 1 - JOINS)
+    assert between == [None] * (K - 1 - JOINS)
     # its window gradient: the exact mean of its micro-batch gradients (from the one it joined at), rounded once; and
     # the last layer's, whose sums held the window's first micro-batches as the group joined
-    ref = Model().to(torch.bfloat16)
-    ref.net[0].requires_grad_(True)
-    exact = [torch.zeros_like(p, dtype=torch.float64) for p in (ref.net[0].weight, ref.net[2].weight)]
+    x, y = _data()
+    ref = _net().to(torch.bfloat16)
+    ref[0].requires_grad_(True)
+    exact = [torch.zeros_like(ref[i].weight, dtype=torch.float64) for i in (0, 2)]
     for j in range(K):
         ref.zero_grad()
         xb, yb = x[j * BATCH : (j + 1) * BATCH].bfloat16(), y[j * BATCH : (j + 1) * BATCH].bfloat16()
-        nn.functional.mse_loss(ref.net(xb), yb).backward()
+        nn.functional.mse_loss(ref(xb), yb).backward()
         if j >= JOINS:
-            exact[0] += ref.net[0].weight.grad.double()  # type: ignore[union-attr]
-        exact[1] += ref.net[2].weight.grad.double()  # type: ignore[union-attr]
-    for got, want in zip(model.stepped, exact, strict=True):
+            exact[0] += ref[0].weight.grad.double()  # type: ignore[union-attr]
+        exact[1] += ref[2].weight.grad.double()  # type: ignore[union-attr]
+    assert len(stepped) == 2
+    for got, want in zip(stepped, exact, strict=True):
         assert got.dtype == torch.bfloat16
         assert torch.equal(got.double(), _round_bf16(want / K))

@@ -209,6 +209,7 @@ class FabricAccumulator:
         )
         self._engine.start_fit(self._plan, log)
         self._engine.widen(self.params)  # (the hooks live as long as the accumulator)
+        self._groups = gradients.group_sizes(optimizer.optimizer)  # (a group added later is widened as it joins)
         if self.grad_accum_dtype is not None and not self._engine.widened:
             rank_zero_warn(inert_note(self.grad_accum_dtype))
         self.batchnorm = check_batchnorm(batchnorm)
@@ -268,6 +269,9 @@ class FabricAccumulator:
         final = check_flag("last", last)
         self._check_epoch(epoch)
         engine = self._engine
+        if engine.wide is not None and gradients.group_sizes(self.optimizer.optimizer) != self._groups:
+            self._groups = gradients.group_sizes(self.optimizer.optimizer)  # a param group joined: its narrow
+            engine.widen(self.params)  # parameters' sums too (those held are kept)
         self._put_back()
         # counted before the block's code can change the batch (e.g. `labels = batch.pop("labels")`); a tensor
         # count is copied, so that a count the batch holds (or a buffer the loader fills again) stays as it was

@@ -199,6 +199,7 @@ class MixinDriver(Callback):
         key = windows.key(optimizer)
         windows.check_disjoint(key)
         windows.refuse_window_of_some(key)  # (`batchnorm="window"`: one window of every optimizer)
+        windows.widen_joined()
         engine = windows.engine(key)
         epoch, batch_idx = trainer.current_epoch, _seam.batch_index(trainer)
         window = engine.window or engine.open(epoch, batch_idx, trainer.strategy)
