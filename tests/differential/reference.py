@@ -390,7 +390,7 @@ def _run(
                               anneal_strategy="cos", last_epoch=c.epochs)  # fmt: skip
                 interval, plateau = "epoch", False
                 # (Lightning's average is a copy of the module made before the precision converted it: float64)
-                average = [prm.detach().double() for prm in net.parameters()]
+                average = [prm.detach().to(torch.float64, copy=True) for prm in net.parameters()]
             else:
                 n = epoch - (c.swa[1] - 1)  # (averaged so far)
                 average = [a + (prm.detach().double() - a) / (n + 1) for a, prm in zip(average, net.parameters(),
