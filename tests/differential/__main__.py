@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {name}: {n['all']} ({n['agreed']} agreed, {n['diverged']} diverged); bf16-true {n['bf16']} "
               f"({n['bf16 agreed']} agreed), grad_accum_dtype {n['option']} ({n['option agreed']} agreed)")
     ties = bf16_reference.TIES
-    print(f"# grad_accum_dtype's float32 ties: {ties['elements']} elements in {ties['windows']} window gradients "
-          f"could round either way; the package took the other side in {ties['taken']}")  # fmt: skip
+    print(f"# grad_accum_dtype's float32 ties: of {ties['landed']} elements of window gradients, {ties['elements']} "
+          f"(in {ties['windows']} windows) could round either way; the package took the other side in {ties['taken']}")
     return 1 if failed else 0
 
 

@@ -19,15 +19,15 @@ Then the window's gradient:
   (on each rank; then the package's all-reduce, a bf16 sum over ranks divided by their number), then "one in-place
   multiply of the gradient" by the window's correction (its divisor over what went in: ``normalisation.md``), in bf16.
   Each op is torch's own, in the order the docs give: the reference matches the package bit for bit.
-* ``grad_accum_dtype="float32"``: the exact window gradient (the passes' bf16 gradients summed in float64, where the
-  sum of a few hundred bf16 numbers is exact to 2^-45 of the largest, divided by the window's micro-batches or items)
-  rounded to bf16 once (``round_bf16``: to nearest, ties to even). The package sums in float32 and normalises there,
-  so it rounds to the same bf16 number unless the exact value lies within float32's error of a bf16 rounding
-  boundary (half-way between two bf16 numbers). The criterion is exact where the maths allows it: for each element,
-  with ``S`` the sum of the absolute values of its m terms over the normaliser, float32's recursive summation
-  (m - 1 adds), the all-reduce's add and division, the scale's own rounding and the multiply stay within
-  ``(m + 6) * 2^-24 * S`` of the exact value ``E`` (Higham's ``gamma_n`` bound, with margin); the package's bf16
-  value must be one that rounding some number in ``[E - b, E + b]`` gives, i.e. in
+* ``grad_accum_dtype="float32"``: the exact window gradient (the passes' bf16 gradients summed in float64 and divided
+  by the window's micro-batches or items: float64's own error, below ``m * 2^-53`` of the terms' absolute sum, is
+  inside the margin below) rounded to bf16 once (``round_bf16``: to nearest, ties to even). The package sums in
+  float32 and normalises there, so it rounds to the same bf16 number unless the exact value lies within float32's
+  error of a bf16 rounding boundary (half-way between two bf16 numbers). The criterion is exact where the maths
+  allows it: for each element, with ``S`` the sum of the absolute values of its m terms over the normaliser,
+  float32's recursive summation (m - 1 adds), the all-reduce's add and division, the scale's own rounding and the
+  multiply stay within ``b = (m + ranks + 6) * 2^-24 * S`` of the exact value ``E`` (Higham's ``gamma_n`` bound,
+  with margin); the package's bf16 value must be one that rounding some number in ``[E - b, E + b]`` gives, i.e. in
   ``[round_bf16(E - b), round_bf16(E + b)]``. Where that interval holds one bf16 number (almost every element), it is
   exact. Where it holds two, the package's choice is taken if it is one of them (counted in ``TIES``) so that the two
   runs go on from the same gradient; anything else differs from the reference's gradient at that step and is
@@ -47,7 +47,9 @@ from .model import errors, forward, guide_weights
 
 BF16 = torch.bfloat16
 U32 = 2.0**-24  # float32's unit roundoff
-TIES: dict[str, int] = {"windows": 0, "elements": 0, "taken": 0}  # ambiguous windows, elements; the package's taken
+# with `grad_accum_dtype`: the elements landed, those that could round either way (and their windows), and those of
+# them where the package took the other side
+TIES: dict[str, int] = {"landed": 0, "windows": 0, "elements": 0, "taken": 0}
 
 
 def round_bf16(x: Tensor) -> Tensor:
@@ -475,6 +477,7 @@ class Sums:
             lo, hi = bounds(exact, self.spread[id(p)] / normaliser, self.terms + world)
             p.grad = round_bf16(exact).to(p.dtype)
             landed.ranges[id(p)] = (lo.to(p.dtype), hi.to(p.dtype))
+            TIES["landed"] += p.numel()
             if bool((lo != hi).any()):
                 TIES["windows"] += 1
 
