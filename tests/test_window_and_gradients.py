@@ -84,3 +84,19 @@ def test_snapshot_and_restore() -> None:
         assert (p.grad is None and e is None) or torch.equal(p.grad, e)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="same model and optimizer"):
         gradients.restore(params[:2], saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scale_of_half_precision_gradients_rounds_once(dtype: torch.dtype) -> None:
+    """A bf16 or fp16 gradient times the window's factor (1/7) is the exact product rounded once to its dtype, not
+    the product with the factor rounded to bf16 first (``torch._foreach_mul_`` on the CPU: up to 2^-9 relative, all
+    in one direction)."""
+    torch.manual_seed(0)
+    grads = [torch.randn(1000).to(dtype), torch.randn(7, 3).to(dtype)]
+    want = [(g.float() * (1 / 7)).to(dtype) for g in grads]  # (in float32, rounded once to the dtype)
+    exact = [g.double() * (1 / 7) for g in grads]
+    gradients.scale_(grads, 1 / 7)
+    for g, w, e in zip(grads, want, exact, strict=True):
+        assert torch.equal(g, w)
+        ulp = torch.finfo(dtype).eps * e.abs().clamp_min(torch.finfo(dtype).tiny)
+        assert bool(((g.double() - e).abs() <= ulp).all())  # (within one rounding: half an ulp, at most one)

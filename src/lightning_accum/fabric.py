@@ -210,6 +210,7 @@ class FabricAccumulator:
         )
         self._engine.start_fit(self._plan, log)
         self._engine.widen(self.params)  # (the hooks live as long as the accumulator)
+        self._groups = gradients.group_sizes(optimizer.optimizer)  # (a group added later is taken as it joins)
         if self.grad_accum_dtype is not None and not self._engine.widened:
             rank_zero_warn(inert_note(self.grad_accum_dtype))
         if batchnorm == "window":  # (the module's own names: a checkpoint's statistics are keyed by them)
@@ -277,6 +278,9 @@ class FabricAccumulator:
             counted = counted.detach().clone()
         if engine.window is None and self.grad_accum_dtype is not None:  # (a param group added, a layer unfrozen)
             engine.rewiden(self.params)
+        if engine.wide is not None and gradients.group_sizes(self.optimizer.optimizer) != self._groups:
+            self._groups = gradients.group_sizes(self.optimizer.optimizer)  # a param group joined inside a window:
+            engine.widen(self.params)  # its narrow parameters' sums too (those held are kept)
         window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
         engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget)

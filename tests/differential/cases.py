@@ -9,6 +9,8 @@ from .configs import Config
 
 _ITEMS = {"normalize": "items", "count": True}
 _EMPTY_WINDOW = {**_ITEMS, "n": 24, "schedule": {"family": "constant", "k": 2}, "empty_batches": [2, 3]}  # batches of 4
+_BF16 = {"precision": "bf16-true"}
+_WIDE = {"precision": "bf16-true", "grad_accum_dtype": "float32"}
 
 CASES: dict[str, dict[str, Any]] = {
     # issue 21, 3: a hand-written masked mean over a micro-batch without items made every parameter NaN
@@ -333,6 +335,71 @@ CASES: dict[str, dict[str, Any]] = {
     "budget_zero_count_window_lr_scaling": {
         "count": True, "n": 16, "batch_size": 4, "empty_batches": [1, 2], "lr_scaling": "linear",
         "schedule": {"family": "budget", "n": 6, "unit": "items", "max_k": 2}},
+    # issue 51: `precision="bf16-true"`, with `grad_accum_dtype="float32"` (`_WIDE`: each window's gradient the exact
+    # one rounded to bf16 once, bar float32's ties) and without it (`_BF16`: bf16 sums in `.grad`, bit for bit), in
+    # every adapter and backward form, each step's gradient compared before clipping (`bf16_reference.py`). Found:
+    # without the option, a window's correction (k over what went in) multiplied bf16 gradients rounded to bf16 first
+    # (`torch._foreach_mul_` on the CPU: 1/7 as 0.1426), in every adapter
+    "bf16_mixin_microbatches_window_scale": {
+        **_BF16, **_ITEMS, "adapter": "mixin", "mode": "microbatches", "reduction": "mean", "mean_by": "reduction",
+        "batch_size": 2, "n": 8, "epochs": 1, "max_steps": 1, "clip": [1e-09, "value"], "seed": 65,
+        "schedule": {"family": "lambda", "fn": "epoch_up"}},
+    "bf16_callback_items_short_windows_resumed": {
+        **_BF16, **_ITEMS, "n": 26, "batch_size": 3, "epochs": 2, "schedule": {"family": "constant", "k": 3},
+        "optimizer": "adam", "lr": 0.01, "clip": [0.5, "norm"], "interruptions": [["save", 0, 4]]},
+    # ... with the option, `microbatch_size="auto"` redoing a window after out-of-memory in backward counted its earlier
+    # pieces twice (their float32 sums were not cleared with `.grad`)
+    "bf16_wide_callback_auto_redone_window": {
+        **_WIDE, **_ITEMS, "reduction": "mean", "n": 15, "batch_size": 3, "epochs": 3, "empty_batches": [1],
+        "microbatch_size": "auto", "oom": [2, "backward"], "seed": 287, "interruptions": [["save", 0, 2]],
+        "schedule": {"family": "lambda", "fn": "epoch_up"},
+        "lr_schedule": {"final": 0.1, "total": 12, "unit": "step", "warmup": 3}},
+    # ... and a param group joining a window (`BaseFinetuning`) was summed in bf16 `.grad`, not in float32
+    "bf16_wide_callback_param_group_joins": {
+        **_WIDE, "count": True, "batch_size": 3, "n": 26, "epochs": 1, "limit_train_batches": 3, "seed": 850,
+        "batchnorm": "micro-batch", "bn_momentum": None, "lr_scaling": "sqrt", "optimizer": "momentum",
+        "schedule": {"family": "budget", "max_k": None, "n": 23, "unit": "items"}, "unfreeze": [0, 1],
+        "scheduler": {"interval": "step", "kind": "step", "step_size": 3}, "val_every": 1},
+    # the option through pieces, a failure inside a window and a checkpoint (its float32 sums saved and put back)
+    "bf16_wide_callback_pieces_resumed": {
+        **_WIDE, **_ITEMS, "reduction": "mean", "n": 26, "batch_size": 3, "epochs": 2, "empty_batches": [2],
+        "schedule": {"family": "constant", "k": 3}, "microbatch_size": 2, "optimizer": "momentum",
+        "interruptions": [["on_after_backward", 0, 4], ["save", 1, 2]]},
+    # the mixin's forms, with the option and without: a shared trunk, closures (two optimizers, one window), the cached
+    # backward (token budgets, loss blocks, a frozen guide), a window per optimizer, `items=` ints
+    "bf16_wide_mixin_heads_token_means": {
+        **_WIDE, **_ITEMS, "adapter": "mixin", "mode": "heads", "reduction": "mean", "mean_by": "reduction", "n": 20,
+        "empty_batches": [1], "schedule": {"family": "constant", "k": 3}, "interruptions": [["save", 0, 2]]},
+    "bf16_mixin_each_two_optimizers": {
+        **_BF16, "adapter": "mixin", "mode": "each", "optimizers": 2, "shared": True, "n": 22, "epochs": 2,
+        "schedule": {"family": "constant", "k": 3}, "clip": [0.05, "value"], "optimizer": "adam", "lr": 0.01},
+    "bf16_wide_mixin_cached_tokens_guide": {
+        **_WIDE, **_ITEMS, "adapter": "mixin", "mode": "cached", "reduction": "sum", "n": 13, "empty_batches": [1],
+        "schedule": {"family": "constant", "k": 2}, "chunks": [None, 2], "chunk_tokens": [3, 2], "loss_chunk": 3,
+        "guide": "frozen", "interruptions": [["on_after_backward", 0, 2]]},
+    "bf16_wide_mixin_windows_of_their_own": {
+        **_WIDE, "adapter": "mixin", "optimizers": 2, "windows": "each", "n": 24, "epochs": 2, "optimizer": "momentum",
+        "schedule": {"family": "ramp", "start": 1, "end": 4, "over": 6, "unit": "step"}, "clip": [0.5, "norm"]},
+    "bf16_mixin_items_int_refit": {
+        **_BF16, **_ITEMS, "adapter": "mixin", "mode": "items_int", "reduction": "mean", "n": 30, "epochs": 2,
+        "empty_batches": [2], "refit": [0, 4], "schedule": {"family": "constant", "k": 3}},
+    # Fabric: two passes a micro-batch, checkpoints saved again right after their load; a budget without the option
+    "bf16_wide_fabric_two_passes_resaved": {
+        **_WIDE, **_ITEMS, "adapter": "fabric", "reduction": "mean", "passes": 2, "n": 26, "epochs": 2, "resave": True,
+        "interruptions": [["save", 0, 3], ["save", 1, 1]], "schedule": {"family": "constant", "k": 3},
+        "clip": [0.5, "norm"]},
+    "bf16_fabric_budget": {**_BF16, **_ITEMS, "adapter": "fabric", "passes": 2, "n": 26, "batch_size": 2,
+                           "schedule": {"family": "budget", "n": 9, "unit": "items", "max_k": 4}},
+    # 2 DDP ranks, the float32 sums all-reduced once, resumed inside a window (the checkpoint then refused on one
+    # process); FSDP2's refusal of the option is drawn by the long run (`ranks_config`), not here (a launch of its own)
+    "bf16_wide_fabric_ddp_two_ranks_resumed": {
+        **_WIDE, "adapter": "fabric", "world": 2, "epochs": 2, "n": 32, "seed": 12, "passes": 2, "last_arg": True,
+        "interruptions": [["save", 0, 1]], "schedule": {"family": "constant", "k": 3}},
+    # SWA under bf16: Lightning averages in a copy of the module made before the precision converted it
+    "bf16_wide_swa_budget": {
+        **_WIDE, "count": True, "batch_size": 3, "epochs": 3, "lr_scaling": "linear", "n": 27, "optimizer": "momentum",
+        "schedule": {"family": "budget", "max_k": None, "n": 18, "unit": "items"}, "seed": 631, "swa": [0.05, 1],
+        "scheduler": {"interval": "epoch", "kind": "step", "step_size": 1}},
 }  # fmt: skip
 
 

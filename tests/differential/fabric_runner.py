@@ -21,14 +21,17 @@ from lightning_accum.fabric import FabricAccumulator
 
 from .configs import Config
 from .model import Data, count_tokens, errors, make_net
-from .package import batchnorm, lr_schedule, schedule
+from .package import batchnorm, grads_of, lr_schedule, schedule, wide
 from .reference import Result, make_optimizers, optimizer_state
 
 
 class _Run:
     """A fresh model, optimizer and accumulator (a process starting, or resuming from ``path``)."""
 
-    def __init__(self, c: Config, fabric: Any, lrs: dict[int, list[float]], path: Path | None = None) -> None:
+    def __init__(
+        self, c: Config, fabric: Any, lrs: dict[int, list[float]], path: Path | None = None,
+        grads: dict[int, list[torch.Tensor | None]] | None = None,
+    ) -> None:
         self.fabric = fabric
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)  # (the reference's initial weights are drawn in float32)
@@ -48,6 +51,7 @@ class _Run:
             fabric, self.model, self.optimizer, schedule(c.schedule), normalize=c.normalize,  # type: ignore[arg-type]
             count=count_tokens if c.count else None, reduction=c.reduction if c.normalize == "items" else None,  # type: ignore[arg-type]
             lr_scaling=c.lr_scaling, lr_schedule=lr_schedule(c), log=False, **clip, **batchnorm(c),  # type: ignore[arg-type]
+            **wide(c),
         )  # fmt: skip
         self.state = {"model": self.model, "optimizer": self.optimizer, "accumulation": self.acc}
         if path is not None:
@@ -58,7 +62,16 @@ class _Run:
         # (after the load, and not while saving: under FSDP2 torch's checkpointing steps an optimizer without state
         # once with a learning rate of 0, to make its state)
         self.saving = False
-        record = lambda o, *_: self.saving or lrs.__setitem__(self.acc.progress.step, [g["lr"] for g in o.param_groups])  # noqa: E731
+
+        def record(o: Any, *_: Any) -> None:
+            if self.saving:
+                return
+            lrs[self.acc.progress.step] = [g["lr"] for g in o.param_groups]
+            if grads is not None:  # (noted before clipping, where it clips: `loop`)
+                before = getattr(fabric, "_clipped", None)
+                grads[self.acc.progress.step] = grads_of(o) if before is None else before
+                fabric._clipped = None
+
         raw.register_step_post_hook(record)
 
     def save(self, path: Path) -> None:
@@ -75,14 +88,38 @@ class _Run:
 
 def run(c: Config) -> Result:
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # (Fabric's "64-true" casts outputs to the default dtype)
+    torch.set_default_dtype(default_dtype(c))
     try:
         with warnings.catch_warnings():  # (the package's, on a window of no items: the runner's own business)
             warnings.simplefilter("ignore")
             with tempfile.TemporaryDirectory() as tmp:
-                return loop(c, lambda: Fabric(accelerator="cpu", devices=1, precision="64-true"), Path(tmp))
+                return loop(c, lambda: Fabric(accelerator="cpu", devices=1, precision=c.precision), Path(tmp))
     finally:
         torch.set_default_dtype(previous)
+
+
+def default_dtype(c: Config) -> torch.dtype:
+    """The loop's default dtype: float64 under "64-true" (Fabric casts the module's outputs to it), float32 under
+    "bf16-true" (a user's; the outputs come back to it from bf16)."""
+    return torch.float32 if c.bf16 else torch.float64
+
+
+def user_batch(c: Config, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The data as the user's loop has it: the fuzzer's float64, or float32 under bf16 (Fabric converts what enters
+    the module to bf16)."""
+    return {k: v.float() for k, v in batch.items()} if c.bf16 else batch
+
+
+def _note_before_clipping(fabric: Any) -> None:
+    """``fabric.clip_gradients`` noting the gradient the step gets before clipping it (``fabric._clipped``)."""
+    clip = fabric.clip_gradients
+
+    def noting(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        fabric._clipped = grads_of(optimizer)
+        return clip(module, optimizer, *args, **kwargs)
+
+    fabric.clip_gradients = noting
+    fabric._noting = True
 
 
 def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path] | None = None) -> Result:
@@ -90,13 +127,17 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
     ``saved``: where the checkpoints written after a block that did not step go (for the world-size check: one
     that holds an open window must be refused on another number of ranks)."""
     data, lrs = Data(c), {}  # type: ignore[var-annotated]
+    grads: dict[int, list[torch.Tensor | None]] | None = {} if c.bf16 else None
     saves = {(int(e), int(b)) for kind, e, b in c.interruptions if kind == "save"}
     fabric = make_fabric()
+    if grads is not None and not getattr(fabric, "_noting", False):
+        _note_before_clipping(fabric)
+    fabric._clipped = None
     rank = fabric.global_rank
-    run = _Run(c, fabric, lrs)
+    run = _Run(c, fabric, lrs, grads=grads)
     if not c.epoch_arg and c.epoch_keyed():  # refused, before anything changes: then given
         try:
-            with run.acc.accumulate(data.batch(rank)):
+            with run.acc.accumulate(user_batch(c, data.batch(rank))):
                 raise AssertionError("a schedule keyed on epochs was taken without `epoch=`")
         except ValueError as error:
             assert "keyed on epochs" in str(error), error
@@ -105,7 +146,7 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
     batches = c.batches_per_epoch()
     for epoch in range(c.epochs):
         for j in range(batches):
-            batch = data.batch(j * c.world + rank)
+            batch = user_batch(c, data.batch(j * c.world + rank))
             options = {"epoch": epoch} if epoch_arg else {}
             with run.acc.accumulate(batch, last=c.last_arg and j == batches - 1, **options) as step:
                 backward(c, run.model, batch, step)
@@ -119,11 +160,11 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
                 run.save(path)
                 if saved is not None and not step.stepped:
                     saved.append(path)
-                run = _Run(c, fabric, lrs, path)
+                run = _Run(c, fabric, lrs, path, grads)
                 if c.resave:  # saved again before the next block, then resumed from that
                     again = tmp / f"{epoch}-{j}-again.ckpt"
                     run.save(again)
-                    run = _Run(c, fabric, lrs, again)
+                    run = _Run(c, fabric, lrs, again, grads)
         if done:
             break
         run.acc.flush()
@@ -134,7 +175,8 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
     if adam is not None:  # (FSDP2: each rank holds its shard of Adam's state)
         adam = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in s.items()} for s in adam]
     buffers = [b.detach().clone() for b in run.model.buffers()] if c.batchnorm else None
-    return Result(run.params(), run.acc.progress.step, out_lrs, adam, None, buffers)
+    out_grads = None if grads is None else [grads[s] for s in sorted(grads)]
+    return Result(run.params(), run.acc.progress.step, out_lrs, adam, None, buffers, out_grads)
 
 
 def steps_done(c: Config, run: _Run) -> bool:

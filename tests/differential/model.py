@@ -106,17 +106,25 @@ def count_tokens(batch: dict[str, Tensor]) -> Tensor:
     return batch["mask"].sum()
 
 
+def dtype_of(net: nn.Module) -> torch.dtype:
+    """The net's parameters' dtype (float64, or bf16 under ``precision="bf16-true"``)."""
+    return next(net.parameters()).dtype
+
+
 def probe_loss(net: nn.Module, data: Data) -> float:
-    """What the monitors watch at each epoch's end: the unmasked error on the first samples, rounded to
-    float32 (as Lightning may store a logged value); in eval mode (a BatchNorm layer's statistics left as they are)."""
+    """What the monitors watch at each epoch's end: the unmasked error on the first samples, in the net's dtype,
+    rounded to float32 (as Lightning may store a logged value); in eval mode (a BatchNorm layer's statistics left as
+    they are)."""
+    dtype = dtype_of(net)
     with torch.no_grad(), evaluating(net):
-        value = ((net(data.x[:4]) - data.y[:4]) ** 2).mean()
+        value = ((net(data.x[:4].to(dtype)) - data.y[:4].to(dtype)) ** 2).mean()
     return float(value.float())
 
 
 def batch_probe(net: nn.Module, batch: dict[str, Tensor]) -> float:
     """What a step-interval plateau watches: the batch's unmasked error at the weights after its step, logged in
-    ``on_train_batch_end`` (rounded to float32, as ``probe_loss``)."""
+    ``on_train_batch_end``, in the net's dtype (the batch as the precision converted it), rounded to float32."""
+    dtype = dtype_of(net)
     with torch.no_grad(), evaluating(net):
-        value = ((net(batch["x"]) - batch["y"]) ** 2).mean()
+        value = ((net(batch["x"].to(dtype)) - batch["y"].to(dtype)) ** 2).mean()
     return float(value.float())

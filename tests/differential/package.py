@@ -84,6 +84,7 @@ def package_callbacks(c: Config) -> list[pl.Callback]:
                 lr_schedule=lr_schedule(c),
                 microbatch_size=c.microbatch_size,
                 **batchnorm(c),
+                **wide(c),
             )
         )
     if c.adapter == "callback" and c.decay is not None:
@@ -96,6 +97,17 @@ def batchnorm(c: Config) -> dict[str, Any]:
     return {} if c.batchnorm is None else {"batchnorm": c.batchnorm}
 
 
+def wide(c: Config) -> dict[str, Any]:
+    """The adapter's ``grad_accum_dtype=`` where it is drawn (issue 51)."""
+    return {} if c.grad_accum_dtype is None else {"grad_accum_dtype": c.grad_accum_dtype}
+
+
+def grads_of(optimizer: Any) -> list[Tensor | None]:
+    """The gradient of each of an optimizer's parameters (in its param groups' order), copied; None where none."""
+    raw = getattr(optimizer, "optimizer", optimizer)
+    return [None if p.grad is None else p.grad.detach().clone() for g in raw.param_groups for p in g["params"]]
+
+
 def count_or_positions(batch: dict[str, Tensor]) -> Tensor:
     """The mask's items, or where `training_step` took the mask out already every position (as
     `causal_lm_tokens` falls back to the attention mask without labels): right only if taken first."""
@@ -106,6 +118,16 @@ def count_or_positions(batch: dict[str, Tensor]) -> Tensor:
 
 def decay(c: Config) -> la.GradientDecay | None:
     return None if c.decay is None else la.GradientDecay(c.decay[0], mode=c.decay[1], bias_correction=c.decay[2])
+
+
+class Shared:
+    """An object the module holds that a copy of the module shares (SWA's `deepcopy`)."""
+
+    def __init__(self, it: Any) -> None:
+        self.it = it
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Shared:
+        return self
 
 
 class SilentBar(ProgressBar):
@@ -129,6 +151,14 @@ class _Base(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.log("val", micro_loss(self.net, batch)[0], batch_size=len(batch["x"]))
+
+    def clip_gradients(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """Lightning's (the callback's clipping, and the mixin's), the gradient the step gets noted first, before
+        clipping (`Recorder`)."""
+        recorder = getattr(self, "recorder", None)
+        if recorder is not None:
+            recorder.it.before_clipping(optimizer)
+        super().clip_gradients(optimizer, *args, **kwargs)
 
     def configure_optimizers(self) -> Any:
         if self.c.estimate:  # (sets the training loader up: a resumed epoch must still continue where it stopped)
@@ -220,6 +250,7 @@ class Manual(la.AccumulationMixin, _Base):
             lr_schedule=lr_schedule(c),
             step_schedulers=c.schedulers_by != "user",  # ("both": the model steps it too, which is refused)
             **batchnorm(c),
+            **wide(c),
         )
 
     @property
@@ -369,9 +400,12 @@ class Recorder(pl.Callback):
     """The LR of each optimizer step that moved something (keyed on the step, so that a resumed
     run overwrites what it trains again), the probe logged at each epoch's end, the loader bound."""
 
-    def __init__(self, data: Data, loader: ResumingLoader) -> None:
+    def __init__(self, data: Data, loader: ResumingLoader, grads: bool = False) -> None:
         self.data, self.loader = data, loader
         self.lrs: dict[int, list[float]] = {}
+        # under bf16: each step's gradient as the step got it, before clipping (`grads_of`), keyed as the LRs
+        self.grads: dict[int, list[Tensor | None]] | None = {} if grads else None
+        self._clipped: dict[int, list[Tensor | None]] = {}  # noted before clipping, by optimizer
         self._hooks: list[Any] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -382,8 +416,15 @@ class Recorder(pl.Callback):
             self._hooks.append(opt.register_step_post_hook(lambda o, *_, t=trainer: self._record(o, t)))
 
     def _record(self, opt: torch.optim.Optimizer, trainer: pl.Trainer) -> None:
+        before = self._clipped.pop(id(opt), None)
         if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
             self.lrs[trainer.global_step] = [g["lr"] for g in opt.param_groups]
+            if self.grads is not None:  # (the optimizers change no `.grad`: after the step is as before it)
+                self.grads[trainer.global_step] = grads_of(opt) if before is None else before
+
+    def before_clipping(self, optimizer: Any) -> None:
+        if self.grads is not None:
+            self._clipped[id(getattr(optimizer, "optimizer", optimizer))] = grads_of(optimizer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if pl_module.c.probe_in == "callback":  # type: ignore[union-attr]
@@ -507,6 +548,7 @@ def _fit(
     if first and c.refit is not None:
         callbacks.append(Stopper((c.refit[0], c.refit[1])))
     ema = model.window_ema = WindowEMA()
+    model.recorder = Shared(recorder)  # (the gradients before clipping: `_Base.clip_gradients`)
     if first:  # (a refit reuses the first fit's: their progress goes on, as the mixin's model's)
         model.package_callbacks = package_callbacks(c)
     callbacks += model.package_callbacks
@@ -534,7 +576,7 @@ def _fit(
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        precision="64-true",
+        precision=c.precision,  # type: ignore[arg-type]
         max_epochs=c.epochs,
         max_steps=c.max_steps,
         limit_train_batches=c.limit_train_batches,
@@ -563,7 +605,7 @@ def run(c: Config) -> Result:
         warnings.simplefilter("ignore")
         tmp = Path(name)
         data = Data(c)
-        recorder = Recorder(data, ResumingLoader(data, c.batch_size))
+        recorder = Recorder(data, ResumingLoader(data, c.batch_size), grads=c.bf16)
         saver = StepSaver(tmp / "steps")
         pending = [Interrupter(kind, epoch, batch, tmp / f"save{i}.ckpt") for i, (kind, epoch, batch) in
                    enumerate(c.interruptions)]  # fmt: skip
@@ -588,13 +630,20 @@ def run(c: Config) -> Result:
                 ckpt = tmp / "on_exception.ckpt"
             if ckpt is None:  # failed before any step was saved: start again (Lightning would resume from
                 recorder.lrs.clear()  # the on-exception checkpoint when given none)
+                if recorder.grads is not None:
+                    recorder.grads.clear()
                 (tmp / "on_exception.ckpt").unlink()
+        first_grads: list[list[Tensor | None]] = []  # (a refit's first fit's steps' gradients)
         if c.refit is not None:  # `trainer.fit` again, a new Trainer and callbacks, no checkpoint
-            recorder = Recorder(data, ResumingLoader(data, c.batch_size))
+            if recorder.grads is not None:
+                first_grads = [recorder.grads[s] for s in sorted(recorder.grads)]
+            recorder = Recorder(data, ResumingLoader(data, c.batch_size), grads=c.bf16)
             model = _fit(c, tmp, recorder, StepSaver(tmp / "refit"), None, None, model=model)  # type: ignore[arg-type]
         trainer = model.trainer
         params = [p.detach().clone() for p in model.net.parameters()]
         lrs = [recorder.lrs[s] for s in sorted(recorder.lrs)]
         ema = model.window_ema.average if "ema" in c.callbacks else None
         buffers = [b.detach().clone() for b in model.net.buffers()] if c.batchnorm else None
-        return Result(params, trainer.global_step, lrs, optimizer_state(c, trainer.optimizers), ema, buffers)
+        # (each step's gradient over both fits of a refit, as the reference's)
+        grads = None if recorder.grads is None else first_grads + [recorder.grads[s] for s in sorted(recorder.grads)]
+        return Result(params, trainer.global_step, lrs, optimizer_state(c, trainer.optimizers), ema, buffers, grads)

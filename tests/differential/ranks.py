@@ -31,6 +31,7 @@ from . import fabric_runner
 from .configs import Config
 from .differences import differences
 from .model import make_net
+from .package import wide
 from .reference import Result
 from .reference import run as reference_run
 
@@ -80,8 +81,10 @@ class SpawnedFSDP2(ModelParallelStrategy):
 
 def _encode(result: Result) -> dict[str, Any]:
     adam = None if result.adam is None else [{k: v.tolist() for k, v in s.items()} for s in result.adam]
+    grads = None if result.grads is None else [[None if g is None else g.tolist() for g in step] for step in
+                                                 result.grads]  # fmt: skip
     return {"params": [p.tolist() for p in result.params], "step": result.global_step, "lrs": result.lrs,
-            "adam": adam}  # fmt: skip
+            "adam": adam, "grads": grads}  # fmt: skip
 
 
 def _decode(report: dict[str, Any]) -> Result:
@@ -89,16 +92,19 @@ def _decode(report: dict[str, Any]) -> Result:
     adam = report["adam"]
     if adam is not None:
         adam = [{k: torch.tensor(v, dtype=torch.float64) for k, v in s.items()} for s in adam]
-    return Result(params, report["step"], report["lrs"], adam, None)
+    grads = report.get("grads")
+    if grads is not None:  # (bf16 numbers: exact in float64)
+        grads = [[None if g is None else torch.tensor(g, dtype=torch.float64) for g in step] for step in grads]
+    return Result(params, report["step"], report["lrs"], adam, None, None, grads)
 
 
 def _rank(fabric: Fabric, configs: list[str], out: str) -> None:
     """On each rank: every configuration's loop (an error is the configuration's result)."""
-    torch.set_default_dtype(torch.float64)
     warnings.simplefilter("ignore")
     reports = []
     for line in configs:
         c = Config.from_json(line)
+        torch.set_default_dtype(fabric_runner.default_dtype(c))
         saved: list[Path] = []
         try:
             tmp = Path(fabric.broadcast(tempfile.mkdtemp(dir=out) if fabric.global_rank == 0 else None))
@@ -113,14 +119,14 @@ def _rank(fabric: Fabric, configs: list[str], out: str) -> None:
 def check_all(configs: list[Config]) -> list[list[str]]:
     """Each configuration's differences from the reference on both ranks (all of one strategy launched once)."""
     out: list[list[str]] = [[] for _ in configs]
-    for strategy in ("ddp", "fsdp2"):
-        chosen = [i for i, c in enumerate(configs) if c.strategy == strategy]
+    for strategy, precision in (("ddp", "64-true"), ("fsdp2", "32-true"), ("ddp", "bf16-true"), ("fsdp2", "bf16-true")):
+        # (FSDP2 refuses "64-true": float64 anyway)
+        chosen = [i for i, c in enumerate(configs) if c.strategy == strategy and c.bf16 == (precision == "bf16-true")]
         if not chosen:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             launched: Any = SpawnedFSDP2() if strategy == "fsdp2" else SpawnedDDP()
-            precision = "32-true" if strategy == "fsdp2" else "64-true"  # (FSDP2 refuses "64-true": float64 anyway)
-            fabric = Fabric(accelerator="cpu", devices=2, strategy=launched, precision=precision)
+            fabric = Fabric(accelerator="cpu", devices=2, strategy=launched, precision=precision)  # type: ignore[arg-type]
             fabric.launch(_rank, [configs[i].to_json() for i in chosen], tmp)
             reports = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(2)]
             for position, i in enumerate(chosen):
@@ -129,13 +135,18 @@ def check_all(configs: list[Config]) -> list[list[str]]:
 
 
 def _check(c: Config, reports: list[dict[str, Any]]) -> list[str]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        want = reference_run(c)
-    diffs = []
+    refusal = c.refusal()
+    if refusal is not None:  # (`grad_accum_dtype` under FSDP2: refused, naming what does the job there)
+        bad = [r for r, report in enumerate(reports) if refusal not in report.get("raised", "")]
+        return [f"rank {r} did not refuse it: {reports[r].get('raised', 'it ran')}" for r in bad]
     for r, report in enumerate(reports):
         if "raised" in report:
             return [f"rank {r} raised: {report['raised']}"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = reference_run(c, _decode(reports[0]))
+    diffs = []
+    for r, report in enumerate(reports):
         diffs += [f"rank {r}: {d}" for d in differences(want, _decode(report))]
     for path in reports[0]["saved"]:
         diffs += _refused_on_one_process(c, Path(path))
@@ -144,10 +155,10 @@ def _check(c: Config, reports: list[dict[str, Any]]) -> list[str]:
 
 def _refused_on_one_process(c: Config, path: Path) -> list[str]:
     """A checkpoint the 2 ranks wrote inside a window, loaded on one process: must be refused."""
-    fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+    fabric = Fabric(accelerator="cpu", devices=1, precision=c.precision)  # type: ignore[arg-type]
     net = make_net(c.seed)
     model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    acc = FabricAccumulator(fabric, model, optimizer)
+    acc = FabricAccumulator(fabric, model, optimizer, **wide(c))
     state = torch.load(path, weights_only=False)
     if state["accumulation"]["window"] is None:  # (a block that did not step closed an empty window: no step)
         return []

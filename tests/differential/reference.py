@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.swa_utils import SWALR
 
+from . import bf16_reference
 from .configs import Config
 from .model import Data, batch_probe, forward, make_net, micro_loss, probe_loss
 from .noise_reference import NoiseReference
@@ -36,6 +37,9 @@ class Result:
     adam: list[dict[str, Tensor]] | None  # per optimizer and parameter: exp_avg, exp_avg_sq, step
     ema: list[Tensor] | None = None  # the "ema" callback's average of the parameters after each step
     buffers: list[Tensor] | None = None  # with a BatchNorm layer: its running mean, variance, `num_batches_tracked`
+    # under bf16 (`Config.bf16`): per optimizer step (as `lrs`), the gradient of each of its parameters (in its param
+    # groups' order; None where it has none) as the step got it, before clipping
+    grads: list[list[Tensor | None]] | None = None
 
 
 EMA = 0.6  # the "ema" callback's decay
@@ -235,9 +239,9 @@ class BatchNormStatistics:
         the samples the layer saw, not the step)."""
         with torch.no_grad(), self.window():
             for b in batches:
-                forward(net, b["x"], piece(c))
+                forward(net, bf16_reference.model_input(c, b["x"]) if c.bf16 else b["x"], piece(c))
             for x in skipped or []:
-                net(x)
+                net(bf16_reference.model_input(c, x) if c.bf16 else x)
 
     def result(self) -> list[Tensor] | None:
         return [b.detach().clone() for layer in self.layers for b in layer.buffers()] if self.mode else None
@@ -267,9 +271,15 @@ def _skipped(c: Config, data: Data, span: list[int]) -> list[Tensor]:
     return [x if size is None else x[:size] for x in xs]
 
 
-def _step(c: Config, opt: torch.optim.Optimizer, factor: float, lrs: list[list[float]]) -> None:
-    """Clip the optimizer's own gradient, step it with its LRs times ``factor`` (for this step only)."""
+def _step(
+    c: Config, opt: torch.optim.Optimizer, factor: float, lrs: list[list[float]],
+    grads: list[list[Tensor | None]] | None = None,
+) -> None:
+    """Clip the optimizer's own gradient, step it with its LRs times ``factor`` (for this step only); ``grads``: where
+    its parameters' gradients before clipping go."""
     params = [prm for g in opt.param_groups for prm in g["params"]]
+    if grads is not None:
+        grads.append([None if prm.grad is None else prm.grad.detach().clone() for prm in params])
     if c.clip is not None:
         if c.clip[1] == "norm":
             nn.utils.clip_grad_norm_(params, c.clip[0])
@@ -323,22 +333,57 @@ def _each(
         yield (early + last).detach()
 
 
-def run(c: Config) -> Result:
+def _each_bf16(
+    c: Config,
+    net: nn.Module,
+    opts: list[torch.optim.Optimizer],
+    window: list[dict[str, Tensor]],
+    divisor: int,
+    normaliser: float,
+    first: int,
+    factor: float,
+    lrs: list[list[float]],
+    grads: list[list[Tensor | None]],
+    taken: list[list[Tensor | None]] | None,
+) -> Iterator[Tensor]:
+    """``_each`` under bf16: each optimizer's window landed (``bf16_reference.each_windows``) and stepped in turn;
+    yields a stand-in loss (no monitor watches the window loss under bf16)."""
+    for opt, landed in zip(opts, bf16_reference.each_windows(c, net, opts, window, divisor, normaliser, first),
+                           strict=True):  # fmt: skip
+        mine = [prm for g in opt.param_groups for prm in g["params"]]
+        landed.take(mine, taken[len(grads)] if taken is not None and len(grads) < len(taken) else None)
+        _step(c, opt, factor, lrs, grads)
+        yield torch.zeros((), dtype=torch.float64)
+
+
+def run(c: Config, package: Result | None = None) -> Result:
+    """The reference's result on ``c``; under bf16 with ``grad_accum_dtype``, ``package``'s gradients settle the
+    elements the exact criterion leaves to float32's rounding (``bf16_reference``)."""
+    taken = None if package is None else package.grads
     if c.refit is None:
-        return _run(c)[0]
+        return _run(c, taken=taken)[0]
     # a first fit stopped after batch `refit` (its open windows dropped, unstepped), then a new fit of the same
     # model: new optimizers, schedulers and callbacks; the model's progress, first k and decay residual go on
-    _, carried = _run(c, stop=(c.refit[0], c.refit[1]))
-    return _run(c, carried)[0]
+    _, carried = _run(c, stop=(c.refit[0], c.refit[1]), taken=taken)
+    return _run(c, carried, taken=taken)[0]
 
 
-def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int] | None = None) -> tuple[Result, Any]:
+def _run(
+    c: Config,
+    carried: dict[str, Any] | None = None,
+    stop: tuple[int, int] | None = None,
+    taken: list[list[Tensor | None]] | None = None,
+) -> tuple[Result, Any]:
     data = Data(c)
     net = make_net(c.seed, c) if carried is None else carried["net"]
+    if c.bf16 and carried is None:  # (`precision="bf16-true"`: the parameters rounded to bf16 once)
+        net = net.to(torch.bfloat16)
     bn = BatchNormStatistics(c, net) if carried is None else carried["bn"]
     if c.unfreeze is not None:  # frozen until it joins the optimizer at batch `c.unfreeze`
         net[0].requires_grad_(False)
     guide = make_net(c.seed + 1) if c.guide and c.mode == "cached" else None  # (the cached mode's guide)
+    if guide is not None and c.bf16:
+        guide = guide.to(torch.bfloat16)
     opts = make_optimizers(c, net)
     sched = make_scheduler(c, opts[0])
     interval = None if c.scheduler is None else c.scheduler.get("interval", "epoch")
@@ -360,6 +405,9 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
     ema: list[Tensor] | None = None
     batches = c.batches_per_epoch()
     done = False
+    # under bf16: each step's gradient before clipping, over both fits of a refit (the package's `taken` alike)
+    grads: list[list[Tensor | None]] | None = (carried or {}).get("grads", []) if c.bf16 else None
+    first = len(data.batch(0)["x"])  # (the fit's first batch: `microbatch_size="auto"` finds its size on it)
     for epoch in range(c.epochs):
         p["epoch"] = epoch
         if c.swa is not None and epoch >= c.swa[1] - 1:  # SWA (from epoch `swa_epoch_start - 1`): its SWALR
@@ -370,10 +418,12 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 sched = SWALR(opts[0], swa_lr=[c.swa[0]] * len(opts[0].param_groups), anneal_epochs=10,
                               anneal_strategy="cos", last_epoch=c.epochs)  # fmt: skip
                 interval, plateau = "epoch", False
-                average = [prm.detach().clone() for prm in net.parameters()]
+                # (Lightning's average is a copy of the module made before the precision converted it: float64)
+                average = [prm.detach().to(torch.float64, copy=True) for prm in net.parameters()]
             else:
                 n = epoch - (c.swa[1] - 1)  # (averaged so far)
-                average = [a + (prm.detach() - a) / (n + 1) for a, prm in zip(average, net.parameters(), strict=True)]
+                average = [a + (prm.detach().double() - a) / (n + 1) for a, prm in zip(average, net.parameters(),
+                                                                                        strict=True)]  # fmt: skip
         # (the mixin: a skipped batch is in no window, unless its block ran a forward (`skip_forward`); the callback: a
         # window is k of the loader's batches, and one whose `training_step` returned `None` puts nothing in it)
         trained = [j for j in range(batches) if c.adapter != "mixin" or c.skip_forward or j not in c.skip]
@@ -425,13 +475,45 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 factor *= warmup_cosine(c.lr_schedule, p)
             if c.windows == "each":  # a window per optimizer, stepped one after the other
                 assert not noise.active, "the fuzzer draws no noise measurement with a window per optimizer"
-                for g, loss in enumerate(_each(c, net, opts, window, tokens, factor, lrs)):  # (each step, in turn)
+                if c.bf16:  # (the bf16 windows, pass by pass: `bf16_reference`)
+                    wide = c.grad_accum_dtype is not None or c.schedule["family"] == "budget"
+                    normaliser = float(len(window)) if c.normalize == "mean" else tokens
+                    assert grads is not None
+                    each = _each_bf16(c, net, opts, window, 1 if wide else k, normaliser, first, factor, lrs, grads,
+                                      taken)  # fmt: skip
+                else:
+                    each = _each(c, net, opts, window, tokens, factor, lrs)
+                for g, loss in enumerate(each):  # (each step, in turn)
                     last_loss = last_loss if g else float(loss)  # (`accum/opt0/loss`)
                     ema = _ema(c, net, ema)
                 p["step"] += 1
                 p["samples"] += samples
                 p["items"] += int(tokens)
                 p["scaled_steps"] += 1.0
+                if interval == "step" and due:
+                    sched.step(batch_probe(net, data.batch(end))) if step_plateau else sched.step()
+                if c.max_steps != -1 and (p["step"] - step0) * len(opts) >= c.max_steps:
+                    done = True
+                continue
+            if c.bf16:  # each pass in bf16, the window's gradient as the docs define it (`bf16_reference`)
+                wide = c.grad_accum_dtype is not None or c.schedule["family"] == "budget"
+                divisor = 1 if wide else k  # (what each loss reaches backward divided by)
+                normaliser = float(len(window)) if c.normalize == "mean" else tokens
+                join = None
+                if joins is not None:
+                    join = (sum(1 for j in indices if j < joins) * c.world, lambda: _join(net, opts[0]))
+                with bn.window():
+                    landed = bf16_reference.window_gradient(c, net, window, divisor, normaliser, first, join, guide)
+                for opt in opts:  # in order; each clips its own parameters, in place
+                    mine = [prm for g in opt.param_groups for prm in g["params"]]
+                    assert grads is not None
+                    landed.take(mine, taken[len(grads)] if taken is not None and len(grads) < len(taken) else None)
+                    _step(c, opt, factor, lrs, grads)
+                ema = _ema(c, net, ema)
+                p["step"] += 1
+                p["samples"] += samples
+                p["items"] += int(tokens)
+                p["scaled_steps"] += gain
                 if interval == "step" and due:
                     sched.step(batch_probe(net, data.batch(end))) if step_plateau else sched.step()
                 if c.max_steps != -1 and (p["step"] - step0) * len(opts) >= c.max_steps:
@@ -502,6 +584,6 @@ def _run(c: Config, carried: dict[str, Any] | None = None, stop: tuple[int, int]
                 prm.copy_(a)
     steps = (p["step"] - step0) * len(opts)  # (manual optimization counts each optimizer's step)
     result = Result([prm.detach().clone() for prm in net.parameters()], steps, lrs, optimizer_state(c, opts), ema,
-                    bn.result())  # fmt: skip
+                    bn.result(), grads)  # fmt: skip
     return result, {"net": net, "bn": bn, "p": p, "first_k": first_k, "residual": residual, "last_loss": last_loss,
-                    "noise": noise}
+                    "noise": noise, "grads": grads}

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from .__main__ import main
+from .bf16_reference import bounds, round_bf16
 from .cases import CASES, case
 from .compare import check
 from .configs import generate
@@ -46,3 +48,18 @@ def test_a_divergence_is_printed_as_one_json_line_and_replays(capsys: pytest.Cap
     line = case("two_failures_callback").to_json()
     assert main(["--replay", line]) == 0
     assert "1 configurations, 1 agreed, 0 diverged" in capsys.readouterr().out
+
+
+def test_the_bf16_reference_rounds_once_to_the_nearest_even() -> None:
+    """``round_bf16`` is one rounding to nearest, ties to even: torch's own from float32 (where it is one), not torch's
+    from float64 (through float32, two: 1 + 2^-8 + 2^-30 is above the tie between 1 and 1 + 2^-7, float32 drops the
+    2^-30 and the tie goes to 1). ``bounds`` gives one bf16 number where float32's error cannot reach a tie."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-20, 20, (20000,), generator=g).float())
+    assert torch.equal(round_bf16(x.double()), x.to(torch.bfloat16).double())
+    tie = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)], dtype=torch.float64)
+    assert round_bf16(tie).tolist() == [1.0, 1 + 2**-6, -1.0]  # (to the even neighbour)
+    above = torch.tensor([1 + 2**-8 + 2**-30], dtype=torch.float64)
+    assert round_bf16(above).item() == 1 + 2**-7 and above.to(torch.bfloat16).item() == 1.0
+    lo, hi = bounds(torch.tensor([1.3, 1 + 2**-8 + 2**-26]), torch.tensor([1.3, 1.0]), 4)
+    assert lo.tolist() == [round_bf16(torch.tensor(1.3)).item(), 1.0] and hi.tolist() == [lo[0].item(), 1 + 2**-7]

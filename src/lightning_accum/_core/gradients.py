@@ -21,6 +21,11 @@ def optimizer_params(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def group_sizes(optimizer: Optimizer) -> tuple[int, ...]:
+    """How many parameters each param group holds: it changes when a group is added during the fit."""
+    return tuple(len(group["params"]) for group in optimizer.param_groups)
+
+
 def grads_of(params: Iterable[Tensor]) -> list[Tensor]:
     """The existing ``.grad`` tensors of ``params``."""
     return [p.grad for p in params if p.grad is not None]
@@ -47,11 +52,17 @@ def _groups(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
 
 
 def scale_(grads: Sequence[Tensor], factor: float) -> None:
-    """``g *= factor`` for every gradient; no work at all for ``factor == 1``."""
+    """``g *= factor`` for every gradient, computed in float32 at least and rounded once to the gradient's dtype; no
+    work at all for ``factor == 1``. (On the CPU ``torch._foreach_mul_`` rounds a Python scalar to a bf16 or fp16
+    list's own dtype first, 0.1428 for 1/7 in bf16: bf16 and fp16 gradients there are scaled one tensor at a time.)"""
     if factor == 1.0 or not grads:
         return
     for group in _groups(grads):
-        torch._foreach_mul_(group, factor)
+        if group[0].device.type == "cpu" and group[0].dtype in (torch.bfloat16, torch.float16):
+            for g in group:
+                g.mul_(factor)
+        else:
+            torch._foreach_mul_(group, factor)
 
 
 def zero_(grads: Sequence[Tensor]) -> None:

@@ -178,6 +178,7 @@ class WideSums:
         return [id(p) for p in narrow(params, self.dtype)] != [id(p) for p in self.params]
 
     def _allocate(self, params: list[Tensor]) -> None:
+        held = {id(p): self.views[i] for i, p in enumerate(self.params) if self.filled[i]}  # (kept: copied over)
         by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
@@ -192,6 +193,10 @@ class WideSums:
                 n = params[i].numel()
                 self.views[i] = flat[offset : offset + n].view(params[i].shape)
                 offset += n
+        for i, p in enumerate(params):  # (a window under way that a param group joins keeps what it holds)
+            if id(p) in held:
+                self.views[i].copy_(held[id(p)])
+                self.filled[i] = True
 
     def _hook(self, i: int) -> Any:
         def hook(p: Tensor) -> None:

@@ -200,6 +200,8 @@ class MixinDriver(Callback):
         key = windows.key(optimizer)
         windows.check_disjoint(key)
         windows.refuse_window_of_some(key)  # (`batchnorm="window"`: one window of every optimizer)
+        if self.config.grad_accum_dtype is not None:
+            windows.widen_joined()
         engine = windows.engine(key)
         epoch, batch_idx = trainer.current_epoch, _seam.batch_index(trainer)
         if engine.window is None and self.config.grad_accum_dtype is not None:

@@ -42,6 +42,7 @@ class MixinWindows:
         #: `grad_accum_dtype`: the narrow parameters' window sums, of every group (each engine steps its own)
         self.wide: WideSums | None = None
         self._widening = False  # (a fit is on: a group's engine made now takes its sums at once)
+        self._sizes: tuple[tuple[int, ...], ...] = ()  # the optimizers' param groups' sizes the sums were taken for
 
     def configure(self, config: AccumulationConfig) -> None:
         self.config = config
@@ -73,9 +74,19 @@ class MixinWindows:
             self.wide = WideSums(dtype)
         self.wide.attach(self.params())
         self._widening = True
+        self._sizes = self._group_sizes()
         for key, engine in self.engines.items():
             engine.widen(self.params(key), self.wide)
         return self.wide.active
+
+    def _group_sizes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(gradients.group_sizes(o.optimizer) for o in self.optimizers())
+
+    def widen_joined(self) -> None:
+        """As a block opens: a param group added to an optimizer during the fit (``BaseFinetuning``), inside a window
+        too, has its narrow parameters' sums kept in ``grad_accum_dtype`` from this micro-batch on (those held kept)."""
+        if self._widening and self.wide is not None and self._group_sizes() != self._sizes:
+            self.widen()
 
     def rewiden(self) -> None:
         """As a window opens: the narrow parameters taken again if they changed since ``widen`` (a param group added,

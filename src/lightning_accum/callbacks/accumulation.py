@@ -195,6 +195,7 @@ class AccumulationScheduler(Callback):
         # (`microbatch_size`, or `grad_accum_dtype`'s wide sums, which DDP's reducer cannot see); and whether the
         # plain path holds the skip for the batch under way itself
         self._reduces = self._blocks = False
+        self._groups: tuple[int, ...] = ()  # the optimizer's param groups' sizes the wide sums were taken for
         self._user_divisor: int | None = None  # the Trainer's accumulate_grad_batches before this fit
         self._trained = False
         self._uncount = False  # whether Lightning is taking a step that moves nothing, which it counts
@@ -242,6 +243,7 @@ class AccumulationScheduler(Callback):
         if self._batchnorm is not None:
             self._batchnorm.attach(pl_module)
         self._engine.widen(gradients.optimizer_params(trainer.optimizers[0]))
+        self._groups = gradients.group_sizes(trainer.optimizers[0])  # (a group added later is taken as it joins)
         if self.grad_accum_dtype is not None and not self._engine.widened:
             rank_zero_warn(inert_note(self.grad_accum_dtype))
         self._set_reduces()
@@ -329,6 +331,14 @@ class AccumulationScheduler(Callback):
         """Lightning's ``training_step`` call: Lightning divides what it returns by ``accumulate_grad_batches``,
         read as it returns, so that value is the window's k till the loss's backward (an unaligned window steers
         Lightning's stepping with another: ``_open``), and the loss every hook and callback sees is Lightning's own."""
+        if self._engine.wide is not None and self._optimizer is not None:  # (`grad_accum_dtype`)
+            sizes = gradients.group_sizes(self._optimizer)
+            if sizes != self._groups:  # a param group joined inside a window (`BaseFinetuning`): its sums too
+                self._groups = sizes
+                self._engine.widen(gradients.optimizer_params(self._optimizer))
+                self._set_reduces()
+                if self._split is not None:
+                    self._split.rewiden(self._wide())
         if self._blocks:  # (inside DDP's forward, which reads the flag after `training_step` returns)
             self._release()
             self._pass.enter_context(trainer.strategy.block_backward_sync())  # type: ignore[attr-defined]
