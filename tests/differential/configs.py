@@ -311,8 +311,12 @@ def _bf16(c: Config) -> None:
     if c.schedule["family"] == "noise" or c.lr_scaling == "adascale":
         return
     c.precision = "bf16-true"
-    if not c.plain and rng.random() < 0.5:
-        c.grad_accum_dtype = "float32"
+    rng.random()  # (the option's draw, kept so that the other draws stay as they were)
+    # PENDING: `grad_accum_dtype="float32"` is not drawn until `bf16_reference.py` follows the rule as it landed after
+    # it was written (each loss divided by the power of two at or above k, a pass's weight taken on its gradient in
+    # float32 rather than on the bf16 loss; and single elements one bf16 step outside its tie bound, still unexplained)
+    c.grad_accum_dtype = None
+    c.skip_forward = False  # (issue 53's forwards without a backward: not in the bf16 reference yet)
     c.decay = None
     c.monitor = "probe"
     if c.batchnorm == "window":
