@@ -51,6 +51,9 @@ def _groups(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
     return list(by_key.values())
 
 
+_HALVES = (torch.bfloat16, torch.float16)  # (a constant: `scale_` is on the window-end path, built once)
+
+
 def scale_(grads: Sequence[Tensor], factor: float) -> None:
     """``g *= factor`` for every gradient, computed in float32 at least and rounded once to the gradient's dtype; no
     work at all for ``factor == 1``. (On the CPU ``torch._foreach_mul_`` rounds a Python scalar to a bf16 or fp16
@@ -58,7 +61,7 @@ def scale_(grads: Sequence[Tensor], factor: float) -> None:
     if factor == 1.0 or not grads:
         return
     for group in _groups(grads):
-        if group[0].device.type == "cpu" and group[0].dtype in (torch.bfloat16, torch.float16):
+        if group[0].device.type == "cpu" and group[0].dtype in _HALVES:
             for g in group:
                 g.mul_(factor)
         else:
