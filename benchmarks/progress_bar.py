@@ -6,6 +6,8 @@ with the fit's real trainer, module and last ``WindowReport``, each bar's refres
 Lightning's loop:
 
 * ``lightning``: ``TQDMProgressBar.on_train_batch_end``, Lightning's refresh per batch (the baseline);
+* ``lightning, the same fields``: the same, drawing the fields ``StepProgressBar`` adds to the postfix (set once:
+  what drawing them costs Lightning's own bar);
 * ``steps, exact``: ``StepProgressBar.on_window_end`` (``unit="steps"``) under a ramp over samples, whose total
   is known from the epoch's start: the counts (the epoch's and the fit's), the postfix, the draw;
 * ``steps, found per window``: the same under a ramp over items (with a ``count``), whose total is worked out
@@ -57,6 +59,17 @@ class MLP(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class SameFields(pl.callbacks.TQDMProgressBar):
+    """Lightning's bar drawing the fields ``StepProgressBar``'s postfix adds (the fit's steps, ``k``, ``batch``, the
+    loss in place of ``accum/loss`` and the throughput), set once: Lightning's cost of the same postfix."""
+
+    fields: dict[str, Any] = {"step": "9/9", "k": "6", "batch": "48", "samples/s": "3806"}
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        return {**self.fields, "loss": metrics.pop("accum/loss", None), **metrics}
 
 
 class Last(pl.Callback):
@@ -115,6 +128,9 @@ def main() -> None:
     calls: dict[str, Any] = {
         "lightning": lambda i, t=trainer, m=module: lightning_bar.on_train_batch_end(t, m, None, None, i)
     }
+    same = SameFields()
+    trainer, module, _ = fitted(same, 4)
+    calls["lightning, the same fields"] = lambda i, t=trainer, m=module: same.on_train_batch_end(t, m, None, None, i)
     for name, schedule, count in (
         ("steps, exact", Ramp(1, 8, over=128, unit="samples"), None),
         ("steps, found per window", Ramp(1, 8, over=512, unit="items"), lambda batch: 2 * len(batch[0])),
