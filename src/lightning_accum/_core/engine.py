@@ -430,11 +430,9 @@ class WindowEngine:
         gain = 1.0
         if self.lr_scaling == "adascale" and self.probe is not None:  # from the windows measured before this one
             factor = gain = adascale_gain(self.probe.estimator, units, self.first_units or units)
-        elif window.budget is not None:  # relative to the first window's budget: the window's real size
-            real = counts[1] if self.schedule.unit == "samples" else counts[2]
-            factor = lr_factor(self.lr_scaling, real, self.first_k)  # (a window of count 0: 0, it moves nothing)
-        else:
-            factor = lr_factor(self.lr_scaling, window.k, self.first_k)
+        else:  # (a budget window: its count over the first window's budget; of count 0: 0, it moves nothing)
+            unit = None if window.budget is None else self.schedule.unit
+            factor = lr_factor(self.lr_scaling, unit, window.k, counts[1], counts[2], self.first_k)
         if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
             factor *= self._multiplier() if self._lr_multiplier is None else self._lr_multiplier
         denominator = counts[0] if self.normalize == "mean" else counts[2]
