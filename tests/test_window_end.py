@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from lightning_accum._core.metrics import window_losses
 from lightning_accum._core.window import lr_factor
 
 # ------------------------------------------------------------------ the LR factor: (lr_scaling, unit, counts, first)
@@ -41,3 +42,21 @@ def test_lr_factor_table(
 def test_lr_factor_is_exactly_the_ratio_or_its_root() -> None:
     assert lr_factor("linear", None, 7, 0, 0, 3) == 7 / 3
     assert lr_factor("sqrt", "samples", 1, 7, 0, 3) == math.sqrt(7 / 3)
+
+
+# ---------------------------------------------------------------------- the window's losses: (sums, global count)
+WINDOW_LOSSES = [
+    # the losses' sums over all ranks, by name; the window's global count (micro-batches, or items); its losses
+    ({"loss": 6.0}, 3, {"loss": 2.0}),
+    ({"loss": 6.0, "task": 1.5}, 3, {"loss": 2.0, "task": 0.5}),  # each task over the same count as the window
+    ({"loss": 1.0}, 3, {"loss": 1 / 3}),  # (one division: exactly the float of the ratio)
+    ({"loss": -2.0}, 4, {"loss": -0.5}),
+    ({}, 4, {}),  # read, but no loss went in (a `training_step` that logged none): no name, not "no read"
+    ({"loss": 0.0}, 0, None),  # a window of count 0: no loss (it is not stepped under "items"; nothing under "mean")
+    ({}, 0, None),
+]
+
+
+@pytest.mark.parametrize(("sums", "count", "losses"), WINDOW_LOSSES)
+def test_window_losses_table(sums: dict[str, float], count: int, losses: dict[str, float] | None) -> None:
+    assert window_losses(sums, count) == losses

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from lightning_accum._core import collectives, sync
 from lightning_accum._core.batchnorm import WindowBatchNorm
 from lightning_accum._core.gradients import norms, squared_norm
-from lightning_accum._core.metrics import WindowMetrics
+from lightning_accum._core.metrics import WindowMetrics, window_losses
 from lightning_accum._core.probe import NoiseProbe, measured
 from lightning_accum._core.wide import WideSums, dtype_name
 from lightning_accum._core.window import Window, check_count, check_item_count, lr_factor, wide_divisor
@@ -436,9 +436,7 @@ class WindowEngine:
         if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
             factor *= self._multiplier() if self._lr_multiplier is None else self._lr_multiplier
         denominator = counts[0] if self.normalize == "mean" else counts[2]
-        window_losses = (
-            {name: total / denominator for name, total in sums.items()} if read_losses and denominator else None
-        )
+        per_window = window_losses(sums, denominator) if read_losses else None
         self.closing = Closing(
             window.k if window.budget is None else window.microbatches,  # (a budget's: the micro-batches it took)
             counts[0],
@@ -449,7 +447,7 @@ class WindowEngine:
             factor,
             empty,
             gain,
-            window_losses,
+            per_window,
             norm_sq,
         )
         if empty:
