@@ -114,6 +114,7 @@ class WindowEngine:
         grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         self.plan = sync.SyncPlan()
+        self._sharded = False  # (`plan.sharded`, read once per fit: the window's end asks it)
         self.progress = Progress()
         self.window: Window | None = None
         self.first_k: int | None = None
@@ -195,7 +196,7 @@ class WindowEngine:
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         """What a fit gives: its sync plan, and whether the windows' losses are tracked (for logging)."""
-        self.plan = plan
+        self.plan, self._sharded = plan, plan.sharded
         self.metrics.tracking = track
         self._clock, self.seconds = time.perf_counter(), None
 
@@ -372,7 +373,7 @@ class WindowEngine:
         reads nothing at all."""
         window = self.window
         assert window is not None
-        if self.plan.sharded:
+        if self._sharded:
             sync.check_window_synced(self.plan, window)
         world = collectives.world_size(strategy)
         read_losses = losses and self.metrics.tracking
@@ -600,7 +601,10 @@ class WindowEngine:
                 self._scaled_lrs.append((group, group["lr"]))
                 group["lr"] = group["lr"] * factor
         if keep:
-            lrs = [g["lr"].detach().clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in optimizer.param_groups]
+            lrs = []  # (a loop, not a comprehension: no function made at every window's end)
+            for group in optimizer.param_groups:
+                lr = group["lr"]
+                lrs.append(lr.detach().clone() if isinstance(lr, Tensor) else lr)
             self.used_lrs.append((optimizer, lrs))
 
     def restore_lr(self) -> None:
