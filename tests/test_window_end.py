@@ -4,11 +4,18 @@ losses -> closing. Each rule a table; the steps checked against hand-computed wi
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
+from lightning_accum import Constant
+from lightning_accum._core.engine import Closing, WindowEngine
 from lightning_accum._core.metrics import window_losses
 from lightning_accum._core.window import lr_factor
+
+from helpers import HOST_READS
 
 # ------------------------------------------------------------------ the LR factor: (lr_scaling, unit, counts, first)
 LR_FACTORS = [
@@ -60,3 +67,71 @@ WINDOW_LOSSES = [
 @pytest.mark.parametrize(("sums", "count", "losses"), WINDOW_LOSSES)
 def test_window_losses_table(sums: dict[str, float], count: int, losses: dict[str, float] | None) -> None:
     assert window_losses(sums, count) == losses
+
+
+# ---------------------------------------------------------------------- global counts: one record, whatever the world
+class Twin:
+    """Two ranks, the other closing the same window with the same numbers: every sum over ranks is twice this rank's,
+    in one reduce (counted)."""
+
+    world_size = 2
+    root_device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.reduces = 0
+
+    def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        assert reduce_op == "sum"
+        self.reduces += 1
+        return tensor * 2
+
+
+class Reads(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def closed(normalize: str, tensor_counts: bool, strategy: Any, read: bool = True) -> tuple[Closing, int]:
+    """A window of 3 micro-batches (4 samples; 2, 3 and 4 items, as ints or tensors; losses 1, 2.5 and 4) closed
+    under ``strategy`` with its gradient's norm and two extra integers; and the host reads the close made."""
+    engine = WindowEngine(Constant(3), normalize=normalize, lr_scaling="linear", reduction="sum")
+    engine.metrics.tracking = True
+    engine.open(epoch=0, start=0)
+    for items, loss in ((2, 1.0), (3, 2.5), (4, 4.0)):
+        engine.count(4, torch.tensor(items) if tensor_counts else items)
+        engine.metrics.add_loss(torch.tensor(loss, dtype=torch.float64))
+        engine.backward_done()
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([12.0])]  # (norms 5 and 12: the gradient's is 13)
+    with Reads() as reads:
+        closing = engine.close(strategy, extra=[1, 0], grads=grads, losses=read, norm=read)
+    return closing, reads.count
+
+
+@pytest.mark.parametrize("tensor_counts", [False, True], ids=["host counts", "tensor counts"])
+@pytest.mark.parametrize("normalize", ["mean", "items"])
+def test_one_device_and_several_ranks_differ_only_in_how_the_counts_are_summed(
+    normalize: str, tensor_counts: bool
+) -> None:
+    one, one_reads = closed(normalize, tensor_counts, None)
+    twin = Twin()
+    two, two_reads = closed(normalize, tensor_counts, twin)
+    assert (one.microbatches, one.samples, one.items, one.extra) == (3, 12, 9, (1, 0))
+    assert (two.microbatches, two.samples, two.items, two.extra) == (6, 24, 18, (2, 0))
+    assert twin.reduces == 1 and one_reads == two_reads == 1  # one collective (none on one device), one host read
+    over = 3 if normalize == "mean" else 9
+    assert one.scale == two.scale == (1.0 if normalize == "mean" else 3 / 9)  # each loss was divided by k = 3
+    assert one.losses == two.losses == {"loss": 7.5 / over}
+    assert one.norm_sq == two.norm_sq == 169 * one.scale**2
+    assert one.lr_factor == two.lr_factor == 1.0 and not one.empty and not two.empty
+
+
+@pytest.mark.parametrize("tensor_counts", [False, True], ids=["host counts", "tensor counts"])
+def test_nothing_read_reads_nothing_but_tensor_counts(tensor_counts: bool) -> None:
+    one, reads = closed("items", tensor_counts, None, read=False)
+    assert one.losses is None and one.norm_sq is None and one.items == 9
+    assert reads == (1 if tensor_counts else 0)

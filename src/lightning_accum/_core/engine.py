@@ -1,9 +1,9 @@
 """The window lifecycle, shared by ``AccumulationScheduler`` and ``AccumulationMixin``.
 
 One ``WindowEngine`` drives one window group (the optimizers that step together) through
-schedule -> ``Window`` -> local counts -> global counts (one
-all-reduce, through the strategy) -> gradient scale -> LR factor -> ``Progress``, and
-holds that state for checkpoints. It imports no Lightning: the callback and the mixin translate
+schedule -> ``Window`` -> local counts, and at the window's end (``close``) global counts (one record, one
+all-reduce through the strategy, one host read) -> gradient scale -> LR factor -> window losses -> ``Closing``,
+then ``Progress``; it holds that state for checkpoints. It imports no Lightning: the callback and the mixin translate
 Lightning's hooks (or the ``accumulate`` block) into calls of ``open``, ``count``,
 ``close`` and ``advance``, and act on the gradient themselves where Lightning lets them.
 """
@@ -15,7 +15,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -61,6 +61,28 @@ class Closing(NamedTuple):
     gain: float = 1.0
     losses: dict[str, float] | None = None
     norm_sq: float | None = None
+
+
+class Counts(NamedTuple):
+    """A window's counts over all ranks, and what was read with them (``WindowEngine.close``'s first step).
+
+    Attributes:
+        world: the ranks that average gradients (1 on one device).
+        microbatches: micro-batches back-propagated, over all ranks.
+        samples: samples, over all ranks.
+        items: items, over all ranks.
+        extra: the caller's extra integers, summed over ranks in the same collective.
+        losses: the window's losses' sums over all ranks, by name (``None``: not read).
+        norms: the norms of the window's gradient (each a part of it; ``None``: not measured).
+    """
+
+    world: int
+    microbatches: int
+    samples: int
+    items: int
+    extra: tuple[int, ...]
+    losses: dict[str, float] | None
+    norms: list[float] | None
 
 
 def samples_needed_by(schedule: Schedule, normalize: str, lr_scaling: str | None) -> str | None:
@@ -370,90 +392,115 @@ class WindowEngine:
         already (times the AMP ``loss_scale()``), whose norm is then measured in the same read.
         ``losses``, ``norm``: whether anyone reads the window's loss and its gradient's norm (every rank
         must ask alike); where nobody does, neither is computed, and a window of host counts on one device
-        reads nothing at all."""
+        reads nothing at all.
+
+        The steps: global counts (``_global_counts``) -> gradient scale (``Window.gradient_scale``) -> LR factor
+        (``_lr_factor``) -> window losses (``metrics.window_losses``) -> the ``Closing``."""
         window = self.window
         assert window is not None
+        counts = self._global_counts(strategy, window, extra, grads, losses, norm)
+        scale = window.gradient_scale(
+            self.normalize, world_size=counts.world, global_microbatches=counts.microbatches, global_items=counts.items
+        )
+        norm_sq = None if counts.norms is None else math.fsum(n * n for n in counts.norms) * (scale / loss_scale()) ** 2
+        mean = self.normalize == "mean"
+        over = counts.microbatches if mean else counts.items  # what the window's gradient and loss are a mean over
+        units = counts.samples if mean else counts.items  # (AdaScale's batch)
+        empty = not (counts.microbatches and over)  # nothing went in over all ranks: no step
+        factor, gain = self._lr_factor(window, counts, units, empty)
+        per_window = None if counts.losses is None else window_losses(counts.losses, over)
+        k = window.k if window.budget is None else window.microbatches  # (a budget's: the micro-batches it took)
+        self.closing = Closing(
+            k, counts.microbatches, counts.samples, counts.items, counts.extra, scale, factor, empty, gain, per_window,
+            norm_sq,
+        )  # fmt: skip
+        if empty:
+            self._warn_empty(counts.microbatches)
+        return self.closing
+
+    def _global_counts(
+        self, strategy: Any, window: Window, extra: Sequence[int], grads: Sequence[Tensor] | None, losses: bool,
+        norm: bool,
+    ) -> Counts:  # fmt: skip
+        """The window's end, step 1: its counts over all ranks (with ``extra``), its losses' sums where read and its
+        gradient's norms where measured: one record, one collective (none on one device) and one host read (none where
+        nothing is a tensor). On one device the counts are the window's own, on several ranks they are summed over
+        them (``_sum_over_ranks``); the rest is alike."""
         if self._sharded:
             sync.check_window_synced(self.plan, window)
+        tracking = self.metrics.tracking
+        read_losses = losses and tracking
+        grad_norms = None
+        if grads is not None and ((norm and tracking) or self.probe is not None):
+            grad_norms = norms(self._with_sums(grads))
         world = collectives.world_size(strategy)
-        read_losses = losses and self.metrics.tracking
-        measure = grads is not None and ((norm and self.metrics.tracking) or self.probe is not None)
-        if measure:
-            grads = self._with_sums(grads)  # type: ignore[arg-type]
-        ident: list[int] = []
-        sums: dict[str, float] = {}  # the losses' sums over ranks, by name, where read
-        if world == 1 and self.probe is None:
-            # one device: the losses, the gradient's norms (where read) and the tensor counts in one stack, one read
-            grad_norms: Any = norms(grads) if measure else []  # type: ignore[arg-type]
-            if read_losses or grad_norms or window.pending_items:  # (else nothing to read)
-                tensors = [*grad_norms, *window.pending_items]
-                sums, values = self.metrics.read(tensors) if read_losses else ({}, collectives.host_values(tensors))
-                grad_norms = values[: len(grad_norms)]
-                if window.pending_items:
-                    window.settle_items(values[len(grad_norms) :])
-            counts = [window.microbatches, window.samples, window.items, *extra]
-        else:
-            pending = list(window.pending_items)
-            parts = self.metrics.parts() if read_losses and world == 1 else []
-            # on a single device each micro-batch's loss is read as it is (summed on the host); under DDP each
-            # rank's sum joins the counts' all-reduce
-            names = [name for name, _, _, _ in parts] if world == 1 else self.metrics.names() if read_losses else []
-            losses_summed: list[collectives.Value] = (
-                [p for _, p, _, _ in parts] if world == 1 else [*self.metrics.sums()] if read_losses else []
-            )
-            local: list[collectives.Value] = [pending, norms(grads) if measure else []]  # type: ignore[arg-type]
-            local.append(self.probe.pending() if self.probe is not None else [])
-            # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran
-            # out first, an exception one rank caught) fail together rather than mix their windows
-            ident = [] if world == 1 else window_id(self.progress.epoch, window.start)
-            summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *losses_summed]
-            read, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)  # type: ignore[assignment]
-            counts = [round(v) for v in read[: 3 + len(extra)]]
-            totals = read[3 + len(extra) + len(ident) :]  # the losses' sums
-            sums = dict(zip(names, totals, strict=True))
-            for name, _, f, offset in parts:  # (one device: each sum as `WindowMetrics.read` gives it)
-                sums[name] = sums[name] * f + offset
-            if ident:
-                collectives.check_same_window(strategy, *read[3 + len(extra) : 5 + len(extra)])
-            window.settle_items(items)  # type: ignore[arg-type]
-            if self.probe is not None:
-                self.probe.settle(prefixes)  # type: ignore[arg-type]
-        scale = window.gradient_scale(
-            self.normalize, world_size=world, global_microbatches=counts[0], global_items=counts[2]
-        )
-        norm_sq = None
-        if measure:
-            norm_sq = math.fsum(n * n for n in grad_norms) * (scale / loss_scale()) ** 2  # type: ignore[union-attr]
-        units = counts[1] if self.normalize == "mean" else counts[2]
-        empty = not counts[0] or (self.normalize == "items" and not counts[2])
+        if world > 1:
+            return self._sum_over_ranks(strategy, world, window, extra, grad_norms, read_losses)
+        sums: dict[str, float] | None = None
+        norms_read: list[float] | None = None if grad_norms is None else []  # (measured, with nothing to measure)
+        if read_losses or grad_norms or window.pending_items or self.probe is not None:
+            sums, norms_read = self._read_here(window, grad_norms, read_losses)
+        return Counts(1, window.microbatches, window.samples, window.items, tuple(extra), sums, norms_read)
+
+    def _read_here(
+        self, window: Window, grad_norms: list[Tensor] | None, read_losses: bool
+    ) -> tuple[dict[str, float] | None, list[float] | None]:
+        """One device: the window's losses (each micro-batch's read as it is, summed exactly), its gradient's norms,
+        its tensor counts (then added to its counts) and the noise probe's prefixes, in one host read."""
+        measured = () if grad_norms is None else grad_norms
+        # (the probe's prefixes: device scalars, and batch sizes the host holds already, which are not read)
+        prefixes = () if self.probe is None else self.probe.pending()
+        held = [p for p in prefixes if isinstance(p, Tensor)] if prefixes else ()
+        tensors = [*measured, *window.pending_items, *held]
+        sums, values = self.metrics.read(tensors) if read_losses else (None, collectives.host_values(tensors))
+        n, m = len(measured), len(measured) + len(window.pending_items)
+        if window.pending_items:
+            window.settle_items(values[n:m])
+        if prefixes:
+            read = iter(values[m:])
+            self.probe.settle([next(read) if isinstance(p, Tensor) else float(p) for p in prefixes])  # type: ignore[union-attr]
+        return sums, None if grad_norms is None else values[:n]
+
+    def _sum_over_ranks(
+        self, strategy: Any, world: int, window: Window, extra: Sequence[int], grad_norms: list[Tensor] | None,
+        read_losses: bool,
+    ) -> Counts:  # fmt: skip
+        """Several ranks: the window's counts, ``extra``, its identity and its losses' sums summed over them in one
+        all-reduce, read with this rank's tensor counts, gradient norms and noise prefixes in one host read; the
+        ranks must close the same window (else all raise)."""
+        names = self.metrics.names() if read_losses else []
+        # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran out
+        # first, an exception one rank caught) fail together rather than mix their windows
+        ident = window_id(self.progress.epoch, window.start)
+        losses = self.metrics.sums() if read_losses else []
+        summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *losses]
+        local: list[collectives.Value] = [list(window.pending_items), [] if grad_norms is None else grad_norms]
+        local.append([] if self.probe is None else self.probe.pending())
+        read, (items, grad_read, prefixes) = collectives.sum_over_ranks(strategy, summed, local)  # type: ignore[misc]
+        counts = [round(v) for v in read[: 3 + len(extra)]]
+        collectives.check_same_window(strategy, *read[3 + len(extra) : 5 + len(extra)])
+        window.settle_items(items)  # type: ignore[arg-type]
+        if self.probe is not None:
+            self.probe.settle(prefixes)  # type: ignore[arg-type]
+        sums = dict(zip(names, read[5 + len(extra) :], strict=True)) if read_losses else None
+        norms_read = None if grad_norms is None else cast("list[float]", grad_read)
+        return Counts(world, counts[0], counts[1], counts[2], tuple(counts[3:]), sums, norms_read)
+
+    def _lr_factor(self, window: Window, counts: Counts, units: int, empty: bool) -> tuple[float, float]:
+        """The window's end, step 3: the learning-rate factor of its step (``lr_scaling``'s rule, ``window.lr_factor``;
+        or AdaScale's gain), times ``lr_schedule``'s multiplier, and AdaScale's gain (1 without it). ``units``: the
+        window's samples (``"mean"``) or items, the first stepped window's kept as AdaScale's base."""
         if self.first_units is None and not empty:  # (AdaScale's base: the first window stepped)
             self.first_units = units
-        gain = 1.0
+        factor = gain = 1.0
         if self.lr_scaling == "adascale" and self.probe is not None:  # from the windows measured before this one
             factor = gain = adascale_gain(self.probe.estimator, units, self.first_units or units)
-        else:  # (a budget window: its count over the first window's budget; of count 0: 0, it moves nothing)
+        elif self.lr_scaling is not None:  # (a budget window: its count over the first window's budget)
             unit = None if window.budget is None else self.schedule.unit
-            factor = lr_factor(self.lr_scaling, unit, window.k, counts[1], counts[2], self.first_k)
+            factor = lr_factor(self.lr_scaling, unit, window.k, counts.samples, counts.items, self.first_k)
         if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
             factor *= self._multiplier() if self._lr_multiplier is None else self._lr_multiplier
-        denominator = counts[0] if self.normalize == "mean" else counts[2]
-        per_window = window_losses(sums, denominator) if read_losses else None
-        self.closing = Closing(
-            window.k if window.budget is None else window.microbatches,  # (a budget's: the micro-batches it took)
-            counts[0],
-            counts[1],
-            counts[2],
-            tuple(counts[3:]),
-            scale,
-            factor,
-            empty,
-            gain,
-            per_window,
-            norm_sq,
-        )
-        if empty:
-            self._warn_empty(counts[0])
-        return self.closing
+        return factor, gain
 
     def _multiplier(self) -> float:
         """``lr_schedule``'s multiplier for the window opened at ``progress``, checked."""

@@ -165,7 +165,9 @@ class WindowMetrics:
         exactly (``math.fsum``), and ``extra`` (device scalars: the gradient's norms) read with them: one stack,
         one host read."""
         layout = self.parts()
-        tensors = [t for _, parts, _, _ in layout for t in parts]
+        tensors: list[Tensor] = []
+        for _, parts, _, _ in layout:  # (a loop, not a comprehension: no function made at every window's end)
+            tensors += parts
         values = host_values([*tensors, *extra])
         sums, start = {}, 0
         for name, parts, factor, offset in layout:
