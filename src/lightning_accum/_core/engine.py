@@ -568,43 +568,59 @@ class WindowEngine:
         ``open_pass``: a backward pass ran in a block that did not finish (the mixin); ``rescaled``: a closing
         window's gradient was changed in place for its step. Returns what a checkpoint written now loses,
         if anything."""
-        if self.inflight is not None and self.backward_finished and not in_backward:
-            # the pass ran to its end (autograd's mark, `pass_ended`) but the adapter's hook after it had not run:
-            # the micro-batch is in the window, its BatchNorm statistics and loss too (done already: nothing changes)
-            self.backward_done()
-        if self.batchnorm is not None:  # the buffers as before the window; the failed micro-batch's statistics out
-            self.batchnorm.recover()
-            self.batchnorm.drop_pending()
-        if self.closing is not None and not rescaled and not processed:
+        self._finish_pass(in_backward)
+        if processed:  # the batch is done: a closing window's step too
+            self.inflight, self.pooled_alone = None, False
+            if self.closing is not None:
+                self.advance(batch[0])
+            self.redo = None
+            return None
+        if self.closing is not None and not rescaled:
             self.closing = None  # the step had not touched the gradient: the window is as it was
         window, inflight = self.window, self.inflight
         self.inflight = None
         # (a micro-batch that ran no backward, whose forwards' BatchNorm statistics are in the window: trained again,
         # it adds nothing, and a budget keeps its count)
-        alone, self.pooled_alone = self.pooled_alone and window is not None and not processed, False
+        alone, self.pooled_alone = self.pooled_alone and window is not None, False
         if alone:
             window.keep_reach()  # type: ignore[union-attr]
-        if not processed:  # (a budget's count of a micro-batch not counted: it comes again)
-            self.take_back()
-        if processed:
-            if self.closing is not None:
-                self.advance(batch[0])
-            self.redo = None
-            return None
+        self.take_back()  # (a budget's count of a micro-batch not counted: it comes again)
         stepping = self.closing is not None  # (and its gradient changed in place for the step)
-        if inflight is None and not (in_backward or open_pass or stepping):
+        cut_short = stepping or in_backward or open_pass  # (a step, or a backward pass, the exception stopped inside)
+        if inflight is None and not cut_short:
             if alone:
                 self.redo = batch
             return None  # nothing of this batch reached the window (a batch trained again adds nothing)
         if window is None:
             return "this batch's accumulation window was stepped already, and the batch will be trained again"
-        if not (stepping or in_backward or open_pass):
-            if self.backward_finished:
-                self.redo = batch  # trained again, it adds nothing
-            else:
-                window.remove(*inflight)  # type: ignore[misc]
-                self.metrics.drop()
+        if not cut_short:
+            self._take_back_batch(batch, window, inflight)  # type: ignore[arg-type]
             return None
+        return self._drop_cut_short(window, stepping)
+
+    def _finish_pass(self, in_backward: bool) -> None:
+        """After an exception, first: a backward pass that ran to its end (autograd's mark, ``pass_ended``) whose
+        adapter's hook after it had not run puts the micro-batch in the window, its BatchNorm statistics and loss too
+        (done already: nothing changes); BatchNorm's buffers go back to the window's start, the failed micro-batch's
+        statistics out."""
+        if self.inflight is not None and self.backward_finished and not in_backward:
+            self.backward_done()
+        if self.batchnorm is not None:
+            self.batchnorm.recover()
+            self.batchnorm.drop_pending()
+
+    def _take_back_batch(self, batch: tuple[int, int], window: Window, inflight: tuple[int, int | Tensor]) -> None:
+        """The batch under way, which Lightning trains again, outside a backward pass: if its gradient is in the
+        window it adds nothing when trained again, else its counts and loss leave the window."""
+        if self.backward_finished:
+            self.redo = batch  # trained again, it adds nothing
+        else:
+            window.remove(*inflight)
+            self.metrics.drop()
+
+    def _drop_cut_short(self, window: Window, stepping: bool) -> str | None:
+        """A step or a backward pass into ``window`` cut short: the window is dropped (what a checkpoint written now
+        loses, said), unless no micro-batch's gradient went in before this one's."""
         lost = window.microbatches
         if not (lost or stepping):
             # no micro-batch's gradient went in before this one, which is trained again from its start: the window goes
