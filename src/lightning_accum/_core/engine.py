@@ -720,17 +720,24 @@ class WindowEngine:
             state["adascale"] = self.adascale.state_dict()
         if callable(getattr(self.lr_schedule, "state_dict", None)):
             state["lr_schedule"] = self.lr_schedule.state_dict()  # type: ignore[union-attr]
-        if window is not None:  # (what its partial gradient is a sum of: a resume must sum the same)
-            state["window_options"] = self._window_options()
-        if window is not None and self.budgeted:  # (what its count `seen` is a count of)
+        if window is not None:
+            state.update(self._open_window_state())
+        return state
+
+    def _open_window_state(self) -> dict[str, Any]:
+        """What a checkpoint holds beside an open window: what its partial gradient is a sum of (a resume must sum the
+        same), a budget's unit, the noise probe's prefixes, a batch to add nothing when trained again, its BatchNorm
+        statistics and its losses."""
+        state: dict[str, Any] = {"window_options": self._window_options()}
+        if self.budgeted:  # (what its count `seen` is a count of)
             state["budget_unit"] = self.schedule.unit
-        if window is not None and self.probe is not None:
+        if self.probe is not None:
             state["probe"] = self.probe.state_dict()
-        if window is not None and self.redo is not None:
+        if self.redo is not None:
             state["redo"] = list(self.redo)
-        if window is not None and self.batchnorm is not None:
+        if self.batchnorm is not None:
             state["batchnorm"] = self.batchnorm.state_dict()
-        if window is not None and self.metrics.tracking:
+        if self.metrics.tracking:
             state["losses"] = dict(zip(self.metrics.names(), (float(v) for v in self.metrics.sums()), strict=True))
         return state
 
@@ -788,15 +795,7 @@ class WindowEngine:
         if "schedule" in state:
             self.schedule.load_state_dict(state["schedule"])
         if "lr_schedule" in state:
-            if callable(getattr(self.lr_schedule, "load_state_dict", None)):
-                self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
-            else:  # (the run goes on without the checkpoint's multiplier: the user left it out, or swapped it)
-                warnings.warn(
-                    "The checkpoint holds the state of an `lr_schedule`, but this run's `lr_schedule` "
-                    f"({self.lr_schedule!r}) has no `load_state_dict` to take it: the run goes on without it. Pass "
-                    "the checkpoint's `lr_schedule` again to continue its multiplier.",
-                    stacklevel=3,
-                )
+            self._load_lr_schedule(state["lr_schedule"])
         window = state.get("window")
         self.window = None if window is None else Window.from_state_dict(window)
         # (a base of 0 items, which checkpoints before 0.2 could hold after an empty first window: the next stepped
@@ -811,6 +810,23 @@ class WindowEngine:
             self.probe.load_state_dict(state.get("probe", {}))
         losses = state.get("losses", {})
         self.metrics.load_sums(list(losses), list(losses.values()))
+        self._load_batchnorm(state)
+
+    def _load_lr_schedule(self, state: Any) -> None:
+        """The ``lr_schedule``'s state a checkpoint held, into this run's (a warning if it cannot take it)."""
+        if callable(getattr(self.lr_schedule, "load_state_dict", None)):
+            self.lr_schedule.load_state_dict(state)  # type: ignore[union-attr]
+        else:  # (the run goes on without the checkpoint's multiplier: the user left it out, or swapped it)
+            warnings.warn(
+                "The checkpoint holds the state of an `lr_schedule`, but this run's `lr_schedule` "
+                f"({self.lr_schedule!r}) has no `load_state_dict` to take it: the run goes on without it. Pass "
+                "the checkpoint's `lr_schedule` again to continue its multiplier.",
+                stacklevel=4,
+            )
+
+    def _load_batchnorm(self, state: dict[str, Any]) -> None:
+        """The open window's BatchNorm statistics (``batchnorm="window"``), and a warning where the checkpoint's
+        window and this run pool them differently."""
         if self.batchnorm is not None:
             self.batchnorm.load_state_dict(state.get("batchnorm", {}) if self.window is not None else {})
         held = "batchnorm" in state
@@ -821,7 +837,7 @@ class WindowEngine:
                 f"batchnorm={now}, so the BatchNorm statistics of the window's micro-batches before the checkpoint "
                 + ("are dropped." if held else "are not in the window's (its buffers were updated by each of them).")
                 + f" Resume with batchnorm={saved}, or from a checkpoint written at an optimizer step.",
-                stacklevel=3,
+                stacklevel=4,
             )
 
 
