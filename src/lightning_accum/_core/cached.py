@@ -103,31 +103,9 @@ def plan(
     cut into its chunks: of ``chunk_size`` rows, or packed up to ``chunk_tokens`` tokens (by the
     input's ``attention_mask``; at most ``chunk_size`` rows where both are given) with each chunk's
     trailing padding columns trimmed."""
-    for name, given in (("encoders", encoders), ("inputs", inputs)):
-        if isinstance(given, nn.Module | Tensor | str | Mapping) or not isinstance(given, Sequence):
-            raise TypeError(
-                f"`{name}` must be a list, one entry per tower (e.g. `encoders=[model]`, `inputs=[batch]`); "
-                f"got {type(given).__name__}."
-            )
-    if len(encoders) != len(inputs) or not encoders:
-        raise ValueError(
-            f"`encoders` has {len(encoders)} entries and `inputs` {len(inputs)}; give one encoder per input "
-            "(the same encoder twice for a shared tower)."
-        )
+    _check_towers(encoders, inputs)
     towers = len(encoders)
-    sizes = [
-        _count("chunk_size", s, chunk_size, "samples per chunk") for s in _per_tower("chunk_size", chunk_size, towers)
-    ]
-    budgets = [
-        _count("chunk_tokens", t, chunk_tokens, "tokens per chunk")
-        for t in _per_tower("chunk_tokens", chunk_tokens, towers)
-    ]
-    for i, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
-        if size is None and budget is None:
-            raise ValueError(
-                f"Give `chunk_size` (samples per chunk) or `chunk_tokens` (tokens per chunk) for encoder {i}: "
-                "one for all encoders, or one per encoder."
-            )
+    sizes, budgets = _chunk_limits(chunk_size, chunk_tokens, towers)
     pickers = _per_tower("get_rep", get_rep, towers)
     for picker in pickers:
         if picker is not None and not callable(picker):
@@ -147,20 +125,61 @@ def plan(
     if loss_chunk_size is not None:
         _count("loss_chunk_size", loss_chunk_size, loss_chunk_size, "rows of the first input per block of the loss")
         _check_rows_argument(loss_fn)
-    out = []
-    for i, (encoder, x) in enumerate(zip(encoders, inputs, strict=True)):
-        rows, budget = _length(x, i), budgets[i]
-        widths: list[int | None]
-        if budget is None:
-            size = sizes[i] or rows
-            chunks = [(s, min(s + size, rows)) for s in range(0, rows, size)]
-            widths = [None] * len(chunks)
-        else:
-            chunks, widths = _pack(x, i, budget, sizes[i])
-        tower = Tower(i, encoder, pickers[i], flags[i] or _frozen(encoder), x, rows, chunks, widths)
-        tower.style = _call_style(encoder, tower.part(0), i)
-        out.append(tower)
-    return out
+    return [
+        _tower(i, encoder, x, sizes[i], budgets[i], pickers[i], flags[i])
+        for i, (encoder, x) in enumerate(zip(encoders, inputs, strict=True))
+    ]
+
+
+def _check_towers(encoders: Sequence[Any], inputs: Sequence[Any]) -> None:
+    """``encoders`` and ``inputs``: lists of one entry per tower, as many of each."""
+    for name, given in (("encoders", encoders), ("inputs", inputs)):
+        if isinstance(given, nn.Module | Tensor | str | Mapping) or not isinstance(given, Sequence):
+            raise TypeError(
+                f"`{name}` must be a list, one entry per tower (e.g. `encoders=[model]`, `inputs=[batch]`); "
+                f"got {type(given).__name__}."
+            )
+    if len(encoders) != len(inputs) or not encoders:
+        raise ValueError(
+            f"`encoders` has {len(encoders)} entries and `inputs` {len(inputs)}; give one encoder per input "
+            "(the same encoder twice for a shared tower)."
+        )
+
+
+def _chunk_limits(chunk_size: object, chunk_tokens: object, towers: int) -> tuple[list[int | None], list[int | None]]:
+    """Each tower's rows per chunk and tokens per chunk (``None``: no limit), one of them at least."""
+    sizes = [
+        _count("chunk_size", s, chunk_size, "samples per chunk") for s in _per_tower("chunk_size", chunk_size, towers)
+    ]
+    budgets = [
+        _count("chunk_tokens", t, chunk_tokens, "tokens per chunk")
+        for t in _per_tower("chunk_tokens", chunk_tokens, towers)
+    ]
+    for i, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
+        if size is None and budget is None:
+            raise ValueError(
+                f"Give `chunk_size` (samples per chunk) or `chunk_tokens` (tokens per chunk) for encoder {i}: "
+                "one for all encoders, or one per encoder."
+            )
+    return sizes, budgets
+
+
+def _tower(
+    i: int, encoder: Callable[..., Any], x: Any, size: int | None, budget: int | None, picker: Any, no_grad: bool
+) -> Tower:
+    """Tower ``i``, planned: its input ``x`` cut into chunks of ``size`` rows (all of them for ``None``), or packed
+    up to ``budget`` tokens (``_pack``), and how its encoder is called."""
+    rows = _length(x, i)
+    widths: list[int | None]
+    if budget is None:
+        size = size or rows
+        chunks = [(s, min(s + size, rows)) for s in range(0, rows, size)]
+        widths = [None] * len(chunks)
+    else:
+        chunks, widths = _pack(x, i, budget, size)
+    tower = Tower(i, encoder, picker, no_grad or _frozen(encoder), x, rows, chunks, widths)
+    tower.style = _call_style(encoder, tower.part(0), i)
+    return tower
 
 
 def _count(name: str, value: object, given: object, what: str) -> int | None:
