@@ -447,14 +447,14 @@ class WindowEngine:
     ) -> tuple[dict[str, float] | None, list[float] | None]:
         """One device: the window's losses (each micro-batch's read as it is, summed exactly), its gradient's norms,
         its tensor counts (then added to its counts) and the noise probe's prefixes, in one host read."""
-        measured = () if grad_norms is None else grad_norms
-        # (the probe's prefixes: device scalars, and batch sizes the host holds already, which are not read)
-        prefixes = () if self.probe is None else self.probe.pending()
-        held = [p for p in prefixes if isinstance(p, Tensor)] if prefixes else ()
-        tensors = [*measured, *window.pending_items, *held]
+        measured, pending, prefixes = grad_norms or (), window.pending_items, None
+        tensors = [*measured, *pending]
+        if self.probe is not None:  # (its prefixes: device scalars, and batch sizes the host holds, not read)
+            prefixes = self.probe.pending()
+            tensors += [p for p in prefixes if isinstance(p, Tensor)]
         sums, values = self.metrics.read(tensors) if read_losses else (None, collectives.host_values(tensors))
-        n, m = len(measured), len(measured) + len(window.pending_items)
-        if window.pending_items:
+        n, m = len(measured), len(measured) + len(pending)
+        if pending:
             window.settle_items(values[n:m])
         if prefixes:
             read = iter(values[m:])
