@@ -96,6 +96,23 @@ def _estimate(trainer: Any) -> int | float:
             release()
         return steps if math.isinf(steps) else int(steps)
     schedule, counted = found
+    _refuse_unknown_steps(schedule)
+    if trainer.max_epochs == -1 and trainer.max_steps == -1:
+        return math.inf  # an endless fit (as Lightning's property)
+    release = _seam.set_up_training_loader(trainer)
+    try:
+        batches = trainer.num_training_batches
+        if math.isinf(batches):
+            return _steps_of_endless_loader(trainer)
+        sizes = _batch_sizes(trainer, schedule, counted, int(batches))
+    finally:
+        release()
+    return _walk(schedule, int(batches), sizes, trainer.max_epochs, trainer.max_steps)
+
+
+def _refuse_unknown_steps(schedule: Schedule) -> None:
+    """Refuse a schedule whose optimizer steps depend on what the data or the gradient will hold: a ``Budget`` of
+    items (or whose ``n`` follows them), a schedule keyed on items, on ``scaled_steps``, or a ``NoiseScale``."""
     if isinstance(schedule, Budget) and "items" in (schedule.unit, schedule.n.unit):
         whose = "" if schedule.unit == "items" else " (its `n` follows them)"
         raise ValueError(
@@ -113,27 +130,27 @@ def _estimate(trainer: Any) -> int | float:
             "Key the learning rate on what is seen instead: "
             "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`."
         )
-    if trainer.max_epochs == -1 and trainer.max_steps == -1:
-        return math.inf  # an endless fit (as Lightning's property)
-    release = _seam.set_up_training_loader(trainer)
-    try:
-        batches = trainer.num_training_batches
-        if math.isinf(batches):
-            if trainer.max_steps != -1:
-                return int(trainer.max_steps)
-            raise ValueError(
-                "The training loader has no length (an iterable dataset), so the steps of an epoch cannot be "
-                "counted in advance: give the Trainer `max_steps`, or an integer `limit_train_batches` to bound "
-                "each epoch."
-            )
-        constant = isinstance(schedule, Constant)  # (reads nothing)
-        if counted and schedule.unit is None and not constant:
-            rank_zero_warn(f"Counting the steps under {schedule!r} as if `Progress.items` equalled `Progress.samples`.")
-        needed = schedule.unit in ("samples", None) and not constant
-        sizes = _samples_per_batch(trainer, int(batches), needed=needed)
-    finally:
-        release()
-    return _walk(schedule, int(batches), sizes, trainer.max_epochs, trainer.max_steps)
+
+
+def _steps_of_endless_loader(trainer: Any) -> int:
+    """A training loader without a length: ``max_steps`` bounds the fit, or its steps cannot be counted."""
+    if trainer.max_steps != -1:
+        return int(trainer.max_steps)
+    raise ValueError(
+        "The training loader has no length (an iterable dataset), so the steps of an epoch cannot be "
+        "counted in advance: give the Trainer `max_steps`, or an integer `limit_train_batches` to bound "
+        "each epoch."
+    )
+
+
+def _batch_sizes(trainer: Any, schedule: Schedule, counted: bool, batches: int) -> list[int] | None:
+    """The samples of each of the epoch's ``batches`` where the schedule reads them (``_samples_per_batch``); a warning
+    where a schedule of samples is walked as if items equalled samples (a ``count`` was given)."""
+    constant = isinstance(schedule, Constant)  # (reads nothing)
+    if counted and schedule.unit is None and not constant:
+        rank_zero_warn(f"Counting the steps under {schedule!r} as if `Progress.items` equalled `Progress.samples`.")
+    needed = schedule.unit in ("samples", None) and not constant
+    return _samples_per_batch(trainer, batches, needed=needed)
 
 
 def _active_schedule(trainer: Any) -> tuple[Schedule, bool] | None:
