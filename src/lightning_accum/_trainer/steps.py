@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_accum import _seam
-from lightning_accum._lightning import rank_zero_warn
+from lightning_accum._lightning import PossibleUserWarning, rank_zero_warn
 from lightning_accum.noise import NoiseScale
 from lightning_accum.schedules import Budget, Constant, Progress, Schedule
 
@@ -328,6 +328,33 @@ def samples_per_batch(trainer: Any, batches: int) -> list[int] | None:
     return _samples_per_batch(trainer, batches, needed=False)
 
 
+class SchedulerHorizonWarning(PossibleUserWarning):
+    """The warning at a fit's start about a step-interval LR scheduler whose length (``total_steps``, ``T_max``) is
+    not the fit's number of optimizer steps under the accumulation schedule, or cannot be checked against it.
+
+    Most such schedulers were sized with Lightning's ``trainer.estimated_stepping_batches``, which does not know the
+    schedule. One sized so on purpose (a cosine meant to end before the fit, a ``OneCycleLR`` shared by several
+    fits) silences it with a ``warnings`` filter on this category, which leaves every other warning as it is. It is
+    a ``UserWarning``, and Lightning's ``PossibleUserWarning`` (a filter on that one silences it too).
+
+    Example:
+
+        >>> import warnings
+        >>> from lightning_accum import SchedulerHorizonWarning
+        >>> with warnings.catch_warnings():  # (or once, before `trainer.fit`)
+        ...     warnings.filterwarnings("ignore", category=SchedulerHorizonWarning)  # the length is meant
+        ...     warnings.warn("...", SchedulerHorizonWarning)  # (what the fit's start would warn: silenced)
+        >>> issubclass(SchedulerHorizonWarning, UserWarning)
+        True
+    """
+
+
+#: what each horizon warning ends with
+_ON_PURPOSE = (
+    " (Sized so on purpose: `warnings.filterwarnings('ignore', category=lightning_accum.SchedulerHorizonWarning)`.)"
+)
+
+
 def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:
     """At a fit's start: warn about each step-interval LR scheduler whose horizon (``total_steps``, as
     ``OneCycleLR``'s, or ``T_max``, as ``CosineAnnealingLR``'s) is not the fit's real number of its steps
@@ -347,7 +374,8 @@ def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:
         rank_zero_warn(
             f"The LR scheduler {named} is sized for a number of optimizer steps, but this fit's cannot be known at "
             "its start, so that length cannot be checked against the accumulation schedule (it may end before "
-            f"the fit, or the fit before it). {unknown}"
+            f"the fit, or the fit before it). {unknown}{_ON_PURPOSE}",
+            category=SchedulerHorizonWarning,
         )
         return
     if math.isinf(steps):
@@ -360,5 +388,6 @@ def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:
                 f"The LR scheduler {type(config.scheduler).__name__} is sized for {int(horizon)} steps, but this fit "
                 f"takes {real} (optimizer steps{f' / frequency {config.frequency}' if config.frequency > 1 else ''}) "
                 "under the accumulation schedule; `trainer.estimated_stepping_batches` does not know the schedule. "
-                f"Size it with `lightning_accum.estimated_stepping_batches(trainer{size_with})`."
+                f"Size it with `lightning_accum.estimated_stepping_batches(trainer{size_with})`.{_ON_PURPOSE}",
+                category=SchedulerHorizonWarning,
             )
