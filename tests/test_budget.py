@@ -630,7 +630,9 @@ def by_samples(progress: Progress) -> int:
 
 @pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("kind", ["budget", "k"])
-def test_a_function_reading_the_items_is_walked_where_they_are_the_samples_else_refused(kind: str, counted: bool) -> None:
+def test_a_function_reading_the_items_is_walked_where_they_are_the_samples_else_refused(
+    kind: str, counted: bool
+) -> None:
     """Without a `count` the items are the samples: the walk is exact. With one, the walk cannot know them: a
     function that reads them is refused (naming `Progress.items` and the fix), one that does not is walked exactly.
     The same for a `Lambda` giving k (it was walked on the same guess, with a warning)."""

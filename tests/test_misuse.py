@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import subprocess
-import warnings
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import override
+
 from lightning_accum import _seam
 from lightning_accum._lightning import PossibleUserWarning, rank_zero_warn
 from lightning_accum.noise import NoiseScale
@@ -245,11 +247,13 @@ class _ItemsUnknown(Progress):
     """The ``Progress`` a walk asks a schedule with where the items are not known: reading ``items`` raises
     ``ItemsNotKnown`` (so that a function of ``Progress`` that reads them is not walked on a guess)."""
 
+    @override
     def __getattribute__(self, name: str) -> Any:
         if name == "items":
             raise ItemsNotKnown
         return super().__getattribute__(name)
 
+    @override
     def __repr__(self) -> str:
         return f"Progress(epoch={self.epoch}, step={self.step}, samples={self.samples}, items=?, ...)"
 
