@@ -260,7 +260,42 @@ def generate(rng: random.Random) -> Config:
     _batchnorm(c)
     _budget(c)
     _bf16(c)
+    _unfreeze(c)
     return c
+
+
+def _unfreeze(c: Config) -> None:
+    """The first layer frozen till a batch where it joins the first optimizer as a param group of its own
+    (``unfreeze``, `_lightning_code`) where that leaves it out (issue 53): with a resume (failures and checkpoints,
+    one written after the join holding the group), ``GradientDecay`` (a residual from the window after the join
+    on), SWA (joining before SWA's first epoch: Lightning's `StochasticWeightAveraging` makes its `SWALR`'s per-group
+    lists as that epoch starts, and a group added after it has none, package or not), two optimizers sharing a window
+    (the first layer joins the first, which holds the BatchNorm layer's parameters or the last layer's bias till
+    then: an optimizer of nothing is refused by torch) and the mixin (every mode; `backward_heads` where the trunk has
+    something to train before the join, its BatchNorm layer: a trunk of frozen layers gives features without a graph,
+    which the package refuses as it cannot be told from a `.detach()`, naming the fix); drawn from a generator of the
+    configuration's own, after the others (their draws stay as they were). Not: in a Fabric loop (the helper's param
+    groups have unit tests), on several ranks, under bf16 (`_bf16`'s reference), with a window per optimizer (the
+    reference's `_each` forms no join), `NoiseScale` or AdaScale (`_noise`), a plateau (its per-group list) or
+    `LearningRateMonitor` (its names, made at the start), nor a refit (a new fit's optimizer is made again)."""
+    rng = random.Random(f"unfreeze/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if c.unfreeze is not None or rng.random() >= 0.2:
+        return
+    if c.adapter not in ("callback", "mixin") or c.plain or c.world > 1 or c.bf16 or c.refit is not None:
+        return
+    plateau = (c.scheduler or {}).get("kind") == "plateau"
+    if c.schedule["family"] == "noise" or c.lr_scaling == "adascale" or plateau or c.windows == "each":
+        return
+    if c.optimizers == 2 and not c.shared and c.batchnorm is None:
+        return
+    if c.mode == "heads" and c.batchnorm is None:  # (a trunk with nothing to train: `backward_heads` refuses it)
+        return
+    epochs = range(c.epochs) if c.swa is None else range(int(c.swa[1]) - 1)  # (before SWA's first epoch)
+    batches = [b for b in range(c.batches_per_epoch()) if c.adapter != "mixin" or b not in c.skip]
+    joins = [[epoch, b] for epoch in epochs for b in batches]
+    if joins:
+        c.unfreeze = rng.choice(joins)
+        c.callbacks = [name for name in c.callbacks if name != "lr_monitor"]
 
 
 def _budget(c: Config) -> None:
