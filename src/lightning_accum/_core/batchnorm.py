@@ -210,14 +210,15 @@ def _pool_dtype(t: Tensor) -> torch.dtype:
 
 class _Rows:
     """The zeroed buffers of one micro-batch's first training forward of each layer that shares the first layer's
-    device and dtype (``plan``): one allocation for all of them (row 0 the means, row 1 the variances, each layer's
-    part of a row contiguous), and one conversion to the pooling dtype when their statistics are pooled. The hooks
+    device and dtype (``plan``: their names, each one's width twice, their running means): one allocation for all of
+    them (each layer's mean then its variance, each contiguous: one ``split`` gives them all), and one conversion to
+    the pooling dtype when their statistics are pooled. The hooks
     run between a forward's kernels, with the CPU's caches cold: a tensor operation there costs several times what
     it does here, where the micro-batch is armed.
 
     Example:
 
-        >>> rows = _Rows(torch.zeros(2), (["a", "b"], [2, 3], []))
+        >>> rows = _Rows(torch.zeros(2), (["a", "b"], [2, 2, 3, 3], []))
         >>> {name: (m.tolist(), v.tolist()) for name, (m, v, _) in rows.free().items()}
         {'a': ([0.0, 0.0], [0.0, 0.0]), 'b': ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])}
     """
@@ -226,22 +227,21 @@ class _Rows:
 
     def __init__(self, like: Tensor, plan: tuple[list[str], list[int], list[Tensor]]) -> None:
         self.plan = plan
-        self.data = like.new_zeros((2, sum(plan[1])))
+        self.data = like.new_zeros(sum(plan[1]))
         self._split: dict[str, tuple[Tensor, Tensor]] | None = None  # (by layer, in the pooling dtype)
 
     def free(self) -> dict[str, tuple[Tensor, Tensor, _Rows]]:
         """Each layer's mean and variance rows (views of ``data``)."""
-        means, variances = self.data[0].split_with_sizes(self.plan[1]), self.data[1].split_with_sizes(self.plan[1])
-        return {name: (mean, var, self) for name, mean, var in zip(self.plan[0], means, variances, strict=True)}
+        rows = self.data.split_with_sizes(self.plan[1])
+        return {name: (mean, var, self) for name, mean, var in zip(self.plan[0], rows[::2], rows[1::2], strict=True)}
 
     def pooled(self, name: str) -> tuple[Tensor, Tensor]:
         """``name``'s mean and variance as its forward wrote them, in the pooling dtype: every layer's converted at
         the first ask, in one copy of ours (the rows are not written again; the window's ``Moments`` of a layer keep
         and update its mean in place)."""
         if self._split is None:
-            converted = self.data.to(_pool_dtype(self.data), copy=True)
-            means, variances = (row.split_with_sizes(self.plan[1]) for row in converted)
-            self._split = dict(zip(self.plan[0], zip(means, variances, strict=True), strict=True))
+            rows = self.data.to(_pool_dtype(self.data), copy=True).split_with_sizes(self.plan[1])
+            self._split = dict(zip(self.plan[0], zip(rows[::2], rows[1::2], strict=True), strict=True))
         return self._split[name]
 
 
@@ -358,21 +358,19 @@ class WindowBatchNorm:
         rows their first forwards write made now, where a row was taken since: one allocation)."""
         self._armed = True
         plan = self._plan
+        layers = self._layers
         if plan is None or not all(
-            layer._buffers.get("running_mean") is mean for layer, mean in zip(self._planned(), plan[2], strict=True)
-        ):
+            layers[name]._buffers.get("running_mean") is mean for name, mean in zip(plan[0], plan[2], strict=True)
+        ):  # (a buffer replaced since: `model.to(...)`, `.double()`)
             plan = self._plan = self._new_plan()
             self._free = {}
         if len(self._free) != len(plan[0]):
             self._free = _Rows(plan[2][0], plan).free() if plan[0] else {}
 
-    def _planned(self) -> Iterator[_BatchNorm]:
-        assert self._plan is not None
-        return (self._layers[name] for name in self._plan[0])
-
     def _new_plan(self) -> tuple[list[str], list[int], list[Tensor]]:
-        """The layers one ``_Rows`` serves: those whose running buffers are on the first such layer's device, in its
-        dtype (a lazy layer not yet initialised waits for a later plan)."""
+        """The layers one ``_Rows`` serves (their names, each one's width twice, their running means): those whose
+        running buffers are on the first such layer's device, in its dtype (a lazy layer not yet initialised waits
+        for a later plan)."""
         names: list[str] = []
         widths: list[int] = []
         means: list[Tensor] = []
@@ -382,12 +380,12 @@ class WindowBatchNorm:
                 continue
             if isinstance(mean, nn.parameter.UninitializedBuffer) or isinstance(var, nn.parameter.UninitializedBuffer):
                 continue  # (a lazy layer before its first forward)
-            if mean.dim() != 1 or mean.numel() == 0 or var.shape != mean.shape:
+            if mean.dim() != 1 or mean.numel() == 0 or var.shape != mean.shape or var.dtype != mean.dtype:
                 continue
-            if means and (mean.device != means[0].device or mean.dtype != means[0].dtype or var.dtype != mean.dtype):
+            if means and (mean.device != means[0].device or mean.dtype != means[0].dtype):
                 continue
             names.append(name)
-            widths.append(mean.numel())
+            widths += [mean.numel()] * 2  # (its mean's row, then its variance's)
             means.append(mean)
         return names, widths, means
 
@@ -553,10 +551,12 @@ class WindowBatchNorm:
             if layer.momentum is None:  # the cumulative average, over windows (read on the device)
                 assert nbt is not None
                 factor = nbt.to(stat_mean.dtype).reciprocal()
-            else:
+                mean.copy_(stat_mean * factor + mean.to(stat_mean.dtype) * (1 - factor))
+                var.copy_(stat_var * factor + var.to(stat_mean.dtype) * (1 - factor))
+            else:  # (the same arithmetic, `(1 - factor) * old` as `add`'s alpha: one operation fewer)
                 factor = float(layer.momentum)
-            mean.copy_(stat_mean * factor + mean.to(stat_mean.dtype) * (1 - factor))
-            var.copy_(stat_var * factor + var.to(stat_mean.dtype) * (1 - factor))
+                mean.copy_(torch.add(stat_mean * factor, mean.to(stat_mean.dtype), alpha=1 - factor))
+                var.copy_(torch.add(stat_var * factor, var.to(stat_mean.dtype), alpha=1 - factor))
         self._window = {}
 
     def _union(self) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
