@@ -113,10 +113,10 @@ class ResidualDecay:
         for i, optimizer in enumerate(self._optimizers):
             self._hooks.append(optimizer.register_step_post_hook(lambda *_, i=i: self._stepped.add(i)))
             if i in self._residual:  # restored from a checkpoint: checked and put on the parameters' devices
-                params = gradients.optimizer_params(optimizer)
-                placed = gradients.placed(params, self._residual[i])
+                params = gradients.optimizer_params(optimizer)  # (a param group added since the checkpoint: none)
+                saved = _fitted(self._residual[i], params)
+                placed = gradients.placed(params, saved)
                 if self._wide is not None:  # (a narrow parameter's residual kept in the wide dtype, as saved)
-                    saved = self._residual[i]
                     placed = [self._wide_residual(p, r, g) for p, r, g in zip(params, saved, placed, strict=True)]
                 self._residual[i] = placed
 

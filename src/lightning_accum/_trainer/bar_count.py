@@ -176,8 +176,13 @@ class BarCount:
         if self._exact and self._known:
             if math.isinf(self._batches) and math.isinf(left):
                 return math.inf
-            ahead, taken = steps.windows_ahead(schedule, here, start, self._batches, self._sizes, left)
-            return done + (ahead if self.unit == "steps" else taken)
+            try:
+                ahead, taken = steps.windows_ahead(
+                    schedule, here, start, self._batches, self._sizes, left, items_known=not self.counted
+                )
+                return done + (ahead if self.unit == "steps" else taken)
+            except steps.ItemsNotKnown:  # (a function of `Progress` reading the items a `count` gives: as below)
+                self._exact = False
         # the next window's k, from the schedule as the engine will ask it (NoiseScale: the last window's)
         last = self.last.k if self.last is not None else 1
         if isinstance(schedule, Budget):  # the windows' mean size so far (the counts seen), at most the cap
