@@ -10,9 +10,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import test_budget
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from test_budget import BATCH, DATA, epochs_of, reference
 
 from lightning_accum import AccumulationScheduler, Budget
@@ -20,7 +22,7 @@ from lightning_accum._core import ahead as core_ahead
 from lightning_accum._core.ahead import CountsAhead
 from lightning_accum._trainer import ahead
 
-from helpers import Batch, KRecorder, TokenModel, count_tokens, loader, max_diff, params_of, trainer
+from helpers import Batch, KRecorder, ResumableLoader, TokenModel, count_tokens, loader, max_diff, params_of, trainer
 
 
 class Ranks:
@@ -236,3 +238,39 @@ def test_one_process_does_not_read_ahead_by_default() -> None:
     trainer(callbacks=[callback], max_epochs=1).fit(TokenModel(reduction="sum"), loader(DATA, BATCH))
     assert len(calls) == len(epochs_of(1)[0][0])  # (once per batch, as it starts)
     assert torch.distributed.is_available()
+
+
+class FailsAt(pl.Callback):
+    def __init__(self, at: tuple[int, int]) -> None:
+        self.at, self.fired = at, False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not self.fired and (trainer.current_epoch, args[-1]) == self.at:
+            self.fired = True
+            raise RuntimeError("injected")
+
+
+def test_a_checkpoint_written_on_an_exception_saves_the_loader_as_without_reading_ahead(
+    reads_ahead: list[int], tmp_path: Path
+) -> None:
+    """A loader whose state moves as batches are taken (``ResumableLoader``): the checkpoint Lightning writes on an
+    exception (after the package's ``on_exception``) holds the batches the loop took, not those read ahead; the
+    resumed fit ends as an uninterrupted one."""
+
+    def callback() -> AccumulationScheduler:
+        return AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")
+
+    full = TokenModel(reduction="sum")
+    trainer(callbacks=[callback()]).fit(full, ResumableLoader(DATA, BATCH))
+    failed = TokenModel(reduction="sum")
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer(
+            callbacks=[callback(), FailsAt((0, 5)), OnExceptionCheckpoint(tmp_path)], enable_checkpointing=True
+        ).fit(failed, ResumableLoader(DATA, BATCH))
+    path = tmp_path / "on_exception.ckpt"
+    assert torch.load(path, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {"consumed": 6}
+    ]
+    resumed = TokenModel(reduction="sum")
+    trainer(callbacks=[callback()]).fit(resumed, ResumableLoader(DATA, BATCH), ckpt_path=path)
+    assert max_diff(params_of(resumed), params_of(full)) == 0.0

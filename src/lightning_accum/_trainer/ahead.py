@@ -55,10 +55,16 @@ class BudgetAhead:
         )
 
     def stop(self) -> None:
-        """At the fit's end (or an exception): the loader's state as Lightning reads it, nothing held."""
+        """At the fit's end: the loader's state as Lightning reads it, nothing read ahead kept."""
         if self._upcoming is not None:
             self._upcoming.detach()
-        self._upcoming, self._epoch = None, None
+        self._upcoming = None
+        self.forget()
+
+    def forget(self) -> None:
+        """The counts read ahead dropped (after an exception: a checkpoint written then still saves the loader as
+        without the reading ahead; the next fit's start lets it go)."""
+        self._epoch = None
         self._counts.forget()
         self._failed.clear()
 

@@ -366,6 +366,7 @@ class AccumulationScheduler(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._teardown(trainer)
+        self._ahead.stop()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -391,6 +392,9 @@ class AccumulationScheduler(Callback):
         optimizer = self._optimizer
         self._teardown(trainer)
         self._optimizer = optimizer
+        # (the loader's state as without the reading ahead stays for the checkpoint callbacks' `on_exception` after
+        # this one; the counts read ahead go)
+        self._ahead.forget()
 
     def _settle_pieces(self, trainer: pl.Trainer) -> tuple[bool, bool]:
         """After an exception with ``microbatch_size``: whether a piece's backward was cut short (part of it is
@@ -414,7 +418,6 @@ class AccumulationScheduler(Callback):
         self._closed = self._lean = self._prefix_due = False
         self._pass_hook = None
         self._dividing = None  # (the user's divisor goes back below)
-        self._ahead.stop()
         if self._unroute is not None:
             self._unroute()
             self._unroute = None
