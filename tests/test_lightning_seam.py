@@ -16,8 +16,10 @@ from lightning_accum import AccumulationScheduler, Piecewise
 from lightning_accum._core.window import lightning_divisor
 from lightning_accum._seam import (
     DROPPED_SCHEDULER_KEYS,
+    ENDED,
     SCHEDULER_KEYS,
     LoopCounters,
+    Upcoming,
     after_module_hook,
     at_pass_end,
     at_plateau_point,
@@ -44,7 +46,7 @@ from lightning_accum._seam import (
     zeroes_after_training_step,
 )
 
-from helpers import ManualTokenModel, TokenData, TokenModel, loader, trainer
+from helpers import ManualTokenModel, ResumableLoader, TokenData, TokenModel, loader, trainer
 
 
 @given(st.integers(0, 500), st.integers(1, 64))
@@ -658,3 +660,103 @@ def test_at_pass_end_seam() -> None:
     watch = PassEndWatch(accumulation)
     trainer(callbacks=[watch, accumulation], max_epochs=1).fit(TokenModel(), loader(TokenData(16), 4))
     assert watch.seen == [True] * 4
+
+
+class Peeks(pl.Callback):
+    """At each batch's start, the next ``ahead`` batches read through ``Upcoming`` (their first sample's first
+    feature: which batch each is), and the batch itself."""
+
+    def __init__(self, ahead: int = 3, save: tuple[int, Any] | None = None) -> None:
+        self.ahead, self.save = ahead, save
+        self.trained: list[list[float]] = []
+        self.peeked: list[list[Any]] = []
+        self.saved: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.upcoming = Upcoming(trainer)
+        assert self.upcoming.usable()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.trained.append([])
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.trained[-1].append(float(batch["x"][0, 0, 0]))
+        peeks = [self.upcoming.batch(j) for j in range(1, self.ahead + 1)]
+        self.peeked.append([None if b is ENDED else float(b["x"][0, 0, 0]) for b in peeks])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if self.save is not None and args[-1] == self.save[0]:
+            self.saved = trainer.fit_loop.on_save_checkpoint().get("combined_loader")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.upcoming.detach()
+
+
+class Unsized(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The batches of ``loader(data, 4)``, with no length (Lightning's fetcher then takes one batch ahead itself)."""
+
+    def __init__(self, data: TokenData) -> None:
+        self.data = data
+
+    def __iter__(self) -> Any:
+        return iter(loader(self.data, 4))
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_upcoming_batches_are_the_ones_trained_next(sized: bool) -> None:
+    """``Upcoming`` (a ``Budget``'s counts, read ahead): the j-th batch after the one being trained, from the
+    fetcher's own batches taken ahead (a loader without a length) and then from its iterator, handed over in
+    order; ``ENDED`` past the epoch's data. The loop trains every batch once, in the loader's order."""
+    data = TokenData(40)
+    order = [float(b["x"][0, 0, 0]) for b in loader(data, 4)]
+    source = loader(data, 4) if sized else torch.utils.data.DataLoader(Unsized(data), batch_size=None)
+    peeks = Peeks()
+    trainer(callbacks=[peeks], max_epochs=2).fit(TokenModel(), source)
+    assert peeks.trained == [order, order]
+    ahead = [[order[i + j] if i + j < len(order) else None for j in (1, 2, 3)] for i in range(len(order))]
+    assert peeks.peeked == ahead * 2
+
+
+class ProgressState(ResumableLoader):
+    """A stateful loader whose state reads the loop's progress rather than moving as batches are taken."""
+
+    trainer: Any = None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+
+@pytest.mark.parametrize("loader_kind", ["moves as taken", "reads the loop's progress"])
+def test_a_stateful_loader_is_saved_as_without_reading_ahead(loader_kind: str) -> None:
+    """Lightning saves a stateful loader's ``state_dict`` in a checkpoint (``CombinedLoader._state_dicts``): while
+    batches read ahead are held, a loader whose state moves as batches are taken gives its state before the first of
+    them (here 3 batches in, as a loop that read nothing ahead would save), one whose state does not gives its own."""
+    saved = []
+    for ahead in (0, 3):
+        kind = ResumableLoader if loader_kind == "moves as taken" else ProgressState
+        source = kind(TokenData(40), 4)
+        peeks = Peeks(ahead=ahead, save=(2, None))
+        t = trainer(callbacks=[peeks], max_epochs=1)
+        ProgressState.trainer = t
+        t.fit(TokenModel(), source)
+        saved.append(peeks.saved)
+    assert saved[0] == saved[1] == [{"consumed": 3}]
+    combined = t.fit_loop._combined_loader
+    assert combined is None or "_state_dicts" not in vars(combined)  # (given back at the fit's end)
+
+
+class TakesTheIterator(TokenModel):
+    def training_step(self, dataloader_iter: Any) -> Any:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_loop_whose_training_step_takes_the_iterator_cannot_be_read_ahead() -> None:
+    usable: list[bool] = []
+
+    class Asks(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            usable.append(Upcoming(trainer).usable())
+
+    trainer(callbacks=[Asks()], max_epochs=1, max_steps=1).fit(TakesTheIterator(), loader(TokenData(8), 4))
+    assert usable == [False]

@@ -44,7 +44,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 PARTS = ("loop", "syncs", "memory", "passes", "precision")
 # seconds a full run takes on an H100, model builds included (syncs: from the loop's fits; alone about 40)
-ESTIMATE_S = {"loop": 170, "syncs": 5, "memory": 110, "passes": 15, "precision": 40}
+ESTIMATE_S = {"loop": 200, "syncs": 5, "memory": 110, "passes": 15, "precision": 40}
 Row = tuple[str, str, str, str, str]
 
 

@@ -469,3 +469,125 @@ def set_up_training_loader(trainer: Any) -> Callable[[], None]:
             loop._combined_loader = None
 
     return release
+
+
+ENDED = object()
+"""What ``Upcoming`` gives for a batch past the end of the epoch's data."""
+
+
+class Upcoming:
+    """The training batches after the one being trained, read ahead from the loop's data fetcher without changing
+    what the loop trains or saves (a ``Budget``'s counts, summed over ranks before their batches start).
+
+    Lightning's training fetcher (``_PrefetchDataFetcher``) takes each batch with ``next(fetcher.iterator)``, the
+    training ``CombinedLoader``'s iterator of ``(batch, batch_idx, dataloader_idx)``, and keeps the batches it took
+    ahead itself in ``fetcher.batches`` (one, for a loader without a length; none otherwise). ``fetcher.iterator`` is
+    replaced by a reader that takes batches from it ahead of the fetcher and hands them over in order. A stateful
+    loader's state is what a checkpoint saves of the loader (``CombinedLoader._state_dicts``): for a loader whose
+    state moves as batches are taken from it (``torchdata``'s ``StatefulDataLoader``), while the reader holds batches
+    the fetcher has not taken, it gives the state as it was before the first of them, so that a resumed fit starts
+    where Lightning's own reading had come to; a loader whose state does not move as a batch is taken (one that reads
+    the loop's progress) gives its own. Set up again for each epoch's iterator (``batch``)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self._reader: _Reader | None = None
+        self._restore: Callable[[], None] = lambda: None
+
+    def usable(self) -> bool:
+        """Whether the loop's batches can be read ahead (not a ``training_step`` that takes the ``dataloader_iter``)."""
+        fetcher = self._trainer.fit_loop._data_fetcher
+        return type(fetcher).__name__ == "_PrefetchDataFetcher" and hasattr(fetcher, "batches")
+
+    def batch(self, ahead: int) -> Any:
+        """The ``ahead``-th training batch after the one being trained (``ahead >= 1``), as the loader gives it (before
+        ``on_before_batch_transfer`` and the move to the device); ``ENDED`` past the epoch's data."""
+        fetcher = self._trainer.fit_loop._data_fetcher
+        if self._reader is None or fetcher.iterator is not self._reader:
+            self._attach(fetcher)
+        taken = fetcher.batches  # (the fetcher's own, taken ahead before the reader's)
+        if ahead <= len(taken):
+            return taken[ahead - 1][0]
+        item = self._reader.peek(ahead - len(taken) - 1)  # type: ignore[union-attr]
+        return ENDED if item is ENDED else item[0]
+
+    def _attach(self, fetcher: Any) -> None:
+        combined = self._trainer.fit_loop._combined_loader
+        self._reader = reader = _Reader(fetcher.iterator, combined._state_dicts if combined._state_dicts() else None)
+        fetcher.iterator = reader
+        if "_state_dicts" in vars(combined):
+            return
+        own, loop, before = combined._state_dicts, self._trainer.fit_loop, self._restore
+
+        def states() -> list[dict[str, Any]]:
+            held, current = self._reader, loop._data_fetcher
+            now = own()
+            if held is not None and current is not None and current.iterator is held:
+                return held.state_before(now)
+            return now  # type: ignore[no-any-return]
+
+        combined._state_dicts = states
+
+        def restore() -> None:
+            vars(combined).pop("_state_dicts", None)
+            before()
+
+        self._restore = restore
+
+    def detach(self) -> None:
+        """Leave the loader's state as Lightning reads it (the fit ends); the reader hands over what it holds."""
+        self._restore()
+        self._restore, self._reader = lambda: None, None
+
+
+class _Reader:
+    """An iterator over ``inner`` that can take items ahead (``peek``) and hands them over in order; with ``states``
+    (the loaders' state), the state before each item taken ahead is kept with it."""
+
+    def __init__(self, inner: Any, states: Callable[[], Any] | None) -> None:
+        self.inner, self.states = inner, states
+        self.held: list[tuple[Any, Any]] = []
+        self.ended = False
+        self.moved: list[bool] = [False] * (0 if states is None else len(states()))
+
+    def __iter__(self) -> _Reader:
+        return self
+
+    def __next__(self) -> Any:
+        if self.held:
+            return self.held.pop(0)[0]
+        if self.ended:
+            raise StopIteration
+        return next(self.inner)
+
+    def peek(self, index: int) -> Any:
+        """The ``index``-th item not handed over yet (0: the next), taken from ``inner`` if need be; ``ENDED`` past
+        its end."""
+        while len(self.held) <= index and not self.ended:
+            state = None if self.states is None else self.states()
+            try:
+                item = next(self.inner)
+            except StopIteration:
+                self.ended = True
+                break
+            if state is not None:  # (which loaders' state moved as the batch was taken)
+                after = self.states()  # type: ignore[misc]
+                self.moved = [moved or _differ(a, b) for moved, a, b in zip(self.moved, state, after, strict=True)]
+            self.held.append((item, state))
+        return self.held[index][0] if index < len(self.held) else ENDED
+
+    def state_before(self, now: list[Any]) -> list[Any]:
+        """The loaders' state to save (``now``: as they give it): where batches are held, each loader whose state
+        moves as a batch is taken as it was before the first of them."""
+        if not self.held or self.held[0][1] is None:
+            return now
+        before = self.held[0][1]
+        return [b if moved else n for b, n, moved in zip(before, now, self.moved, strict=True)]
+
+
+def _differ(a: Any, b: Any) -> bool:
+    """Whether two loader states differ (one that cannot be compared, as a state holding tensors: taken to)."""
+    try:
+        return bool(a != b)
+    except Exception:
+        return True

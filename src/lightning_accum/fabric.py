@@ -97,6 +97,10 @@ class FabricStep:
         self._declared: int | Tensor | None = None  # the `items=` of the passes that gave one, summed
         self._implicit = 0  # passes without `items=`
         self._open = True
+        #: whether the micro-batch closes the window, once decided (``FabricAccumulator._final``); before that, its
+        #: samples and the block's ``last``
+        self._ends: bool | tuple[int, bool] = False
+        self._sync: contextlib.ExitStack | None = None  # (FSDP2: where the first backward enters the sync's context)
         self.passes = 0
         self.stepped = False
         self.window: WindowReport | None = None
@@ -283,14 +287,15 @@ class FabricAccumulator:
             engine.widen(self.params)  # its narrow parameters' sums too (those held are kept)
         window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
         engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
-        # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget)
-        final = engine.closes_after(samples, samples if counted is None else counted, self._ranks) or final
-        skip = self._skips_sync(final)
+        # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget:
+        # its all-reduce goes out now, and is read where the window's end is needed, `_final`)
+        engine.ask(samples, samples if counted is None else counted, self._ranks)
         step = self._block = FabricStep(self, counted)
+        step._ends = (samples, final)
         self._guard.arm()
         finished = False
         try:
-            with self._guard.block(), self.fabric.no_backward_sync(self.model, enabled=skip):
+            with self._guard.block(), self._backward_sync(step):
                 yield step
             finished = True
         finally:
@@ -298,15 +303,18 @@ class FabricAccumulator:
             if not finished:
                 engine.take_back()  # (a budget's count of the micro-batch, which did not go in)
                 engine.batch_done()  # (the statistics of its forwards stay out)
-                self._abandon(step, skip, "An exception inside an `accumulate` block after its `step.backward`")
+                self._abandon(step, self._skipped(step), "An exception inside an `accumulate` block after its "
+                              "`step.backward`")  # fmt: skip
         if not step.passes:
             engine.take_back()
             engine.batch_done()  # (the statistics of its forwards stay out)
-            self._abandon(step, skip, "An `accumulate` block that made no `step.backward`", always=True)
+            self._abandon(step, self._skipped(step), "An `accumulate` block that made no `step.backward`", always=True)
             raise RuntimeError(
                 "The `accumulate` block made no `step.backward(loss)`: call it (not `loss.backward()` or "
                 "`fabric.backward`) for the micro-batch's loss, so that it is weighted into the window."
             )
+        final = self._final(step)  # (a budget's count over ranks, before the micro-batch is counted)
+        skip = self._skips_sync(final)
         engine.count(samples, step._items(samples))
         engine.backward_done()
         engine.batch_done()
@@ -316,6 +324,36 @@ class FabricAccumulator:
             self._step(step)
         elif engine.wants_prefix():  # the noise probe's prefix (`NoiseScale`, AdaScale): this rank's gradient
             engine.measure_prefix(gradients.grads_of(self.params), self._loss_scale())
+
+    def _final(self, step: FabricStep) -> bool:
+        """Whether the block's micro-batch closes the window (its ``k``-th, ``last=True``, or under a ``Budget`` its
+        count over ranks, read from the all-reduce issued as the block opened): decided once, where first needed."""
+        if isinstance(step._ends, tuple):
+            samples, last = step._ends
+            items = samples if step._counted is None else step._counted
+            step._ends = self._engine.closes_after(samples, items, self._ranks) or last
+        return step._ends
+
+    @contextlib.contextmanager
+    def _backward_sync(self, step: FabricStep) -> Iterator[None]:
+        """The block's gradient sync: under DDP skipped for the whole block (entered before its forward, as DDP
+        needs); under FSDP2 with the sync skipped, entered at the block's first ``step.backward``, once the window's
+        last micro-batch is known under a ``Budget`` (``_final``): its wait on the count then overlaps the block's
+        forward."""
+        if self._plan.family == "ddp" or not self._plan.skip or not self._engine.budgeted:
+            skip = self._skips_sync(self._plan.family != "ddp" and self._plan.skip and self._final(step))
+            with self.fabric.no_backward_sync(self.model, enabled=skip):
+                yield
+            return
+        with contextlib.ExitStack() as stack:
+            step._sync = stack
+            yield
+
+    def _skipped(self, step: FabricStep) -> bool:
+        """Whether the block's backward passes skipped the gradient sync (so far as they ran)."""
+        if self._plan.family == "ddp" or not self._plan.skip:
+            return self._skips_sync(False)
+        return isinstance(step._ends, bool) and self._skips_sync(step._ends)
 
     def _skips_sync(self, final: bool) -> bool:
         """Whether this micro-batch's backward skips the gradient collective: always under DDP (the window is
@@ -423,6 +461,10 @@ class FabricAccumulator:
             step._declared = items if step._declared is None else step._declared + items
         else:
             step._implicit += 1
+        if step._sync is not None:  # (FSDP2, the sync skipped: the window's last micro-batch reduce-scatters)
+            skip = self._skips_sync(self._final(step))
+            step._sync.enter_context(self.fabric.no_backward_sync(self.model, enabled=skip))
+            step._sync = None
         step.passes += 1
         # a mean over the micro-batch's items, counted once however many passes; a mean over no items (NaN) adds nothing
         weight = pass_items(items, self.reduction == "mean", step._counted)

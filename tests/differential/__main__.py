@@ -1,8 +1,9 @@
 """``python -m tests.differential --n 5000``: fuzz, print each divergence as one JSON line.
 
 ``--replay '<json>'`` (or ``--replay-file F``, one configuration a line) runs given configurations; ``--bf16`` keeps
-only the ``precision="bf16-true"`` draws (issue 51). The summary counts the outcomes by adapter, with the bf16 draws and
-those with ``grad_accum_dtype`` among them, and how many float32 ties the bf16 criterion met (``bf16_reference``).
+only the ``precision="bf16-true"`` draws (issue 51), ``--budget`` only the ``Budget`` draws (issue 52). The summary
+counts the outcomes by adapter, with the bf16 draws and those with ``grad_accum_dtype`` among them, and how many
+float32 ties the bf16 criterion met (``bf16_reference``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Fabric loops on 2 processes (DDP, FSDP2) to run besides (default: n / 50)")  # fmt: skip
     parser.add_argument("--bf16", action="store_true",
                         help="keep only the draws with precision='bf16-true' (n of them, drawn as usual)")  # fmt: skip
+    parser.add_argument("--budget", action="store_true",
+                        help="keep only the draws with a `Budget` schedule (n of them, drawn as usual)")  # fmt: skip
     args = parser.parse_args(argv)
     replayed = bool(args.replay or args.replay_file)
     if replayed:
@@ -40,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         configs = [Config.from_json(line) for line in lines if line.strip()]
     else:
         rng = random.Random(args.seed)
-        configs = _draw(lambda: generate(rng), args.n, args.bf16)
+        configs = _draw(lambda: generate(rng), args.n, args.bf16, args.budget)
         rng = random.Random(args.seed + 1)
-        configs += _draw(lambda: ranks_config(rng), args.n // 50 if args.ranks is None else args.ranks, args.bf16)
+        ranks = args.n // 50 if args.ranks is None else args.ranks
+        configs += _draw(lambda: ranks_config(rng), ranks, args.bf16, args.budget)
     shard, shards = map(int, args.shard.split("/"))
     configs = configs[shard::shards]
     start, failed = time.time(), 0
@@ -74,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _draw(draw: Callable[[], Config], n: int, bf16: bool) -> list[Config]:
-    """``n`` configurations drawn in turn (with ``bf16``, the first ``n`` of those with ``precision="bf16-true"``)."""
+def _draw(draw: Callable[[], Config], n: int, bf16: bool, budget: bool = False) -> list[Config]:
+    """``n`` configurations drawn in turn (with ``bf16``, the first ``n`` of those with ``precision="bf16-true"``;
+    with ``budget``, of those with a ``Budget``)."""
     out: list[Config] = []
     while len(out) < n:
         c = draw()
-        if c.bf16 or not bf16:
+        if (c.bf16 or not bf16) and (c.schedule["family"] == "budget" or not budget):
             out.append(c)
     return out
 

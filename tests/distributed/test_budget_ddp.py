@@ -1,10 +1,13 @@
 """``Budget`` under DDP: 2 forked gloo ranks whose micro-batches hold different token counts close the same
 windows, equal to the float64 reference over both ranks and to one process on the union of their micro-batches,
-with exactly one host collective (one integer, on the host) added per micro-batch."""
+and no rank waits on a collective of the budget inside a window (issue 52): the callback sums the counts read
+ahead from the loader, ``CHUNK`` batches per all-reduce, a chunk ahead; the mixin and ``FabricAccumulator`` issue
+each micro-batch's count as it opens and read it after its backward pass."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +24,8 @@ from test_fabric_fsdp2 import DATA as FSDP2_DATA
 from test_fabric_fsdp2 import SCATTERS, SHARDED_LAYERS, ForkedModelParallel
 from test_fabric_fsdp2 import train as fsdp2_train
 
-from lightning_accum import AccumulationScheduler, Budget
+from lightning_accum import AccumulationScheduler, Budget, FabricAccumulator
+from lightning_accum._core.ahead import CHUNK
 from lightning_accum._trainer import fit_checks
 
 from helpers import (
@@ -32,33 +36,96 @@ from helpers import (
     count_tokens,
     default_dtype,
     loader,
+    make_net,
     max_diff,
     rank_batches,
+    token_losses,
 )
 from helpers import trainer as make_trainer
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
-HOST_SUMS = [0]  # per process: the budget's all-reduces (one int64 on the host)
-ALL = [0]  # per process: every `torch.distributed.all_reduce`
+#: per process, what the package's collectives made this rank wait for: "waited", a collective the package
+#: waits on (blocking, or a non-blocking one read) before the backward pass of the micro-batch it went out in, in a
+#: micro-batch that does not open its window (a window opens where its ranks have just met, at the last one's end);
+#: "counts", the budget's count all-reduces (one int64 on the host each, or a chunk of them); "blocking", those
+#: waited on as they went out
+WAITS = {"waited": 0, "counts": 0, "blocking": 0, "microbatches": 0}
+NOW = {"microbatch": 0, "opens": True, "backward": False}  # the micro-batch under way
+
+
+def _from_the_package() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if f"{os.sep}lightning_accum{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _from(name: str) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+class _Work:
+    """A non-blocking collective's handle that notes where it is waited for."""
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.microbatch = work, NOW["microbatch"]
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if self.microbatch == NOW["microbatch"] and not NOW["backward"] and not NOW["opens"]:
+            WAITS["waited"] += 1  # (issued in this micro-batch, read before its backward: nothing overlapped it)
+        return self.work.wait(*args, **kwargs)
+
+
+def watch_collectives() -> None:
+    """In this forked rank only: ``torch.distributed.all_reduce`` and autograd's backward noted (``WAITS``)."""
+    all_reduce, backward = dist.all_reduce, torch.autograd.backward
+
+    def noting_all_reduce(tensor: torch.Tensor, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        ours = _from_the_package()
+        if ours and (_from("ask") or _from("_issue") or _from("host_sum")):  # (the budget's count)
+            assert tensor.device.type == "cpu" and tensor.dtype == torch.int64
+            WAITS["counts"] += 1
+            WAITS["blocking"] += not async_op
+        if ours and not async_op and not NOW["backward"] and not NOW["opens"]:
+            WAITS["waited"] += 1
+        work = all_reduce(tensor, *args, async_op=async_op, **kwargs)
+        return _Work(work) if ours and async_op else work
+
+    def noting_backward(*args: Any, **kwargs: Any) -> Any:
+        out = backward(*args, **kwargs)
+        NOW["backward"] = True
+        return out
+
+    dist.all_reduce, torch.autograd.backward = noting_all_reduce, noting_backward  # type: ignore[assignment]
+
+
+def microbatch_starts(opens: bool) -> None:
+    NOW.update(microbatch=NOW["microbatch"] + 1, opens=opens, backward=False)
+    WAITS["microbatches"] += 1
 
 
 class Report(pl.Callback):
+    """Listed first: marks each micro-batch's start before the package's hooks run."""
+
     def __init__(self, out: Path, recorder: KRecorder) -> None:
         self.out, self.recorder = out, recorder
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        original = dist.all_reduce
+        watch_collectives()
 
-        def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            ALL[0] += 1
-            if sys._getframe(1).f_code.co_name == "host_sum":  # (the budget's: one int64 on the host)
-                assert tensor.device.type == "cpu" and tensor.numel() == 1
-                HOST_SUMS[0] += 1
-            return original(tensor, *args, **kwargs)
-
-        dist.all_reduce = counting  # (in this forked rank only)
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        accum = next((cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)), None)  # type: ignore[attr-defined]
+        engines = [accum._engine] if accum is not None else pl_module._accumulation.windows.engines.values()  # type: ignore[union-attr]
+        microbatch_starts(opens=all(engine.window is None for engine in engines))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         accum = next((cb for cb in trainer.callbacks if isinstance(cb, AccumulationScheduler)), None)  # type: ignore[attr-defined]
@@ -66,8 +133,7 @@ class Report(pl.Callback):
         report = {
             "params": [p.detach().tolist() for p in pl_module.parameters()],
             "windows": self.recorder.windows,
-            "host_sums": HOST_SUMS[0],
-            "all": ALL[0],
+            "waits": WAITS,
             "progress": progress.__dict__,
         }
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
@@ -76,7 +142,7 @@ class Report(pl.Callback):
 def fit_ddp(tmp_path: Path, model: pl.LightningModule, callbacks: list[pl.Callback]) -> list[dict[str, Any]]:
     recorder = KRecorder()
     t = make_trainer(
-        callbacks=[*callbacks, recorder, Report(tmp_path, recorder)],
+        callbacks=[Report(tmp_path, recorder), *callbacks, recorder],
         devices=WORLD,
         strategy=DDPStrategy(start_method="fork", process_group_backend="gloo"),
         use_distributed_sampler=False,
@@ -116,7 +182,14 @@ def test_ranks_close_the_same_windows_as_one_process_on_the_union(tmp_path: Path
         assert max_diff([torch.tensor(p, dtype=torch.float64) for p in report["params"]], params) <= 1e-12
         if adapter == "callback":
             assert report["windows"] == sizes
-        assert report["host_sums"] == microbatches  # one host collective per micro-batch
+        waits = report["waits"]
+        assert waits["microbatches"] == microbatches
+        assert waits["waited"] == 0  # no collective waited on inside a window (each micro-batch's before: 16)
+        if adapter == "mixin":  # each micro-batch's count goes out as its block opens, read after its backward
+            assert waits["counts"] == microbatches and waits["blocking"] == 0
+        else:  # CHUNK batches' counts per all-reduce, read ahead (two chunks out at each epoch's start)
+            assert waits["counts"] == 2 * (-(-microbatches // 2 // CHUNK) + 1)
+            assert waits["blocking"] == 0
     assert reports[0]["progress"] == reports[1]["progress"]
     assert reports[0]["progress"]["step"] == len(sizes)
 
@@ -152,6 +225,42 @@ def test_fsdp2_in_a_fabric_loop_equals_the_reference(tmp_path: Path, monkeypatch
         assert scatters == SHARDED_LAYERS * len(sizes)
 
 
+def fabric_ranks(fabric: Fabric, out: Path) -> None:
+    """Two epochs of a user's loop under Fabric's DDP, each micro-batch's start marked (``microbatch_starts``)."""
+    torch.set_default_dtype(torch.float64)
+    watch_collectives()
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    options: dict[str, Any] = {"normalize": "items", "reduction": "sum", "count": count_tokens}
+    acc = FabricAccumulator(fabric, model, optimizer, Budget(50, unit="items"), **options)
+    batches = rank_batches(TokenData(64), 4, world=WORLD)[fabric.global_rank]
+    for epoch in range(2):
+        for batch in batches:
+            microbatch_starts(opens=acc._engine.window is None)
+            with acc.accumulate(batch, epoch=epoch) as step:
+                total, _ = token_losses(model, batch)
+                step.backward(total)
+        acc.flush()
+    report = {"params": [p.detach().tolist() for p in model.parameters()], "waits": WAITS, "steps": acc.progress.step}
+    (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
+
+
+def test_fabric_waits_on_no_collective_inside_a_window(tmp_path: Path) -> None:
+    """``FabricAccumulator`` under DDP: each block's count goes out as it opens and is read after its backward pass,
+    where the step is decided; the windows are the reference's."""
+    Fabric(accelerator="cpu", devices=WORLD, strategy="ddp_fork", precision="64-true").launch(fabric_ranks, tmp_path)
+    with default_dtype(torch.float64):  # (the ranks' model was made under float64 defaults)
+        data = [rank_batches(TokenData(64), 4, world=WORLD)] * 2
+        params, sizes, _ = reference(data, lambda p: 50, optimizer="plain-sgd")
+    assert len(set(sizes)) > 1
+    for rank in range(WORLD):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert max_diff([torch.tensor(p, dtype=torch.float64) for p in report["params"]], params) <= 1e-12
+        assert report["steps"] == len(sizes)
+        waits = report["waits"]
+        assert waits["microbatches"] == sum(sizes)
+        assert waits["waited"] == 0  # (each micro-batch's, before: 16)
+        assert waits["counts"] == sum(sizes) and waits["blocking"] == 0
 # ------------------------------------------------------------------ a rank whose data runs out first
 def recording(out: Path) -> Any:
     """``refuse_uneven_budget_data`` that writes, on each rank, what it raised and the steps taken (a rank runs in a

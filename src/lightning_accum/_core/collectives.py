@@ -68,12 +68,45 @@ def host_group() -> Any:
 
 def host_sum(strategy: Any, value: int) -> int:
     """A host integer summed over ranks: one small all-reduce on a gloo group (no device synchronisation), none
-    on a single process."""
+    on a single process. Blocking: the rank waits here for every other rank's value."""
     if world_size(strategy) == 1:
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=host_group())
     return int(tensor[0])
+
+
+class HostSum:
+    """Host integers summed over ranks without waiting for them: the all-reduce (one, of ``len(values)`` int64, on
+    the host's gloo group) is issued when this is made and waited for by ``result``, so that the rank's work in
+    between overlaps the other ranks' arrival. On a single process nothing is sent and ``result`` is ``values``.
+
+    Every rank must make the same ``HostSum`` s in the same order (as for any collective); one that is dropped
+    unread still completes, once every rank has issued it.
+
+    Example:
+
+        >>> HostSum(None, [3, 1]).result()
+        [3, 1]
+    """
+
+    __slots__ = ("_tensor", "_values", "_work")
+
+    def __init__(self, strategy: Any, values: Sequence[int]) -> None:
+        self._values: list[int] | None = None
+        self._work: Any = None
+        if world_size(strategy) == 1:
+            self._values, self._tensor = [int(v) for v in values], None
+            return
+        self._tensor = torch.tensor(list(values), dtype=torch.int64)
+        self._work = dist.all_reduce(self._tensor, op=dist.ReduceOp.SUM, group=host_group(), async_op=True)
+
+    def result(self) -> list[int]:
+        """The sums (waits for the collective the first time, if it has not completed)."""
+        if self._values is None:
+            self._work.wait()
+            self._values, self._work = [int(v) for v in self._tensor.tolist()], None  # type: ignore[union-attr]
+        return self._values
 
 
 def host_values(tensors: Sequence[Tensor]) -> list[float]:

@@ -145,6 +145,7 @@ class WindowEngine:
         self.closing: Closing | None = None  # set between `close` and `advance`
         self._warned_empty = False
         self._warned_device = False  # (a budget's device counts: warned once)
+        self._asked: collectives.HostSum | None = None  # a budget's count over ranks, issued by `ask`, unread
         #: the micro-batch under way: its counts once counted, and whether its backward pass finished
         self.inflight: tuple[int, int | Tensor] | None = None
         self.backward_finished = False
@@ -271,27 +272,42 @@ class WindowEngine:
         self.used_lrs = []
         return self.window
 
-    def closes_after(self, samples: int, items: int | Tensor, strategy: Any, *, again: bool = False) -> bool:
+    def ask(self, samples: int, items: int | Tensor, strategy: Any) -> None:
+        """Under a ``Budget``, as a micro-batch opens (``samples``, ``items``: its counts): its count's all-reduce
+        over ranks goes out without waiting for it (``collectives.HostSum``), and the ``closes_after`` that follows
+        reads it, after the micro-batch's work has overlapped the other ranks' arrival. Nothing without a budget."""
+        if self.budgeted:
+            self._asked = collectives.HostSum(strategy, [self.budget_count(samples, items)])
+
+    def closes_after(
+        self, samples: int, items: int | Tensor, strategy: Any, *, again: bool = False, total: int | None = None
+    ) -> bool:
         """Under a ``Budget``: whether the open window closes after the micro-batch about to go in (``samples``,
         ``items``: its counts, before ``count``), its budget reached over all ranks or ``max_k`` micro-batches in;
-        its count is added to the window's over ranks (one host all-reduce of one integer under several ranks, none
-        on one). ``again``: the micro-batch is in the window already (trained again after a resume): nothing is
-        added. Without a budget: whether it is the window's ``k``-th micro-batch."""
+        its count over ranks is added to the window's: ``total`` where it is known already (read ahead), else the
+        all-reduce ``ask`` issued for it, else one blocking host all-reduce of one integer (none on one process).
+        ``again``: the micro-batch is in the window already (trained again after a resume): nothing is added.
+        Without a budget: whether it is the window's ``k``-th micro-batch."""
         window = self.window
         assert window is not None
+        asked, self._asked = self._asked, None
         if window.budget is None:
             return window.microbatches + (not again) >= window.k
         if again:
             return window.ends
-        return window.reach(collectives.host_sum(strategy, self._budget_count(samples, items)))
+        if total is None:
+            total = asked.result()[0] if asked is not None else collectives.host_sum(
+                strategy, self.budget_count(samples, items)
+            )  # fmt: skip
+        return window.reach(total)
 
-    def _budget_count(self, samples: int, items: int | Tensor) -> int:
-        """A micro-batch's count in the budget's unit, on the host (a device count read: warned once)."""
+    def budget_count(self, samples: int, items: int | Tensor, *, warn: bool = True) -> int:
+        """A micro-batch's count in the budget's unit, on the host (a device count read: warned once, with ``warn``)."""
         if getattr(self.schedule, "unit", None) == "samples":
             return samples
         if not isinstance(items, Tensor):
             return items if type(items) is int and items >= 0 else check_item_count(items)
-        if items.device.type != "cpu" and not self._warned_device:
+        if items.device.type != "cpu" and warn and not self._warned_device:
             self._warned_device = True
             warnings.warn(
                 f"The budget {self.schedule!r} closes each window on its count over all ranks, so every micro-batch's "
@@ -341,7 +357,9 @@ class WindowEngine:
 
     def take_back(self) -> None:
         """Under a ``Budget``: the micro-batch asked about (``closes_after``) did not go in (an exception before it was
-        counted): its count leaves the window's, so that it counts once if it comes again."""
+        counted): its count leaves the window's, so that it counts once if it comes again (a count ``ask`` issued for
+        it that nobody read is dropped)."""
+        self._asked = None
         if self.window is not None:
             self.window.unreach()
 
@@ -639,7 +657,7 @@ class WindowEngine:
     def discard(self) -> None:
         """Forget the open window without stepping (nothing went in, or the loop stopped inside it):
         its losses and the noise probe's measurements of it too."""
-        self.window, self.closing, self.inflight, self.redo = None, None, None, None
+        self.window, self.closing, self.inflight, self.redo, self._asked = None, None, None, None, None
         self.metrics.clear()
         if self.wide is not None:
             self.wide.clear(self._scope)

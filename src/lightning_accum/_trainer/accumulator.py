@@ -33,18 +33,23 @@ class Accumulator:
             whether this micro-batch closes it).
         index: this micro-batch's position in the window (0-based).
         last: whether the window closes after this micro-batch (``k`` reached, a ``Budget`` reached, or epoch
-            end). Not whether it steps: a window of no items (``normalize="items"``) closes unstepped, and a window
-            whose epoch ends on batches that run no block of it is closed at the epoch's end, with no block to see
-            it. For one LR-scheduler step per optimizer step, step it in the model's ``on_window_end``.
+            end; under a ``Budget`` on several ranks, reading it inside the block waits for the micro-batch's count
+            over ranks, which the block otherwise reads at its end). Not whether it steps: a window of no items
+            (``normalize="items"``) closes unstepped, and a window whose epoch ends on batches that run no block of it
+            is closed at the epoch's end, with no block to see it. For one LR-scheduler step per optimizer step, step
+            it in the model's ``on_window_end``.
     """
 
     def __init__(self, block: Block, batch: Any, auto: AutoSize) -> None:
         self._block, self._batch, self._auto_size = block, batch, auto
         self.k = block.window.k
         self.index = block.window.microbatches
-        self.last = block.last
         self._open = True
         self._auto = 0  # `backward_microbatches(size="auto")` calls of this block
+
+    @property
+    def last(self) -> bool:
+        return self._block.last
 
     def _close(self) -> None:
         """The block exited: no more passes into this micro-batch (called by the mixin)."""

@@ -23,7 +23,8 @@ class Block:
     Attributes:
         key: the window group.
         engine, window: the group's engine and its open window.
-        last: whether the window closes after this micro-batch.
+        last: whether the window closes after this micro-batch (decided where first read: under a ``Budget``, from
+            the count's all-reduce issued as the block opened, which the block's work overlaps until then).
         redoing: the micro-batch is one a checkpoint already holds (trained again, it adds nothing).
         passes: backward passes made so far.
     """
@@ -34,7 +35,7 @@ class Block:
         key: GroupKey,
         window: Window,
         *,
-        last: bool,
+        last: Callable[[], bool],
         redoing: bool,
         counts: tuple[int, int | Tensor | None],
         plan: sync.SyncPlan,
@@ -42,12 +43,20 @@ class Block:
     ) -> None:
         self.windows, self.key = windows, key
         self.engine: WindowEngine = windows.engines[key]
-        self.window, self.last, self.redoing = window, last, redoing
+        self.window, self.redoing = window, redoing
+        self._last: bool | Callable[[], bool] = last  # (the decision, until it is made)
         self._samples, self._counted = counts  # (counted before the block's code ran)
         self._items: int | Tensor | None = None  # what `items=` declared
         self._implicit = False  # a call declared no `items=` (`count(batch)` counts the micro-batch's, once)
         self._plan, self._guards = plan, guards
         self.passes = 0
+
+    @property
+    def last(self) -> bool:
+        """Whether the window closes after this micro-batch (decided the first time it is read)."""
+        if not isinstance(self._last, bool):
+            self._last = self._last()
+        return self._last
 
     @property
     def module(self) -> Any:
@@ -122,6 +131,7 @@ class Block:
     # ------------------------------------------------------------------ the block's end
     def finish(self, loss_scale: Callable[[], float]) -> None:
         """Count a micro-batch that back-propagated into the window (and the noise probe's prefix)."""
+        last = self.last  # (decided before the micro-batch is counted: a budget's count over ranks goes in first)
         if not self.passes and not self.redoing:  # (its forwards ran: their BatchNorm statistics count all the same)
             self.engine.ran_without_backward()
         if self.redoing or not self.passes:  # (a micro-batch that back-propagated nothing does not count)
@@ -130,8 +140,8 @@ class Block:
         engine = self.engine
         engine.count(self._samples, self._item_count())
         engine.backward_done()
-        self.window.mark_synced(self.last)
-        if not self.last and engine.wants_prefix():
+        self.window.mark_synced(last)
+        if not last and engine.wants_prefix():
             engine.measure_prefix(gradients.grads_of(self.params()), loss_scale())
 
     def _item_count(self) -> int | Tensor:

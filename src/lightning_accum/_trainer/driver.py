@@ -216,10 +216,16 @@ class MixinDriver(Callback):
         else:
             count = self.config.count
             counts = sample_count(batch, engine.samples_needed_by), None if count is None else count(batch)
-        # (under a `Budget`, the block's count over ranks against the window's budget: `count(batch)`, or its samples)
+        # (under a `Budget`, the block's count over ranks against the window's budget: `count(batch)`, or its samples;
+        # its all-reduce goes out now, and is read where the block first needs the window's end: `Block.last`)
         items = counts[0] if counts[1] is None else counts[1]
-        last = engine.closes_after(counts[0], items, trainer.strategy, again=redoing)
-        last = last or _seam.epoch_ends_after_this_batch(trainer)
+        if not redoing:
+            engine.ask(counts[0], items, trainer.strategy)
+        strategy, epoch_ends = trainer.strategy, _seam.epoch_ends_after_this_batch(trainer)
+
+        def last() -> bool:
+            return engine.closes_after(counts[0], items, strategy, again=redoing) or epoch_ends
+
         watched = [] if len(key) == len(windows.optimizers()) or self.plan.sharded else windows.params()
         self.guards.block_opened(key, lambda: windows.params(key), watched, self._parameter_names)
         self._block = Block(

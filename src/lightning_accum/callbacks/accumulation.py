@@ -38,6 +38,7 @@ from lightning_accum._core.window import Normalize, check_count, lightning_divis
 from lightning_accum._lightning import Callback, grad_scaler, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum._trainer import fit_checks, recovery, reporting, steps
+from lightning_accum._trainer.ahead import BudgetAhead
 from lightning_accum._trainer.pieces import Fit, Pieces
 from lightning_accum.callbacks.decay import GradientDecay
 from lightning_accum.lr import LRMultiplier
@@ -157,6 +158,7 @@ class AccumulationScheduler(Callback):
             self.schedule, normalize, lr_scaling, lr_schedule, self.reduction, grad_accum_dtype=self.grad_accum_dtype
         )
         self._budget = isinstance(self.schedule, Budget)  # windows closed by their count (`_steer_budget`)
+        self._ahead = BudgetAhead()  # a budget's counts over ranks, read ahead from the loader
         # `batchnorm="window"`: the model's BatchNorm statistics, advanced by the engine with each window
         self._batchnorm = WindowBatchNorm() if batchnorm == "window" else None
         self._engine.pool_batchnorm(self._batchnorm)
@@ -299,6 +301,8 @@ class AccumulationScheduler(Callback):
             self._attach_pieces(trainer, pl_module)
         else:
             self._unroute = _seam.route_training_step(pl_module, functools.partial(self._routed(), trainer))
+        if self._budget:
+            self._ahead.start(trainer)
 
     def _attach_pieces(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``microbatch_size``: Lightning's ``training_step`` calls go to the pieces until the fit ends."""
@@ -362,6 +366,7 @@ class AccumulationScheduler(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._teardown(trainer)
+        self._ahead.stop()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -387,6 +392,9 @@ class AccumulationScheduler(Callback):
         optimizer = self._optimizer
         self._teardown(trainer)
         self._optimizer = optimizer
+        # (the loader's state as without the reading ahead stays for the checkpoint callbacks' `on_exception` after
+        # this one; the counts read ahead go)
+        self._ahead.forget()
 
     def _settle_pieces(self, trainer: pl.Trainer) -> tuple[bool, bool]:
         """After an exception with ``microbatch_size``: whether a piece's backward was cut short (part of it is
@@ -457,12 +465,7 @@ class AccumulationScheduler(Callback):
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
         self._redoing = engine.redo is not None and engine.redo == (trainer.current_epoch, batch_idx)
         # counted now, before `training_step` can change the batch (e.g. `labels = batch.pop("labels")`)
-        if self.split is not None and self._split is not None:  # (the samples are the rows of what is cut)
-            samples = self._split.length(batch)
-        else:
-            samples = sample_count(batch, engine.samples_needed_by)
-        # (a count that is no one number is refused now, before any forward: a tensor's shape needs no host read)
-        self._counts = (samples, samples if self.count is None else check_count(self.count(batch)))
+        self._counts = self._count(batch)
         self._batch_idx = batch_idx
         if self._budget:  # (before Lightning decides, after this hook, whether the batch steps)
             self._steer_budget(trainer, batch_idx)
@@ -487,6 +490,15 @@ class AccumulationScheduler(Callback):
                 factor=self._loss_factor,
             )
 
+    def _count(self, batch: Any) -> tuple[int, int | Tensor]:
+        """A batch's samples and items (a count that is no one number is refused now, before any forward: a tensor's
+        shape needs no host read)."""
+        if self.split is not None and self._split is not None:  # (the samples are the rows of what is cut)
+            samples = self._split.length(batch)
+        else:
+            samples = sample_count(batch, self._engine.samples_needed_by)
+        return samples, samples if self.count is None else check_count(self.count(batch))
+
     def _steer_budget(self, trainer: pl.Trainer, batch_idx: int) -> None:
         """Under a ``Budget``: whether this batch closes the window (its count summed over ranks, against the budget
         the window opened with), and Lightning's step point set to match: ``accumulate_grad_batches`` is
@@ -495,7 +507,16 @@ class AccumulationScheduler(Callback):
         engine = self._engine
         window = engine.window
         assert window is not None
-        closes = engine.closes_after(*self._counts, self._strategy, again=self._redoing)
+        total = None
+        if not self._redoing:  # (its count over ranks read ahead: no meeting of the ranks here, `BudgetAhead`)
+            total = self._ahead.total(
+                trainer,
+                batch_idx,
+                lambda: engine.budget_count(*self._counts, warn=False),
+                lambda batch: engine.budget_count(*self._count(batch)),
+            )
+            self._ahead.check(batch_idx, *self._counts, engine.schedule.unit == "samples")
+        closes = engine.closes_after(*self._counts, self._strategy, again=self._redoing, total=total)
         divisor = batch_idx + 1 if closes else batch_idx + 2
         if divisor != self._divisor:
             set_divisor(trainer, divisor)
