@@ -14,6 +14,11 @@ none of them (``lightning_accum._trainer.reporting.Readers``); the ``monitor`` r
 window's loss is read and published, as in most training runs.
 
     python benchmarks/overhead.py [--batches 600] [--repeats 30] [--k 4]
+
+``--against DIR``: another version's package (``git archive REV src/lightning_accum | tar -x -C /tmp/REV``, then
+``--against /tmp/REV/src/lightning_accum``), imported under another name and timed beside this one in the same
+process, in interleaved rounds: the time inside each version's hooks per micro-batch (the timing floor taken off),
+and each version's loop against the built-in, the medians and the best of the rounds; with the load average.
 """
 
 from __future__ import annotations
@@ -185,18 +190,92 @@ def timing_floor(data: DataLoader[Any], k: int, batches: int, rounds: int = 5) -
     return min(inside)
 
 
+def load_against(path: Path) -> Any:
+    """Another version of the package (its ``lightning_accum`` directory), copied under the name
+    ``lightning_accum_against`` with its own imports renamed, and imported."""
+    import importlib
+    import shutil
+    import sys
+    import tempfile
+
+    root = Path(tempfile.mkdtemp())
+    target = root / "lightning_accum_against"
+    shutil.copytree(path, target)
+    for file in target.rglob("*.py"):
+        file.write_text(file.read_text().replace("lightning_accum", "lightning_accum_against"))
+    sys.path.insert(0, str(root))
+    return importlib.import_module("lightning_accum_against")
+
+
+def against(path: Path, args: argparse.Namespace, data: DataLoader[Any]) -> dict[str, Any]:
+    """This version and the one at ``path`` in place, interleaved: microseconds inside the hooks per micro-batch,
+    and each loop's time over the built-in's (and the empty callback's), ``log=True``, nobody reading."""
+    import os
+
+    other = load_against(path)
+
+    class TimedOther(TimedHooks, other.AccumulationScheduler):  # type: ignore[misc, name-defined]
+        inside = 0.0
+
+    timed: dict[str, Any] = {"this": TimedAccumulationScheduler, "against": TimedOther}
+    plain: dict[str, Any] = {"this": AccumulationScheduler, "against": other.AccumulationScheduler}
+    hooks: dict[str, list[float]] = {"this": [], "against": [], "floor": []}
+    loops: dict[str, list[float]] = {"built-in": [], "empty": [], "this": [], "against": []}
+    load = os.getloadavg()
+    for repeat in range(args.repeats + 1):  # (the first round a warm-up)
+        order = ["this", "against"] if repeat % 2 else ["against", "this"]
+        round_loops = {"built-in": timed_epoch(TinyMLP(), data, [], accumulate_grad_batches=args.k)}
+        round_loops["empty"] = timed_epoch(TinyMLP(), data, [EmptyCallback()], accumulate_grad_batches=args.k)
+        TimedEmptyCallback.inside = 0.0
+        timed_epoch(TinyMLP(), data, [TimedEmptyCallback()], accumulate_grad_batches=args.k)
+        floor = TimedEmptyCallback.inside / args.batches * 1e6
+        round_hooks = {"floor": floor}
+        for name in order:
+            timed[name].inside = 0.0
+            timed_epoch(TinyMLP(), data, [timed[name](args.k, log=True)], accumulate_grad_batches=1)
+            round_hooks[name] = timed[name].inside / args.batches * 1e6 - floor
+            round_loops[name] = timed_epoch(TinyMLP(), data, [plain[name](args.k, log=True)], accumulate_grad_batches=1)
+        if repeat:
+            for name, value in round_hooks.items():
+                hooks[name].append(value)
+            for name, value in round_loops.items():
+                loops[name].append(value)
+    out: dict[str, Any] = {
+        "against": str(path),
+        "rounds": args.repeats,
+        "load_before": load,
+        "load_after": os.getloadavg(),
+    }
+    for name in ("this", "against"):
+        out[f"hooks_us_{name}_median"] = statistics.median(hooks[name])
+        out[f"hooks_us_{name}_best"] = min(hooks[name])
+    out["hooks_ratio_this_over_against_median"] = statistics.median(
+        t / a for t, a in zip(hooks["this"], hooks["against"], strict=True)
+    )
+    out["timing_floor_us_median"] = statistics.median(hooks["floor"])
+    for name in ("empty", "this", "against"):
+        ratios = [v / b for v, b in zip(loops[name], loops["built-in"], strict=True)]
+        out[f"loop_{name}_over_builtin_median"] = statistics.median(ratios)
+        out[f"loop_{name}_over_builtin_best"] = min(loops[name]) / min(loops["built-in"])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=600)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--json", type=Path, default=Path(__file__).with_name("overhead.json"))
+    parser.add_argument("--against", type=Path, default=None, help="another version's src/lightning_accum")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(args.batches * 8, 16, generator=g), torch.randn(args.batches * 8, 1, generator=g)
     data = DataLoader(TensorDataset(x, y), batch_size=8)
+    if args.against is not None:
+        print(json.dumps(against(args.against, args, data), indent=2))
+        return
 
     variants: dict[str, dict[str, bool]] = {
         "built-in accumulate_grad_batches": {"ours": False},

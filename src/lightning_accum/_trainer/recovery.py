@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_accum import _seam
 from lightning_accum._core.engine import WindowEngine
+from lightning_accum._lightning import Callback as _Callback
 
 
 def where(trainer: Any, exception: BaseException) -> tuple[bool, bool]:
@@ -55,6 +56,37 @@ def abandon(engine: WindowEngine, what: str) -> None:
             "step to continue exactly.",
             stacklevel=3,
         )
+
+
+def pass_end_may_raise(trainer: Any, callback: Any) -> bool:
+    """Whether anything can raise between the end of a loss's backward pass and ``callback``'s
+    ``on_after_backward``, leaving the batch's whole gradient in ``.grad`` with no hook of the callback's told (so
+    that autograd must mark the pass's end, ``_seam.at_pass_end``): a callback Lightning calls before it with its
+    own ``on_after_backward``, a ``LightningModule.backward`` of the user's (code after ``loss.backward()``), or a
+    strategy or precision plugin whose backward is not Lightning's own plain one."""
+    module = trainer.lightning_module
+    return (
+        before_with_own(trainer.callbacks, callback, "on_after_backward")
+        or not _lightnings(type(module).backward)
+        or not _lightnings(type(trainer.precision_plugin).backward, type(trainer.precision_plugin).post_backward)
+        or not _lightnings(type(trainer.strategy).backward, type(trainer.strategy).post_backward)
+        or "deepspeed" in type(trainer.strategy).__name__.lower()
+    )
+
+
+def before_with_own(callbacks: list[Any], callback: Any, hook: str) -> bool:
+    """Whether a callback listed before ``callback`` has its own ``hook`` (Lightning calls it first)."""
+    for other in callbacks:
+        if other is callback:
+            return False
+        if getattr(type(other), hook, None) is not getattr(_Callback, hook):
+            return True
+    return False
+
+
+def _lightnings(*methods: Any) -> bool:
+    """Whether every one of ``methods`` is defined by Lightning itself."""
+    return all(getattr(m, "__module__", "").startswith(("lightning.pytorch.", "pytorch_lightning.")) for m in methods)
 
 
 def raised_in_backward(error: BaseException) -> bool:

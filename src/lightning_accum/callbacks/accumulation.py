@@ -265,7 +265,6 @@ class AccumulationScheduler(Callback):
         self._optimizer, self._strategy, self._fitting = trainer.optimizers[0], trainer.strategy, None
         for decay in (cb for cb in trainer.callbacks if isinstance(cb, GradientDecay)):  # type: ignore[attr-defined]
             decay.keep_wide(self._wide())  # (before its own train start: it comes after this callback)
-        self._pass_hook = _seam.at_pass_end(self._engine.pass_ended)
         self._counters = _seam.LoopCounters(trainer)
         numbers = self._partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
@@ -273,7 +272,24 @@ class AccumulationScheduler(Callback):
         self._frequencies = _seam.SchedulerFrequencies(trainer)
         self._trained = False  # whether this fit trained a batch yet
         self._lean = False
-        self._plain = (
+        self._plain = self._is_plain()
+        self._pass_hook = self._pass_mark(trainer)
+        steps.warn_scheduler_horizons(trainer)
+        fit_checks.refuse_uneven_budget_data(trainer, self.schedule, "AccumulationScheduler")
+        self._find_readers(trainer)
+        self._reported.restore(trainer)
+        if self.lr_scaling is not None or self.lr_schedule is not None:
+            self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
+        if self._split is not None:
+            self._attach_pieces(trainer, pl_module)
+        else:
+            self._unroute = _seam.route_training_step(pl_module, functools.partial(self._routed(), trainer))
+        if self._budget:
+            self._ahead.start(trainer)
+
+    def _is_plain(self) -> bool:
+        """Whether the fit's micro-batches are counted and nothing else (the hooks' short path, ``_lean``)."""
+        return (
             not self._budget  # (each batch of a budget's window asks whether it closes it)
             and self._split is None
             and not (self._deepspeed or self._sharded)
@@ -281,8 +297,20 @@ class AccumulationScheduler(Callback):
             and self._engine.probe is None
             and self.grad_accum_dtype is None  # (the parameters it sums in float32 may change at a window's opening)
         )
-        steps.warn_scheduler_horizons(trainer)
-        fit_checks.refuse_uneven_budget_data(trainer, self.schedule, "AccumulationScheduler")
+
+    def _pass_mark(self, trainer: pl.Trainer) -> Any:
+        """The pre-hook put on each counted loss's ``grad_fn`` by which autograd marks its backward pass's end
+        (``_seam.at_pass_end``), where something can raise between that end and this callback's
+        ``on_after_backward`` (``recovery.pass_end_may_raise``); ``None`` where nothing can: there
+        ``on_after_backward`` marks it (a closure made at train start, so that the callback pickles for spawned
+        ranks)."""
+        if not recovery.pass_end_may_raise(trainer, self):
+            return None
+        return _seam.at_pass_end(self._engine.pass_ended)
+
+    def _find_readers(self, trainer: pl.Trainer) -> None:
+        """Who reads the windows' numbers (``reporting.Readers``), with a warning for a reader Lightning calls
+        before this callback at a batch's end; the engine keeps each loss only where someone reads them."""
         self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
         self._behind = None
         early = reporting.readers_before(trainer, self) if self._log else []
@@ -293,16 +321,7 @@ class AccumulationScheduler(Callback):
                 "before it in `trainer.callback_metrics`. List AccumulationScheduler before them, or read each "
                 "window in `on_window_end(trainer, pl_module, window)`."
             )
-        self._engine.start_fit(self._plan, track=self._readers.any)  # (losses kept only where someone reads them)
-        self._reported.restore(trainer)
-        if self.lr_scaling is not None or self.lr_schedule is not None:
-            self._lr_hook = self._optimizer.register_step_post_hook(lambda *_: self._engine.restore_lr())
-        if self._split is not None:
-            self._attach_pieces(trainer, pl_module)
-        else:
-            self._unroute = _seam.route_training_step(pl_module, functools.partial(self._routed(), trainer))
-        if self._budget:
-            self._ahead.start(trainer)
+        self._engine.start_fit(self._plan, track=self._readers.any)
 
     def _attach_pieces(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``microbatch_size``: Lightning's ``training_step`` calls go to the pieces until the fit ends."""
@@ -441,25 +460,21 @@ class AccumulationScheduler(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        engine = self._engine
-        if self._lean and engine.window is not None:  # (a plain window's next batch: counted, nothing else)
-            samples = sample_count(batch, engine.samples_needed_by)
+        if self._lean:  # (a plain window's next batch: counted, nothing else; cleared as a window ends)
+            samples = sample_count(batch, self._engine.samples_needed_by)
             self._counts = (samples, samples if self.count is None else self.count(batch))
             self._batch_idx = batch_idx
             if self._batchnorm is not None:  # (its forwards pooled till its backward ends, or the batch does)
                 self._batchnorm.arm()
             return
-        self._lean = False
+        engine = self._engine
         if not self._trained:  # (the first batch after a resume: where Lightning's counters go off)
             _seam.keep_progress_consistent(trainer)
             self._trained = True
         if engine.window is None:
-            if _seam.backward_skipped(trainer):
-                if self._split is not None:
-                    self._split.begin_forward_only()
-                if self._batchnorm is not None:  # (its forwards update BatchNorm themselves)
-                    self._batchnorm.suspend()
-                return  # e.g. StochasticWeightAveraging's BatchNorm epoch: no backward, Lightning's own stepping
+            if _seam.backward_skipped(trainer):  # e.g. StochasticWeightAveraging's BatchNorm epoch
+                self._forward_only()
+                return
             self._open(trainer, batch_idx)
         engine.batch_start()  # (`batchnorm="window"`: its forwards pooled till its backward ends, or the batch does)
         # a batch whose gradient a checkpoint already holds (saved by an exception after its backward) adds nothing
@@ -469,26 +484,34 @@ class AccumulationScheduler(Callback):
         self._batch_idx = batch_idx
         if self._budget:  # (before Lightning decides, after this hook, whether the batch steps)
             self._steer_budget(trainer, batch_idx)
-        # what the short hooks leave out: a resumed window's gradient to put back, a batch trained again, a factor
-        self._lean = (
-            self._plain
-            and self._loss_factor == 1.0
-            and self._loss_divisor == self._divisor  # (else Lightning's divisor goes back in `on_before_backward`)
-            and engine.redo is None
-            and not self._partial.pending
+        self._lean = takes_short_hooks(
+            self._plain, self._loss_factor, self._loss_divisor, self._divisor, engine.redo, self._partial.pending
         )
         if self._deepspeed:
             sync.deepspeed_boundary(trainer.strategy, self._closes_window(trainer))
         if self._split is not None:
-            self._split.begin(
-                (trainer.current_epoch, batch_idx),
-                self._counts[1],
-                final=self._closes_window(trainer),
-                zeroes_after=_seam.zeroes_after_training_step(trainer, batch_idx),
-                redoing=self._redoing,
-                divisor=self._loss_divisor,
-                factor=self._loss_factor,
-            )
+            self._begin_pieces(trainer, batch_idx)
+
+    def _forward_only(self) -> None:
+        """A batch of an epoch whose backward Lightning skips (``StochasticWeightAveraging``'s BatchNorm epoch): no
+        window, Lightning's own stepping; its forwards update BatchNorm themselves."""
+        if self._split is not None:
+            self._split.begin_forward_only()
+        if self._batchnorm is not None:
+            self._batchnorm.suspend()
+
+    def _begin_pieces(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        """``microbatch_size``: the loader batch's pieces, told what the window and Lightning do with it."""
+        assert self._split is not None
+        self._split.begin(
+            (trainer.current_epoch, batch_idx),
+            self._counts[1],
+            final=self._closes_window(trainer),
+            zeroes_after=_seam.zeroes_after_training_step(trainer, batch_idx),
+            redoing=self._redoing,
+            divisor=self._loss_divisor,
+            factor=self._loss_factor,
+        )
 
     def _count(self, batch: Any) -> tuple[int, int | Tensor]:
         """A batch's samples and items (a count that is no one number is refused now, before any forward: a tensor's
@@ -561,7 +584,7 @@ class AccumulationScheduler(Callback):
         if self._lean:  # (what the long path below comes to for a plain batch)
             samples, items = self._counts
             self._engine.count(samples, items)
-            if (node := loss.grad_fn) is not None:  # (`_pass_hook`)
+            if self._pass_hook and (node := loss.grad_fn) is not None:
                 node.register_prehook(self._pass_hook)
             if self._engine.metrics.tracking:
                 self._engine.metrics.add_loss(loss, factor=self._loss_divisor)
@@ -569,14 +592,31 @@ class AccumulationScheduler(Callback):
         if self._dividing is not None:  # (Lightning read it: its stepping divisor back, before its next read)
             set_divisor(self._dividing, self._divisor)
             self._dividing = None
-        engine, window = self._engine, self._engine.window
-        if window is None:
+        engine = self._engine
+        if engine.window is None:
             return
         if self._split is not None and not self._split.whole:
             self._count_pieces(trainer, loss)
             return
         if self._partial.pending:  # (after any zeroing of this batch)
             self._put_back()
+        if not self._shape_pass(trainer, loss):
+            return  # (a batch trained again: in the window already)
+        engine.count(*self._counts)
+        # autograd marks the pass's end: a callback listed before this one that raises in `on_after_backward` leaves
+        # the batch's gradient in `.grad`, and the batch in the window (trained again, it adds nothing)
+        if (hook := self._pass_hook) is not None and (node := loss.grad_fn) is not None:
+            node.register_prehook(hook)
+        self._prefix_due = engine.probe is not None
+        if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by k)
+            mean = self.reduction == "mean"
+            engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._loss_divisor)
+
+    def _shape_pass(self, trainer: pl.Trainer, loss: Tensor) -> bool:
+        """What holds for the batch's backward pass (in ``_pass``, till its end): nothing added where the batch is in
+        the window already (returns ``False``: it is not counted) or is a mean over no items; its loss's gradient
+        weighted; FSDP's sync skipped unless the batch closes the window."""
+        engine = self._engine
         mean = self.reduction == "mean"  # a mean over the micro-batch's items: weighted by their count
         # in the window already, or a mean over no items (NaN): the pass adds nothing (for a tensor count,
         # decided on the device)
@@ -587,7 +627,7 @@ class AccumulationScheduler(Callback):
                 self._pass.callback(handle.remove)
             self._holding = True
             if self._redoing:
-                return
+                return False
         if mean or self._loss_factor != 1.0:  # (the hot path of an aligned window: nothing to scale)
             factor = self._loss_factor * self._counts[1] if mean else self._loss_factor
             if engine.widened:  # (`grad_accum_dtype`: weighted in the wide dtype as each gradient is taken)
@@ -596,18 +636,12 @@ class AccumulationScheduler(Callback):
             else:
                 sync.scale_backward(loss, factor)
         if self._sharded:  # FSDP reads its sync flag in backward: skip it unless this batch closes the window
+            assert engine.window is not None
             final = self._closes_window(trainer)
             self._pass.enter_context(sync.skip_sync(engine.plan, trainer.strategy, final))
             self._holding = True
-            window.mark_synced(final)
-        engine.count(*self._counts)
-        # autograd marks the pass's end: a callback listed before this one that raises in `on_after_backward` leaves
-        # the batch's gradient in `.grad`, and the batch in the window (trained again, it adds nothing)
-        if (node := loss.grad_fn) is not None:
-            node.register_prehook(self._pass_hook)
-        self._prefix_due = engine.probe is not None
-        if engine.metrics.tracking:  # the loss as `training_step` returned it (Lightning divided it by k)
-            engine.metrics.add_loss(weigh(loss, self._counts[1]) if mean else loss, factor=self._loss_divisor)
+            engine.window.mark_synced(final)
+        return True
 
     def _count_pieces(self, trainer: pl.Trainer, loss: Tensor) -> None:
         """``microbatch_size``: the pieces' backward passes ran in ``training_step``; Lightning's, of ``loss``, adds
@@ -675,40 +709,55 @@ class AccumulationScheduler(Callback):
             if _seam.backward_skipped(trainer):  # SWA's BatchNorm epoch: Lightning would step with a stale gradient
                 self._move_nothing(trainer, optimizer)
             return
-        deepspeed = self._deepspeed
-        if deepspeed and not self._closes_window(trainer):
+        if self._deepspeed and not self._closes_window(trainer):
             return  # Lightning calls DeepSpeed's `engine.step()` after every batch; it steps at the boundary only
         if self._partial.pending:  # (where the window's batches since the resume ran no backward: `None` losses)
             self._put_back()
         step = self._counters.steps.completed + 1  # (the step this window makes, as the loggers and `max_steps` count)
         # (only where nobody reads every window does it matter whether this one is the epoch's or the fit's last)
         last = self._readers.asks_last and self._counters.last_window(step, self._batch_idx)
-        self._wants = wants = self._readers.wants(step, last)
-        if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
-            assert engine.closing is not None
-            closing = engine.closing
-        elif self._reduces:  # (the window's last batch ran no backward: its gradient is all-reduced here)
-            closing = engine.close_and_reduce(trainer.strategy, gradients.optimizer_params(optimizer))
-            self._closed = True
-        else:  # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
-            # (where it is read; not DeepSpeed's, which holds its own, nor a shard's, whose norm is not the window's)
-            measured = (wants.norm or engine.probe is not None) and not (deepspeed or self._sharded)
-            grads = gradients.optimizer_grads(optimizer) if measured else None
-            closing = engine.close(self._strategy, grads=grads, losses=wants.losses, norm=wants.norm)
+        self._wants = self._readers.wants(step, last)
+        closing = self._close(trainer, optimizer)
         if closing.empty:  # nothing went in: leave the parameters and the optimizer's state as they are
             self._move_nothing(trainer, optimizer)
         # (under DeepSpeed each micro-batch was weighted before its backward)
-        elif not deepspeed and (closing.scale != 1.0 or engine.probe is not None or self._closed or engine.widened):
-            grads = gradients.optimizer_grads(optimizer)
-            gradients.scale_(grads, closing.scale)
-            if engine.widened:  # (the narrow parameters' sums, normalised and rounded once, into `.grad` beside)
-                engine.land(closing.scale)
-                grads = gradients.optimizer_grads(optimizer)
-            engine.measure_window(trainer.strategy, grads)
-            if self._closed and closing.norm_sq is None and wants.norm:
-                engine.metrics.add_grad_norm(grads)
+        elif not self._deepspeed and (
+            closing.scale != 1.0 or engine.probe is not None or self._closed or engine.widened
+        ):
+            self._rescale(trainer, optimizer, closing)
         engine.scale_lr(optimizer, keep=self._log)  # (the rates stepped with, for a report: any window may be one)
-        self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
+        if self._frequencies.saved:  # (step-interval schedulers: Lightning steps them where this window steps)
+            self._frequencies.before_step(engine.progress.step + 1, self._batch_idx, stepped=not closing.empty)
+
+    def _close(self, trainer: pl.Trainer, optimizer: Optimizer) -> Any:
+        """The window's closing (``WindowEngine.close``): its counts over ranks read, its gradient's scale and LR
+        factor, and its numbers for the readers (``_wants``)."""
+        engine, wants = self._engine, self._wants
+        if self._closed:  # (closed and all-reduced after the window's last backward: `microbatch_size` under DDP)
+            assert engine.closing is not None
+            return engine.closing
+        if self._reduces:  # (the window's last batch ran no backward: its gradient is all-reduced here)
+            self._closed = True
+            return engine.close_and_reduce(trainer.strategy, gradients.optimizer_params(optimizer))
+        # the gradient is the window's (and global) but for its scale: its norm is measured in the counts' read
+        # (where it is read; not DeepSpeed's, which holds its own, nor a shard's, whose norm is not the window's)
+        measured = (wants.norm or engine.probe is not None) and not (self._deepspeed or self._sharded)
+        grads = gradients.optimizer_grads(optimizer) if measured else None
+        return engine.close(self._strategy, grads=grads, losses=wants.losses, norm=wants.norm)
+
+    def _rescale(self, trainer: pl.Trainer, optimizer: Optimizer, closing: Any) -> None:
+        """The window's gradient scaled for its step (``grad_accum_dtype``: the wide sums landed in ``.grad``), and
+        measured where the noise probe or a reader asks."""
+        engine = self._engine
+        grads = gradients.optimizer_grads(optimizer)
+        gradients.scale_(grads, closing.scale)
+        if engine.widened:  # (the narrow parameters' sums, normalised and rounded once, into `.grad` beside)
+            engine.land(closing.scale)
+            grads = gradients.optimizer_grads(optimizer)
+        if engine.probe is not None:  # (the noise probe's window end)
+            engine.measure_window(trainer.strategy, grads)
+        if self._closed and closing.norm_sq is None and self._wants.norm:
+            engine.metrics.add_grad_norm(grads)
 
     def _put_back(self) -> list[Tensor | None] | None:
         """Resumed inside a window: its partial gradient into `.grad`, once, at the first backward pass or step
@@ -746,8 +795,28 @@ class AccumulationScheduler(Callback):
         engine.batch_done()
         if self._lean and engine.closing is None:
             return
-        if engine.widened:  # Lightning divided the loss by the power of two at or above k: `outputs` gets it over k
-            _over_k(outputs, engine.window)
+        if not self._lean or self._holding or self._uncount:  # (a short batch's only leftover: a step moving nothing)
+            self._batch_over(trainer, outputs)
+        if engine.closing is None:
+            return
+        self._lean = False  # (the window's next batch opens one)
+        if self._split is not None:
+            self._split.forget_window()  # (the batches kept to redo it after an out-of-memory error)
+        if self._lr_hook is not None:  # (else no rate was scaled)
+            engine.restore_lr()  # normally done by the optimizer's post-step hook already
+        closing = engine.advance(trainer.current_epoch)
+        if closing.empty:
+            return
+        if self._wants is reporting.NOTHING:  # (nothing read: the window kept, in case the fit stops after it)
+            self._behind = closing if self._log else None
+            return
+        self._publish(trainer, pl_module, closing)
+
+    def _batch_over(self, trainer: pl.Trainer, outputs: Any) -> None:
+        """What held for the batch ends: the loss in ``outputs`` as Lightning's, clipping back on, the pieces done,
+        and a step that moved nothing uncounted."""
+        if self._engine.widened:  # Lightning divided the loss by the power of two at or above k: `outputs` over k
+            _over_k(outputs, self._engine.window)
         if self._holding:  # (after a step that moved nothing: clipping back on)
             self._release()
         self._closed = False
@@ -757,20 +826,19 @@ class AccumulationScheduler(Callback):
         if self._uncount:  # Lightning counted the step that moved nothing
             _seam.uncount_step(trainer)
             self._uncount = False
-        if engine.closing is None:
-            return
-        if self._split is not None:
-            self._split.forget_window()  # (the batches kept to redo it after an out-of-memory error)
-        if self._lr_hook is not None:  # (else no rate was scaled)
-            engine.restore_lr()  # normally done by the optimizer's post-step hook already
-        closing = engine.advance(trainer.current_epoch)
-        if closing.empty:
-            return
+
+    def _publish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, closing: Any) -> None:
+        """The stepped window's numbers to those who read them (``_wants``): ``callback_metrics`` and the loggers,
+        the ``on_window_end`` hooks, or the progress bar's ``k`` and loss."""
         wants = self._wants
         # (a window not published whole, kept till the next: if the fit stops after it, it is published then)
         self._behind = None if (wants.publish and wants.keys is None) or not self._log else closing
         if wants.publish or wants.hooks:
-            window = self._report(trainer, closing)
+            size = None if self._split is None else self._split.used
+            configs = trainer.lr_scheduler_configs
+            window = reporting.report(
+                trainer.optimizers, self._engine, closing, microbatch_size=size, schedulers=configs
+            )
             if wants.publish:
                 self._reported.publish(trainer, window, wants=wants)
             reporting.announce(self._readers.hooks, trainer, pl_module, window)
@@ -796,6 +864,7 @@ class AccumulationScheduler(Callback):
             _seam.step_plateau_after_resume(trainer)
         if self._engine.window is not None and self._engine.closing is None:
             # the loop was stopped inside a window (e.g. `trainer.should_stop`): nothing was stepped
+            self._lean = False  # (the next batch opens a window)
             self._engine.discard()
             self._partial.forget()  # (nor is a resumed part of it put back into the next window)
 
@@ -844,3 +913,13 @@ def _over_k(outputs: Any, window: Any) -> None:
     loss = outputs.get("loss") if isinstance(outputs, dict) else None
     if window is not None and window.budget is None and window.divisor != window.k and isinstance(loss, Tensor):
         outputs["loss"] = loss * window.divisor / window.k
+
+
+def takes_short_hooks(
+    plain: bool, loss_factor: float, loss_divisor: int, divisor: int, redo: object, put_back_pending: bool
+) -> bool:
+    """Whether a batch of a plain fit (counted and nothing else) takes the hooks' short path: not where its loss's
+    gradient is weighted (``loss_factor``), where Lightning's divisor must go back after its loss (``loss_divisor``
+    is not the stepping ``divisor``), where a batch is to be trained again (``redo``) or a resumed window's gradient
+    waits to be put back."""
+    return plain and loss_factor == 1.0 and loss_divisor == divisor and redo is None and not put_back_pending
