@@ -81,11 +81,15 @@ class TimedHooks:
     (the callback's logic, in place)."""
 
     inside = 0.0
+    by_hook: dict[str, float] = {}
 
     def _timed(self, hook: Any, *args: Any) -> Any:
         start = time.perf_counter()
         hook(*args)
-        type(self).inside += time.perf_counter() - start
+        took = time.perf_counter() - start
+        cls = type(self)
+        cls.inside += took
+        cls.by_hook[hook.__name__] = cls.by_hook.get(hook.__name__, 0.0) + took
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._timed(super().on_train_batch_start, *args)  # type: ignore[misc]
@@ -107,6 +111,7 @@ class TimedAccumulationScheduler(TimedHooks, AccumulationScheduler):
     """``AccumulationScheduler`` with the time inside its hooks added up."""
 
     inside = 0.0
+    by_hook: dict[str, float] = {}
 
 
 class TimedEmptyCallback(TimedHooks, EmptyCallback):
@@ -216,10 +221,12 @@ def against(path: Path, args: argparse.Namespace, data: DataLoader[Any]) -> dict
 
     class TimedOther(TimedHooks, other.AccumulationScheduler):  # type: ignore[misc, name-defined]
         inside = 0.0
+        by_hook: dict[str, float] = {}
 
     timed: dict[str, Any] = {"this": TimedAccumulationScheduler, "against": TimedOther}
     plain: dict[str, Any] = {"this": AccumulationScheduler, "against": other.AccumulationScheduler}
     hooks: dict[str, list[float]] = {"this": [], "against": [], "floor": []}
+    each: dict[str, dict[str, list[float]]] = {"this": {}, "against": {}}  # by hook
     loops: dict[str, list[float]] = {"built-in": [], "empty": [], "this": [], "against": []}
     load = os.getloadavg()
     for repeat in range(args.repeats + 1):  # (the first round a warm-up)
@@ -231,9 +238,12 @@ def against(path: Path, args: argparse.Namespace, data: DataLoader[Any]) -> dict
         floor = TimedEmptyCallback.inside / args.batches * 1e6
         round_hooks = {"floor": floor}
         for name in order:
-            timed[name].inside = 0.0
+            timed[name].inside, timed[name].by_hook = 0.0, {}
             timed_epoch(TinyMLP(), data, [timed[name](args.k, log=True)], accumulate_grad_batches=1)
             round_hooks[name] = timed[name].inside / args.batches * 1e6 - floor
+            if repeat:
+                for hook, seconds in timed[name].by_hook.items():
+                    each[name].setdefault(hook, []).append(seconds / args.batches * 1e6)
             round_loops[name] = timed_epoch(TinyMLP(), data, [plain[name](args.k, log=True)], accumulate_grad_batches=1)
         if repeat:
             for name, value in round_hooks.items():
@@ -253,6 +263,8 @@ def against(path: Path, args: argparse.Namespace, data: DataLoader[Any]) -> dict
         t / a for t, a in zip(hooks["this"], hooks["against"], strict=True)
     )
     out["timing_floor_us_median"] = statistics.median(hooks["floor"])
+    for name in ("this", "against"):  # (each hook's, the timing floor's share not taken off)
+        out[f"by_hook_us_{name}_median"] = {hook: statistics.median(v) for hook, v in each[name].items()}
     for name in ("empty", "this", "against"):
         ratios = [v / b for v, b in zip(loops[name], loops["built-in"], strict=True)]
         out[f"loop_{name}_over_builtin_median"] = statistics.median(ratios)

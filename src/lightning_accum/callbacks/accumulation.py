@@ -349,7 +349,11 @@ class AccumulationScheduler(Callback):
 
     def _routed(self) -> Any:
         """What Lightning's ``training_step`` calls go to (``batchnorm="window"``: a ``None`` return counted too)."""
-        return self._training_step if self._batchnorm is None else self._training_step_pooled
+        if self._batchnorm is not None:
+            return self._training_step_pooled
+        if self._split is None and self.grad_accum_dtype is None:  # (nothing widened, no sync held by the callback)
+            return self._training_step_plain
+        return self._training_step
 
     def _training_step(self, trainer: pl.Trainer, step: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``training_step`` call: Lightning divides what it returns by ``accumulate_grad_batches``,
@@ -367,6 +371,11 @@ class AccumulationScheduler(Callback):
             self._release()
             self._pass.enter_context(trainer.strategy.block_backward_sync())  # type: ignore[attr-defined]
             self._holding = True
+        return self._training_step_plain(trainer, step, *args, **kwargs)
+
+    def _training_step_plain(self, trainer: pl.Trainer, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """``_training_step`` where nothing is widened and no batch runs under a sync the callback holds (no
+        ``microbatch_size``, no ``grad_accum_dtype``): Lightning's divisor, and nothing else."""
         output = step(*args, **kwargs)
         if self._loss_divisor != self._divisor and output is not None:  # (None: nothing divided, no backward)
             set_divisor(trainer, self._loss_divisor)
