@@ -15,6 +15,8 @@ from lightning_accum import AccumulationScheduler
 from lightning_accum._trainer.recovery import before_with_own, pass_end_may_raise
 from lightning_accum.callbacks.accumulation import takes_short_hooks
 
+from helpers import TokenData, TokenModel, loader, trainer
+
 
 @pytest.mark.parametrize(
     ("plain", "factor", "loss_divisor", "divisor", "redo", "pending", "short"),
@@ -65,7 +67,10 @@ ME = AccumulationScheduler(2)
 
 
 def fake_trainer(
-    callbacks: list[Any], module: type = pl.LightningModule, precision: Any = None, strategy: type = SingleDeviceStrategy
+    callbacks: list[Any],
+    module: type = pl.LightningModule,
+    precision: Any = None,
+    strategy: type = SingleDeviceStrategy,
 ) -> Any:
     strategy_ = object.__new__(strategy)
     return SimpleNamespace(
@@ -99,3 +104,45 @@ def test_before_with_own() -> None:
     assert before_with_own([other, own, ME], ME, "on_after_backward")
     assert not before_with_own([other, ME, own], ME, "on_after_backward")
     assert not before_with_own([ME], ME, "on_after_backward")
+
+
+class StopAt(pl.Callback):
+    """Stops the fit at batch ``at`` (not a reader of the windows' numbers: no batch hook, no monitor)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.fit_loop.epoch_loop.batch_idx == self.at:
+            trainer.should_stop = True
+
+
+def test_a_window_nobody_read_is_published_when_the_fit_stops_after_it() -> None:
+    """Nobody reads the windows' numbers between the loggers' steps (no logger here), so a window in the middle of
+    the epoch is not published; the fit stopped after it (``should_stop``), its numbers are the fit's latest."""
+    t = trainer(callbacks=[AccumulationScheduler(2), StopAt(3)], max_epochs=1)
+    t.fit(TokenModel(), loader(TokenData(32), 4))
+    assert t.global_step == 2
+    # (from the host counts: no loss was kept, nobody reading)
+    assert t.callback_metrics["accum/k"] == 2 and t.callback_metrics["accum/samples"] == 16
+
+
+class Skipping(TokenModel):
+    """Returns no loss at the batches of ``skip``: Lightning runs no backward pass for them."""
+
+    def __init__(self, skip: set[int]) -> None:
+        super().__init__()
+        self.skip = skip
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx in self.skip else super().training_step(batch, batch_idx)
+
+
+def test_a_short_path_window_that_moved_nothing_is_not_counted_and_clipping_comes_back() -> None:
+    """A plain window (its later batches on the hooks' short path) whose batches all return ``None``: its step moves
+    nothing and Lightning does not count it, and gradient clipping, off for that step, is back for the next."""
+    t = trainer(callbacks=[AccumulationScheduler(3)], max_epochs=1, gradient_clip_val=0.5)
+    with pytest.warns(UserWarning, match="not stepped"):
+        t.fit(Skipping({3, 4, 5}), loader(TokenData(48), 4))
+    assert t.global_step == 3  # (windows 0-2, 6-8 and 9-11; not 3-5)
+    assert t.gradient_clip_val == 0.5

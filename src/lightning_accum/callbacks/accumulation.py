@@ -804,7 +804,7 @@ class AccumulationScheduler(Callback):
         engine.batch_done()
         if self._lean and engine.closing is None:
             return
-        if not self._lean or self._holding or self._uncount:  # (a short batch's only leftover: a step moving nothing)
+        if not self._lean or self._holding:  # (a short batch's only leftover: a step that moved nothing)
             self._batch_over(trainer, outputs)
         if engine.closing is None:
             return
