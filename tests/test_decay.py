@@ -244,3 +244,33 @@ def test_fit_start_errors(model: Any, callbacks: list[Any], match: str) -> None:
     with pytest.raises((ValueError, RuntimeError), match=match):
         trainer(callbacks=callbacks, max_epochs=1).fit(m, loader(TokenData(8), 4))
     assert max_diff(params_of(m), before) == 0.0
+
+
+# (g, r, f, mode) -> G_t, per parameter: the rule `ResidualDecay.combine` applies (None: no gradient, no residual)
+MIXES = [
+    (2.0, 1.0, 0.5, "sum", 2.5),  # g + f r
+    (2.0, 1.0, 0.0, "sum", 2.0),  # f = 0: the window's gradient as it is
+    (2.0, 1.0, 1.0, "sum", 3.0),  # f = 1: plain accumulation across steps
+    (2.0, 1.0, 0.25, "ema", 1.75),  # (1 - f) g + f r
+    (2.0, None, 0.5, "sum", 2.0),  # no residual yet (a parameter group added mid-fit): the gradient
+    (2.0, None, 0.25, "ema", 1.5),  # ... weighed as a new window under ema
+    (None, 4.0, 0.5, "sum", 2.0),  # no gradient in this window: the residual alone, decayed
+    (None, 4.0, 0.5, "ema", 2.0),
+    (None, 4.0, 0.0, "sum", 0.0),  # (zeros at f = 0)
+    (None, None, 0.5, "sum", None),  # neither: nothing
+]
+
+
+@pytest.mark.parametrize(("g", "r", "f", "mode", "expected"), MIXES)
+def test_the_combined_gradient_table(
+    g: float | None, r: float | None, f: float, mode: str, expected: float | None
+) -> None:
+    from lightning_accum._core.decay import _mix
+
+    def tensor(v: float | None) -> torch.Tensor | None:
+        return None if v is None else torch.tensor([v], dtype=torch.float64)
+
+    new, residual = [tensor(g), tensor(1.0)], [tensor(r), tensor(3.0)]  # (beside a parameter with both)
+    _mix(new, residual, f, mode)
+    assert (None if new[0] is None else new[0].item()) == expected
+    assert new[1].item() == (1.0 + f * 3.0 if mode == "sum" else (1 - f) * 1.0 + f * 3.0)  # type: ignore[union-attr]

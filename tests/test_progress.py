@@ -159,6 +159,14 @@ def test_totals_found_as_the_epoch_goes(schedule: Any, kind: str, unit: str) -> 
     assert {total for _, total in seen.fit} == {math.inf}
 
 
+def test_an_estimated_total_counts_the_short_last_window_as_a_step() -> None:
+    """Where the walk cannot know the windows (a function reading the items a ``count`` gives), the epoch's total is
+    estimated from the next window's k: 16 batches in windows of 3 are 6 steps, the last window's one batch a step of
+    its own (the estimate rounds up)."""
+    seen = fit(StepProgressBar("steps"), Lambda(lambda p: 3 + 0 * p.items), count=count_tokens)
+    assert [e["first_total"] for e in seen.epochs] == expected(seen, "steps") == [6, 6]
+
+
 @pytest.mark.parametrize("kind", ["tqdm", "rich"])
 def test_fit_total_found_in_no_walk_is_max_steps(kind: str) -> None:
     seen = fit(BARS[kind]("steps"), Ramp(1, 5, over=60, unit="items"), count=count_tokens, max_steps=5)

@@ -60,6 +60,9 @@ class BarCount:
         self._known = True  # whether the epoch's start is known (not: resumed from a checkpoint without the bar's)
         self._known_loaded = True  # what a checkpoint said of it
         self._accumulating: steps.Accumulating | None = None
+        self._counted = False  # the fit counts items (`count=`): read once, at the fit's start
+        self._budget = False  # the schedule is a `Budget` (its windows' k is what they took)
+        self._world = 1  # the ranks (the trainer's, read once at the fit's start)
         self._exact = False  # whether the walk is exact for this fit's schedule
         self._sizes: list[int] | None = None
         self._batches: int | float = math.inf  # the epoch's batches (inf: an iterable loader)
@@ -80,7 +83,7 @@ class BarCount:
     @property
     def counted(self) -> bool:
         """Whether the fit counts items (``count=``): the postfix then shows tokens."""
-        return self._accumulating is not None and self._accumulating.counted
+        return self._counted
 
     def start_fit(self, trainer: Any, owner: str) -> None:
         """At train start (after a checkpoint is restored): find the fit's accumulation, or refuse."""
@@ -92,6 +95,8 @@ class BarCount:
                 "mixin), or use Lightning's own progress bar."
             )
         self._accumulating = found
+        self._counted, self._budget = bool(found.counted), isinstance(found.schedule, Budget)
+        self._world = max(int(getattr(trainer, "world_size", 1) or 1), 1)
         if not self._loaded:  # (a fit not resumed from a checkpoint of this bar)
             self._epoch, self._known_loaded = -1, True
         self._loaded = False
@@ -137,8 +142,8 @@ class BarCount:
 
     def window_end(self, trainer: Any, window: WindowReport) -> bool:
         """A window stepped: count it, its throughput; whether the total changed."""
-        self.last, self.taken = window, self._taken(trainer, window)
-        done = window.items if self.counted else window.samples
+        self.last, self.taken = window, self._taken(window)
+        done = window.items if self._counted else window.samples
         self.rate = done / window.seconds if window.seconds else None
         self.steps += 1
         if self._exact and self._known:
@@ -147,15 +152,13 @@ class BarCount:
         changed, self.total = total != self.total, total
         return changed
 
-    def _taken(self, trainer: Any, window: WindowReport) -> int:
+    def _taken(self, window: WindowReport) -> int:
         """The micro-batches ``window`` took, each rank's: a ``Budget``'s ``k`` is that already; a schedule's ``k`` is
         what it gave the window, which holds fewer where it was cut short at the epoch's end (or some of its batches
         ran no backward): its micro-batches over all ranks, per rank."""
-        assert self._accumulating is not None
-        if isinstance(self._accumulating.schedule, Budget):
+        if self._budget:
             return window.k
-        world = max(int(getattr(trainer, "world_size", 1) or 1), 1)
-        return min(window.k, -(-window.microbatches // world))
+        return min(window.k, -(-window.microbatches // self._world))
 
     def _progress(self) -> Progress:
         assert self._accumulating is not None
@@ -163,9 +166,8 @@ class BarCount:
 
     def _total(self, trainer: Any, progress: Progress, start: int | None) -> float:
         """The epoch's total from ``progress`` (after the last closed window), the next window opening at batch
-        ``start`` of the epoch (``None``: where the closed windows leave it)."""
-        assert self._accumulating is not None
-        schedule = self._accumulating.schedule
+        ``start`` of the epoch (``None``: where the closed windows leave it): walked exactly where the walk knows the
+        schedule's windows (``_walked``), else estimated from the next window's k (``_estimated``)."""
         if start is None:
             start = progress.microbatches - self._first_microbatches
         done = self.steps if self.unit == "steps" else start
@@ -174,16 +176,33 @@ class BarCount:
             return math.inf
         here = dataclasses.replace(progress, epoch=self._epoch)
         if self._exact and self._known:
-            if math.isinf(self._batches) and math.isinf(left):
-                return math.inf
-            try:
-                ahead, taken = steps.windows_ahead(
-                    schedule, here, start, self._batches, self._sizes, left, items_known=not self.counted
-                )
-                return done + (ahead if self.unit == "steps" else taken)
-            except steps.ItemsNotKnown:  # (a function of `Progress` reading the items a `count` gives: as below)
-                self._exact = False
-        # the next window's k, from the schedule as the engine will ask it (NoiseScale: the last window's)
+            walked = self._walked(here, start, left)
+            if walked is not None:
+                return done + walked
+        return done + self._estimated(progress, here, start, left)
+
+    def _walked(self, here: Progress, start: int, left: float) -> float | None:
+        """The steps (or batches) the epoch's windows from batch ``start`` take, at most ``left`` steps, walked as the
+        package forms them; ``None`` (and estimated from then on) where the schedule reads the items a ``count``
+        gives, which the walk does not know."""
+        assert self._accumulating is not None
+        if math.isinf(self._batches) and math.isinf(left):
+            return math.inf
+        try:
+            ahead, taken = steps.windows_ahead(
+                self._accumulating.schedule, here, start, self._batches, self._sizes, left, items_known=not self.counted
+            )
+        except steps.ItemsNotKnown:  # (a function of `Progress` reading the items a `count` gives: estimated)
+            self._exact = False
+            return None
+        return ahead if self.unit == "steps" else taken
+
+    def _estimated(self, progress: Progress, here: Progress, start: int, left: float) -> float:
+        """The steps (or batches) left in the epoch from batch ``start``, at most ``left`` steps, estimated from the
+        next window's k: the schedule's as the engine will ask it (``NoiseScale``: the last window's; a ``Budget``: the
+        windows' mean size so far, at most its cap)."""
+        assert self._accumulating is not None
+        schedule = self._accumulating.schedule
         last = self.last.k if self.last is not None else 1
         if isinstance(schedule, Budget):  # the windows' mean size so far (the counts seen), at most the cap
             k = min(max(round(progress.microbatches / progress.step), 1) if progress.step else 1, schedule(here))
@@ -192,27 +211,38 @@ class BarCount:
         remaining = self._batches - start
         if self.unit == "steps":
             windows: float = math.ceil(remaining / k) if not math.isinf(remaining) else math.inf
-            return done + min(windows, left)
-        return done + min(remaining, left * k if not math.isinf(left) else math.inf)
+            return min(windows, left)
+        return min(remaining, left * k if not math.isinf(left) else math.inf)
 
-    def postfix(self, metrics: dict[str, Any], text: bool = False) -> dict[str, Any]:
-        """The bar's postfix: Lightning's (without the package's own ``accum/k`` and ``accum/loss``) and the last
-        window's k, effective batch (samples; tokens too with a ``count``), loss and throughput (``text``: the
-        counts as strings, for a bar that formats every number as a float)."""
-        out = {key: value for key, value in metrics.items() if key not in ("accum/k", "accum/loss")}
+    def postfix(
+        self, metrics: dict[str, Any], text: bool = False, first: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The bar's postfix: ``first``, then Lightning's ``metrics`` (without the package's own ``accum/k`` and
+        ``accum/loss``), then the last window's k, effective batch (samples; tokens too with a ``count``), loss and
+        throughput (``text``: the counts as strings, which a bar draws as they are, without formatting them as
+        numbers).
+
+        Example:
+
+            >>> BarCount("steps").postfix({"accum/k": 4.0, "v_num": 0}, first={"step": "0/?"})
+            {'step': '0/?', 'v_num': 0}
+        """
+        out = {} if first is None else dict(first)
+        out.update(metrics)
+        out.pop("accum/k", None)
+        out.pop("accum/loss", None)
         window = self.last
         if window is None:
             return out
-        out["k"] = self.taken
-        out["batch"] = window.samples
-        if self.counted:
-            out["tokens"] = window.items
+        shown = str if text else int
+        out["k"] = shown(self.taken)
+        out["batch"] = shown(window.samples)
+        if self._counted:
+            out["tokens"] = shown(window.items)
         if window.loss is not None:
             out["loss"] = window.loss
         if self.rate is not None:
-            out["tokens/s" if self.counted else "samples/s"] = round(self.rate)
-        if text:
-            out.update({key: str(value) for key, value in out.items() if isinstance(value, int)})
+            out["tokens/s" if self._counted else "samples/s"] = shown(round(self.rate))
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -98,6 +98,24 @@ def _estimate(trainer: Any) -> int | float:
             release()
         return steps if math.isinf(steps) else int(steps)
     schedule, counted = found
+    _refuse_unknown_steps(schedule)
+    if trainer.max_epochs == -1 and trainer.max_steps == -1:
+        return math.inf  # an endless fit (as Lightning's property)
+    release = _seam.set_up_training_loader(trainer)
+    try:
+        batches = trainer.num_training_batches
+        if math.isinf(batches):
+            return _steps_of_endless_loader(trainer)
+        needed = schedule.unit in ("samples", None) and not isinstance(schedule, Constant)
+        sizes = _samples_per_batch(trainer, int(batches), needed=needed)
+    finally:
+        release()
+    return _walk_known(trainer, schedule, int(batches), sizes, counted)
+
+
+def _refuse_unknown_steps(schedule: Schedule) -> None:
+    """Refuse a schedule whose optimizer steps depend on what the data or the gradient will hold: a ``Budget`` of
+    items (or whose ``n`` follows them), a schedule keyed on items, on ``scaled_steps``, or a ``NoiseScale``."""
     if isinstance(schedule, Budget) and "items" in (schedule.unit, schedule.n.unit):
         whose = "" if schedule.unit == "items" else " (its `n` follows them)"
         raise ValueError(
@@ -115,25 +133,24 @@ def _estimate(trainer: Any) -> int | float:
             "Key the learning rate on what is seen instead: "
             "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`."
         )
-    if trainer.max_epochs == -1 and trainer.max_steps == -1:
-        return math.inf  # an endless fit (as Lightning's property)
-    release = _seam.set_up_training_loader(trainer)
+
+
+def _steps_of_endless_loader(trainer: Any) -> int:
+    """A training loader without a length: ``max_steps`` bounds the fit, or its steps cannot be counted."""
+    if trainer.max_steps != -1:
+        return int(trainer.max_steps)
+    raise ValueError(
+        "The training loader has no length (an iterable dataset), so the steps of an epoch cannot be "
+        "counted in advance: give the Trainer `max_steps`, or an integer `limit_train_batches` to bound "
+        "each epoch."
+    )
+
+
+def _walk_known(trainer: Any, schedule: Schedule, batches: int, sizes: list[int] | None, counted: bool) -> int:
+    """``_walk`` of the fit, refused where the schedule reads the items a ``count`` gives (with a ``count`` the items
+    are not the samples: a function that reads them cannot be walked)."""
     try:
-        batches = trainer.num_training_batches
-        if math.isinf(batches):
-            if trainer.max_steps != -1:
-                return int(trainer.max_steps)
-            raise ValueError(
-                "The training loader has no length (an iterable dataset), so the steps of an epoch cannot be "
-                "counted in advance: give the Trainer `max_steps`, or an integer `limit_train_batches` to bound "
-                "each epoch."
-            )
-        needed = schedule.unit in ("samples", None) and not isinstance(schedule, Constant)
-        sizes = _samples_per_batch(trainer, int(batches), needed=needed)
-    finally:
-        release()
-    try:  # (with a `count` the items are not the samples: a function that reads them cannot be walked)
-        return _walk(schedule, int(batches), sizes, trainer.max_epochs, trainer.max_steps, items_known=not counted)
+        return _walk(schedule, batches, sizes, trainer.max_epochs, trainer.max_steps, items_known=not counted)
     except ItemsNotKnown:
         raise ValueError(
             f"The number of optimizer steps under {schedule!r} depends on the items (tokens) each batch will hold: "
