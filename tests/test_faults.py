@@ -223,6 +223,8 @@ def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
         return Validated(reduction="sum"), [callback]
     if kind == "mixin":
         return ManualValidated(schedule=WINDOWS), []
+    if kind == "mixin+budget":  # (issue 52: each block's count over ranks read at its end)
+        return ManualValidated(schedule=Budget(25), normalize="items", count=count_tokens, reduction="sum"), []
     if kind == "mixin+decay":
         return ManualValidated(schedule=WINDOWS, normalize="items", count=count_tokens, reduction="sum",
                                reset=GradientDecay(0.5)), []  # fmt: skip
