@@ -1,0 +1,227 @@
+"""Mutation testing of the package with Cosmic Ray, one module at a time, against the test files that cover it.
+
+The modules and their test files are in ``tools/mutation.toml``. Each module is mutated in a scratch copy of the
+repository (the working tree is never changed, even by an interrupted run), one mutant at a time: Cosmic Ray
+writes the mutant, runs ``pytest -x`` on the module's test files and the module's own doctests, and counts the
+mutant killed if they fail (or run past ``--timeout``). Sessions are kept in ``--workdir``: a second run goes on
+where the first stopped. Run it niced; it uses one core::
+
+    nice -n 19 python tools/mutation.py src/lightning_accum/count.py
+    nice -n 19 python tools/mutation.py --smallest 5          # the five smallest modules of the map
+    python tools/mutation.py --report                         # the scores of the sessions so far
+    python tools/mutation.py --check                          # every mapped path exists
+
+A module's score is killed / (killed + survived); survivors are printed with their diff. See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+MAP = ROOT / "tools" / "mutation.toml"
+COPIED = ("src", "tests", "pyproject.toml", "README.md", "docs", "examples", "benchmarks", "mkdocs.yml")
+
+
+def load_map() -> dict[str, object]:
+    with MAP.open("rb") as f:
+        return tomllib.load(f)
+
+
+def check(mapping: dict[str, list[str]]) -> list[str]:
+    """Mapped paths that do not exist."""
+    return [p for module, tests in mapping.items() for p in (module, *tests) if not (ROOT / p).exists()]
+
+
+def scratch_copy(workdir: Path) -> Path:
+    """A fresh copy of the repository's files the tests need (Cosmic Ray mutates files in place)."""
+    tree = workdir / "tree"
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "site", "*.egg-info")
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, tree / name, ignore=ignore)
+        elif source.exists():
+            shutil.copy2(source, tree / name)
+    return tree
+
+
+def test_command(module: str, tests: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests, module]
+
+
+def config_text(module: str, tests: list[str], timeout: float, exclude: list[str]) -> str:
+    command = test_command(module, tests)
+    lines = [
+        "[cosmic-ray]",
+        f"module-path = {json.dumps(module)}",
+        f"timeout = {float(timeout)}",
+        "excluded-modules = []",
+        f"test-command = {json.dumps(' '.join(command))}",
+        "",
+        "[cosmic-ray.distributor]",
+        'name = "local"',
+        "",
+        "[cosmic-ray.filters.operators-filter]",
+        f"exclude-operators = {json.dumps(exclude)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def session_name(module: str) -> str:
+    return module.removeprefix("src/lightning_accum/").replace("/", ".").removesuffix(".py")
+
+
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where the module's annotations are: a mutant there (``int | None`` to ``int & None``) changes nothing at
+    run time, as every module has ``from __future__ import annotations``."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        annotations = []
+        if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
+            annotations.append(node.annotation)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
+            annotations.append(node.returns)
+        spans += [((a.lineno, a.col_offset), (a.end_lineno or a.lineno, a.end_col_offset or 0)) for a in annotations]
+    return spans
+
+
+def skip_annotations(db: Path, module: Path) -> None:
+    """Mark the mutants inside annotations as skipped (not run, not counted)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    spans = annotation_spans(module.read_text())
+    with use_db(str(db), WorkDB.Mode.open) as work_db:
+        for item in list(work_db.pending_work_items):
+            start = tuple(item.mutations[0].start_pos)
+            if any(a <= start < b for a, b in spans):
+                skipped = WorkResult(output="In an annotation", worker_outcome=WorkerOutcome.SKIPPED)
+                work_db.set_result(item.job_id, skipped)
+
+
+def run_module(
+    module: str, tests: list[str], tree: Path, workdir: Path, timeout: float | None, exclude: list[str]
+) -> bool:
+    """One module's session, after a baseline run of its tests on the unmutated tree (False if that fails)."""
+    name = session_name(module)
+    cfg, db = workdir / f"{name}.toml", workdir / f"{name}.sqlite"
+    env = {**os.environ, "PYTHONPATH": "src", "PYTHONDONTWRITEBYTECODE": "1"}
+    began = time.monotonic()
+    baseline = subprocess.run(test_command(module, tests), cwd=tree, env=env, capture_output=True, text=True)
+    took = time.monotonic() - began
+    if baseline.returncode != 0:
+        print(f"{module}: the baseline (no mutant) fails; not run\n{baseline.stdout[-3000:]}", flush=True)
+        return False
+    timeout = timeout if timeout is not None else 3 * took + 15
+    print(f"{module}: baseline {took:.0f} s, per-mutant timeout {timeout:.0f} s", flush=True)
+    cfg.write_text(config_text(module, tests, timeout, exclude))
+    bindir = Path(sys.executable).parent
+
+    def cr(*args: str) -> None:
+        subprocess.run([str(bindir / args[0]), *args[1:]], cwd=tree, env=env, check=True)
+
+    if not db.exists():
+        cr("cosmic-ray", "init", str(cfg), str(db))
+        cr("cr-filter-operators", str(db), str(cfg))
+        skip_annotations(db, tree / module)
+    cr("cosmic-ray", "exec", str(cfg), str(db))
+    return True
+
+
+def summary(db: Path) -> dict[str, object]:
+    """Counts of a session, and its survivors' diffs."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    counts = {"killed": 0, "timeout": 0, "survived": 0, "incompetent": 0, "skipped": 0, "pending": 0}
+    survivors = []
+    with use_db(str(db), WorkDB.Mode.open) as work_db:
+        done = set()
+        for item, result in work_db.completed_work_items:
+            done.add(item.job_id)
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                counts["skipped"] += 1
+            elif result.test_outcome == TestOutcome.SURVIVED:
+                counts["survived"] += 1
+                m = item.mutations[0]
+                survivors.append({"line": m.start_pos[0], "operator": m.operator_name, "diff": result.diff})
+            elif result.test_outcome == TestOutcome.KILLED:
+                counts["timeout" if result.output == "timeout" else "killed"] += 1
+            else:
+                counts["incompetent"] += 1
+        counts["pending"] = sum(1 for item in work_db.work_items if item.job_id not in done)
+    ran = counts["killed"] + counts["timeout"] + counts["survived"]
+    score = (counts["killed"] + counts["timeout"]) / ran if ran else float("nan")
+    return {"counts": counts, "score": score, "survivors": sorted(survivors, key=lambda s: s["line"])}
+
+
+def report(workdir: Path, modules: list[str], diffs: bool) -> None:
+    for module in modules:
+        db = workdir / f"{session_name(module)}.sqlite"
+        if not db.exists():
+            continue
+        s = summary(db)
+        c = s["counts"]
+        print(
+            f"{module}: score {s['score']:.1%}  killed {c['killed']} timeout {c['timeout']} survived {c['survived']}"
+            f" incompetent {c['incompetent']} pending {c['pending']} (filtered out: {c['skipped']})"
+        )
+        for survivor in s["survivors"] if diffs else ():
+            print(f"  line {survivor['line']} {survivor['operator']}")
+            print("    " + "\n    ".join(line for line in (survivor["diff"] or "").splitlines()[2:]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help="paths as in tools/mutation.toml (default: all, smallest first)")
+    parser.add_argument("--smallest", type=int, default=None, help="only the N smallest modules of the map")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds one mutant's tests may run (default: 3 times the baseline's, plus 15)",
+    )
+    parser.add_argument("--workdir", type=Path, default=ROOT / ".mutation", help="sessions and the scratch copy")
+    parser.add_argument("--report", action="store_true", help="print the scores of the sessions so far")
+    parser.add_argument("--diffs", action="store_true", help="with --report: each survivor's diff")
+    parser.add_argument("--check", action="store_true", help="fail if a mapped path does not exist")
+    args = parser.parse_args()
+
+    config = load_map()
+    mapping: dict[str, list[str]] = config["modules"]  # type: ignore[assignment]
+    exclude: list[str] = config["operators"]["exclude"]  # type: ignore[index]
+    if args.check:
+        missing = check(mapping)
+        print("\n".join(missing) or "every mapped path exists")
+        return 1 if missing else 0
+    unknown = [m for m in args.modules if m not in mapping]
+    if unknown:
+        parser.error(f"not in tools/mutation.toml: {unknown}")
+    modules = args.modules or sorted(mapping, key=lambda m: (ROOT / m).stat().st_size)
+    modules = modules[: args.smallest] if args.smallest is not None else modules
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        for module in modules:  # (a fresh copy each: the tests as they are now)
+            tree = scratch_copy(args.workdir)
+            if run_module(module, mapping[module], tree, args.workdir, args.timeout, exclude):
+                report(args.workdir, [module], diffs=False)
+    report(args.workdir, modules, diffs=args.diffs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
