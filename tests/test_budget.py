@@ -452,6 +452,25 @@ def test_estimated_stepping_batches_is_exact_for_samples(budget: Budget, fit_kwa
     assert model.estimated == len(recorder.windows) == callback.progress.step
 
 
+@pytest.mark.parametrize(
+    ("budget", "by_hand"),
+    [
+        # 42 samples in batches of 4 (the last of 2): 11 batches an epoch, 2 epochs
+        (Budget(8, unit="samples"), 2 * 6),  # reached exactly by 2 batches: windows of 2, the last of 1
+        (Budget(12, unit="samples"), 2 * 4),  # by 3: 3, 3, 3, 2
+        (Budget(16, unit="samples", max_k=3), 2 * 4),  # by 4, but capped at 3
+        (Budget(4, unit="samples"), 2 * 11),  # by each batch
+    ],
+)
+def test_estimated_stepping_batches_when_a_window_reaches_its_budget_exactly(budget: Budget, by_hand: int) -> None:
+    """A window closes at the batch whose count reaches the budget, equal included: the estimate walks the same
+    windows as the fit (both counted by hand here)."""
+    model, recorder = Estimating(), KRecorder()
+    callback = AccumulationScheduler(budget)
+    trainer(callbacks=[callback, recorder]).fit(model, loader(TokenData(42, seed=3), BATCH))
+    assert model.estimated == len(recorder.windows) == callback.progress.step == by_hand
+
+
 class SizedByLightning(TokenModel):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
