@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_accum import AccumulationScheduler, Constant, Lambda, Piecewise, Ramp
+from lightning_accum import AccumulationScheduler, Budget, Constant, Lambda, Piecewise, Ramp
 from lightning_accum._trainer.reporting import Readers
 from lightning_accum.progress import RichStepProgressBar, StepProgressBar
 
@@ -157,6 +157,49 @@ def test_totals_found_as_the_epoch_goes(schedule: Any, kind: str, unit: str) -> 
     # the fit's total is not known in advance: unbounded without max_steps
     assert seen.fit[-1] == (sum(e["steps"] for e in seen.epochs), math.inf)
     assert {total for _, total in seen.fit} == {math.inf}
+
+
+class Totals(Seen):
+    """``Seen``, with the bar's total as drawn at each batch's end, epoch by epoch."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self.epochs[-1]["totals"] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_batch_end(trainer, *args)
+        self.epochs[-1]["totals"].append(self.drawn()[1])
+
+
+def fit_totals(bar: Any, schedule: Any, data: TokenData, **kwargs: Any) -> Totals:
+    seen = Totals(bar)
+    callback = AccumulationScheduler(schedule, **kwargs)
+    trainer(callbacks=[callback, bar, seen], enable_progress_bar=True).fit(TokenModel(), loader(data, 2))
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_a_total_worked_out_from_k_counts_a_short_last_window(kind: str) -> None:
+    """A schedule the walk cannot know (``Lambda``) gives k = 3 for 16 batches: 5 windows of 3 and one of 1, 6 steps
+    by hand; the total worked out from k (the batches left over k, rounded up) is 6 from the start."""
+    seen = fit_totals(BARS[kind]("steps"), Lambda(lambda p: 3), DATA)
+    assert expected(seen, "steps") == [6, 6]
+    for epoch in seen.epochs:
+        assert epoch["first_total"] == 6 and set(epoch["totals"]) == {6}
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_a_budgets_total_follows_the_windows_mean_size_capped_by_max_k(kind: str) -> None:
+    """Under a ``Budget`` of items the total is worked out from the windows' mean size so far, at most ``max_k``.
+    Every batch here holds 10 tokens: ``Budget(20, max_k=4)`` closes every window after 2 batches, 8 windows an epoch
+    (by hand). Before any window the total is an upper bound (windows of 1 batch); from the first window's end on it
+    is the epoch's real 8, as every window has the mean size."""
+    data = TokenData(32, seed=1, ragged=False)  # 5 tokens a sample
+    seen = fit_totals(BARS[kind]("steps"), Budget(20, unit="items", max_k=4), data, count=count_tokens)
+    assert expected(seen, "steps") == [8, 8]
+    first, second = seen.epochs
+    assert first["first_total"] >= 8 and first["totals"][1:] == [8] * 15
+    assert second["first_total"] == 8 and second["totals"] == [8] * 16
 
 
 @pytest.mark.parametrize("kind", ["tqdm", "rich"])
