@@ -10,6 +10,7 @@ where the first stopped. Run it niced; it uses one core::
     nice -n 19 python tools/mutation.py --smallest 5          # the five smallest modules of the map
     python tools/mutation.py --report                         # the scores of the sessions so far
     python tools/mutation.py --check                          # every mapped path exists
+    nice -n 19 python tools/mutation.py --retest MODULE       # its survivors again, against the tests as they are
 
 A module's score is killed / (killed + survived); survivors are printed with their diff. See docs/testing.md.
 """
@@ -26,7 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-import tomllib
+try:
+    from tomllib import loads as toml_loads
+except ModuleNotFoundError:  # (Python 3.10: Cosmic Ray's own dependency reads it)
+    from toml import loads as toml_loads
+
 
 ROOT = Path(__file__).resolve().parent.parent
 MAP = ROOT / "tools" / "mutation.toml"
@@ -34,8 +39,7 @@ COPIED = ("src", "tests", "pyproject.toml", "README.md", "docs", "examples", "be
 
 
 def load_map() -> dict[str, object]:
-    with MAP.open("rb") as f:
-        return tomllib.load(f)
+    return toml_loads(MAP.read_text())  # type: ignore[no-any-return]
 
 
 def check(mapping: dict[str, list[str]]) -> list[str]:
@@ -85,32 +89,62 @@ def session_name(module: str) -> str:
     return module.removeprefix("src/lightning_accum/").replace("/", ".").removesuffix(".py")
 
 
-def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """Where the module's annotations are: a mutant there (``int | None`` to ``int & None``) changes nothing at
-    run time, as every module has ``from __future__ import annotations``."""
-    spans = []
+def inert_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where a mutant changes nothing the package promises: annotations (``int | None`` to ``int & None``: every
+    module has ``from __future__ import annotations``) and a warning's ``stacklevel=`` (which line it is attributed
+    to)."""
+    parts: list[ast.expr] = []
     for node in ast.walk(ast.parse(source)):
-        annotations = []
         if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
-            annotations.append(node.annotation)
+            parts.append(node.annotation)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
-            annotations.append(node.returns)
-        spans += [((a.lineno, a.col_offset), (a.end_lineno or a.lineno, a.end_col_offset or 0)) for a in annotations]
-    return spans
+            parts.append(node.returns)
+        if isinstance(node, ast.keyword) and node.arg == "stacklevel":
+            parts.append(node.value)
+    return [((a.lineno, a.col_offset), (a.end_lineno or a.lineno, a.end_col_offset or 0)) for a in parts]
 
 
-def skip_annotations(db: Path, module: Path) -> None:
-    """Mark the mutants inside annotations as skipped (not run, not counted)."""
+def skip_inert(db: Path, module: Path) -> None:
+    """Mark the mutants inside ``inert_spans`` as skipped (not run, not counted), run or not."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
-    spans = annotation_spans(module.read_text())
+    spans = inert_spans(module.read_text())
     with use_db(str(db), WorkDB.Mode.open) as work_db:
-        for item in list(work_db.pending_work_items):
+        for item in list(work_db.work_items):
             start = tuple(item.mutations[0].start_pos)
             if any(a <= start < b for a, b in spans):
-                skipped = WorkResult(output="In an annotation", worker_outcome=WorkerOutcome.SKIPPED)
+                skipped = WorkResult(
+                    output="Inert: an annotation or a stacklevel", worker_outcome=WorkerOutcome.SKIPPED
+                )
                 work_db.set_result(item.job_id, skipped)
+
+
+def retest(module: str, tests: list[str], tree: Path, workdir: Path, timeout: float | None) -> None:
+    """Run the survivors of ``module``'s session again, against its test files as they are now (after tests were
+    added for them): each one killed now is recorded so."""
+    from cosmic_ray.mutating import mutate_and_test
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    db = workdir / f"{session_name(module)}.sqlite"
+    skip_inert(db, tree / module)
+    command = " ".join(test_command(module, tests))
+    here, env = Path.cwd(), dict(os.environ)
+    os.chdir(tree)
+    os.environ.update(PYTHONPATH="src", PYTHONDONTWRITEBYTECODE="1")
+    try:
+        with use_db(str(db), WorkDB.Mode.open) as work_db:
+            survivors = [i for i, r in work_db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+            for item in survivors:
+                result = mutate_and_test(item.mutations, command, timeout or 600)
+                print(f"{module}: line {item.mutations[0].start_pos[0]} {item.mutations[0].operator_name}: "
+                      f"{result.test_outcome}", flush=True)  # fmt: skip
+                work_db.set_result(item.job_id, result)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def run_module(
@@ -137,7 +171,7 @@ def run_module(
     if not db.exists():
         cr("cosmic-ray", "init", str(cfg), str(db))
         cr("cr-filter-operators", str(db), str(cfg))
-        skip_annotations(db, tree / module)
+        skip_inert(db, tree / module)
     cr("cosmic-ray", "exec", str(cfg), str(db))
     return True
 
@@ -148,7 +182,7 @@ def summary(db: Path) -> dict[str, object]:
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
     counts = {"killed": 0, "timeout": 0, "survived": 0, "incompetent": 0, "skipped": 0, "pending": 0}
-    survivors = []
+    survivors, doctest_only = [], []
     with use_db(str(db), WorkDB.Mode.open) as work_db:
         done = set()
         for item, result in work_db.completed_work_items:
@@ -161,12 +195,27 @@ def summary(db: Path) -> dict[str, object]:
                 survivors.append({"line": m.start_pos[0], "operator": m.operator_name, "diff": result.diff})
             elif result.test_outcome == TestOutcome.KILLED:
                 counts["timeout" if result.output == "timeout" else "killed"] += 1
+                m = item.mutations[0]
+                if _failed_in_doctest(result.output or "", str(m.module_path)):
+                    doctest_only.append({"line": m.start_pos[0], "operator": m.operator_name, "diff": result.diff})
             else:
                 counts["incompetent"] += 1
         counts["pending"] = sum(1 for item in work_db.work_items if item.job_id not in done)
     ran = counts["killed"] + counts["timeout"] + counts["survived"]
     score = (counts["killed"] + counts["timeout"]) / ran if ran else float("nan")
-    return {"counts": counts, "score": score, "survivors": sorted(survivors, key=lambda s: s["line"])}
+    return {
+        "counts": counts,
+        "score": score,
+        "survivors": sorted(survivors, key=lambda s: s["line"]),
+        "doctest_only": sorted(doctest_only, key=lambda s: s["line"]),
+    }
+
+
+def _failed_in_doctest(output: str, module: str) -> bool:
+    """Whether the first failure was the module's own doctest: the test files run first (``-x``), so they all
+    passed and only the doctest caught the mutant."""
+    failed = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return bool(failed) and failed[0].split()[1].startswith(module)
 
 
 def report(workdir: Path, modules: list[str], diffs: bool) -> None:
@@ -180,9 +229,12 @@ def report(workdir: Path, modules: list[str], diffs: bool) -> None:
             f"{module}: score {s['score']:.1%}  killed {c['killed']} timeout {c['timeout']} survived {c['survived']}"
             f" incompetent {c['incompetent']} pending {c['pending']} (filtered out: {c['skipped']})"
         )
-        for survivor in s["survivors"] if diffs else ():
-            print(f"  line {survivor['line']} {survivor['operator']}")
-            print("    " + "\n    ".join(line for line in (survivor["diff"] or "").splitlines()[2:]))
+        if s["doctest_only"]:
+            print(f"  killed only by the module's doctests: {len(s['doctest_only'])}")
+        shown = [("survived", m) for m in s["survivors"]] + [("doctest only", m) for m in s["doctest_only"]]
+        for what, mutant in shown if diffs else ():
+            print(f"  {what}: line {mutant['line']} {mutant['operator']}")
+            print("    " + "\n    ".join(line for line in (mutant["diff"] or "").splitlines()[2:]))
 
 
 def main() -> int:
@@ -199,6 +251,7 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="print the scores of the sessions so far")
     parser.add_argument("--diffs", action="store_true", help="with --report: each survivor's diff")
     parser.add_argument("--check", action="store_true", help="fail if a mapped path does not exist")
+    parser.add_argument("--retest", action="store_true", help="run the survivors again against the tests as they are")
     args = parser.parse_args()
 
     config = load_map()
@@ -214,7 +267,11 @@ def main() -> int:
     modules = args.modules or sorted(mapping, key=lambda m: (ROOT / m).stat().st_size)
     modules = modules[: args.smallest] if args.smallest is not None else modules
     args.workdir.mkdir(parents=True, exist_ok=True)
-    if not args.report:
+    if args.retest:
+        for module in modules:
+            if (args.workdir / f"{session_name(module)}.sqlite").exists():
+                retest(module, mapping[module], scratch_copy(args.workdir), args.workdir, args.timeout)
+    elif not args.report:
         for module in modules:  # (a fresh copy each: the tests as they are now)
             tree = scratch_copy(args.workdir)
             if run_module(module, mapping[module], tree, args.workdir, args.timeout, exclude):
