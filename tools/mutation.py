@@ -47,9 +47,9 @@ def check(mapping: dict[str, list[str]]) -> list[str]:
     return [p for module, tests in mapping.items() for p in (module, *tests) if not (ROOT / p).exists()]
 
 
-def scratch_copy(workdir: Path) -> Path:
+def scratch_copy(workdir: Path, name: str = "tree") -> Path:
     """A fresh copy of the repository's files the tests need (Cosmic Ray mutates files in place)."""
-    tree = workdir / "tree"
+    tree = workdir / name
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
@@ -270,7 +270,7 @@ def main() -> int:
     if args.retest:
         for module in modules:
             if (args.workdir / f"{session_name(module)}.sqlite").exists():
-                retest(module, mapping[module], scratch_copy(args.workdir), args.workdir, args.timeout)
+                retest(module, mapping[module], scratch_copy(args.workdir, "retest"), args.workdir, args.timeout)
     elif not args.report:
         for module in modules:  # (a fresh copy each: the tests as they are now)
             tree = scratch_copy(args.workdir)
