@@ -89,11 +89,13 @@ class Endless(IterableDataset[Any]):
                 yield DATA.batch(slice(i, i + 2))
 
 
-def fit(bar: Any, schedule: Any, *, data: Any = None, model: Any = None, **kwargs: Any) -> Seen:
+def fit(
+    bar: Any, schedule: Any, *, data: Any = None, model: Any = None, callbacks_after: Any = (), **kwargs: Any
+) -> Seen:
     seen = Seen(bar)
     count = kwargs.pop("count", None)
     accumulation = [] if model is not None else [AccumulationScheduler(schedule, count=count)]
-    t = trainer(callbacks=[*accumulation, bar, seen], enable_progress_bar=True, **kwargs)
+    t = trainer(callbacks=[*accumulation, bar, seen, *callbacks_after], enable_progress_bar=True, **kwargs)
     t.fit(model or TokenModel(), data if data is not None else loader(DATA, 2))
     return seen
 
@@ -157,6 +159,27 @@ def test_totals_found_as_the_epoch_goes(schedule: Any, kind: str, unit: str) -> 
     # the fit's total is not known in advance: unbounded without max_steps
     assert seen.fit[-1] == (sum(e["steps"] for e in seen.epochs), math.inf)
     assert {total for _, total in seen.fit} == {math.inf}
+
+
+class StopAfter(pl.Callback):
+    """Stops the fit after ``n`` batches (an endless fit's end)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.n -= 1
+        trainer.should_stop = self.n <= 0
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+@pytest.mark.parametrize("schedule", [Constant(3), Ramp(1, 4, over=40, unit="samples")], ids=["constant", "ramp"])
+def test_an_endless_fits_total_is_unbounded(kind: str, schedule: Any) -> None:
+    """``max_epochs=-1`` without ``max_steps``: the fit's total is unbounded (``?``) from the first draw, and the
+    epoch's total is still its windows."""
+    seen = fit(BARS[kind]("steps"), schedule, max_epochs=-1, callbacks_after=[StopAfter(20)])
+    assert seen.fit and {total for _, total in seen.fit} == {math.inf}
+    assert seen.epochs[0]["first_total"] == seen.epochs[0]["steps"]
 
 
 class Totals(Seen):
