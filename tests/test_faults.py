@@ -394,3 +394,35 @@ def test_fault_batchnorm_statistics_whole_batches(tmp_path: Path, hook: str) -> 
     for name, want in full.net.named_buffers():
         got = dict(resumed.net.named_buffers())[name]
         assert float((got.double() - want.double()).abs().max()) <= 1e-12, name
+
+
+class RaisesIn(torch.autograd.Function):
+    """An autograd function that raises ``Injected`` in its ``forward`` or its ``backward`` (``where``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, where: str) -> torch.Tensor:
+        ctx.where = where
+        if where == "forward":
+            raise Injected("in forward")
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        raise Injected("in backward")
+
+
+def test_only_an_error_raised_while_autograd_runs_backward_is_inside_a_backward_pass() -> None:
+    """(What decides whether an exception may have left a partial gradient.) An error in an autograd function's
+    forward, whose frames are autograd's own too, is not inside a backward pass; one in its backward is."""
+    from lightning_accum._trainer.recovery import raised_in_backward
+
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(Injected) as forward:
+        RaisesIn.apply(x, "forward")
+    assert not raised_in_backward(forward.value)
+    with pytest.raises(Injected) as backward:
+        RaisesIn.apply(x, "backward").sum().backward()
+    assert raised_in_backward(backward.value)
+    with pytest.raises(Injected) as plain:
+        raise Injected("elsewhere")
+    assert not raised_in_backward(plain.value)
