@@ -154,6 +154,18 @@ def run_module(
     name = session_name(module)
     cfg, db = workdir / f"{name}.toml", workdir / f"{name}.sqlite"
     env = {**os.environ, "PYTHONPATH": "src", "PYTHONDONTWRITEBYTECODE": "1"}
+    bindir = Path(sys.executable).parent
+
+    def cr(*args: str) -> None:
+        subprocess.run([str(bindir / args[0]), *args[1:]], cwd=tree, env=env, check=True)
+
+    if not db.exists():
+        cfg.write_text(config_text(module, tests, 0, exclude))
+        cr("cosmic-ray", "init", str(cfg), str(db))
+        cr("cr-filter-operators", str(db), str(cfg))
+        skip_inert(db, tree / module)
+    if not summary(db)["counts"]["pending"]:  # (done, or nothing to mutate: no baseline run)
+        return True
     began = time.monotonic()
     baseline = subprocess.run(test_command(module, tests), cwd=tree, env=env, capture_output=True, text=True)
     took = time.monotonic() - began
@@ -163,15 +175,6 @@ def run_module(
     timeout = timeout if timeout is not None else 3 * took + 15
     print(f"{module}: baseline {took:.0f} s, per-mutant timeout {timeout:.0f} s", flush=True)
     cfg.write_text(config_text(module, tests, timeout, exclude))
-    bindir = Path(sys.executable).parent
-
-    def cr(*args: str) -> None:
-        subprocess.run([str(bindir / args[0]), *args[1:]], cwd=tree, env=env, check=True)
-
-    if not db.exists():
-        cr("cosmic-ray", "init", str(cfg), str(db))
-        cr("cr-filter-operators", str(db), str(cfg))
-        skip_inert(db, tree / module)
     cr("cosmic-ray", "exec", str(cfg), str(db))
     return True
 
