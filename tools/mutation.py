@@ -121,7 +121,9 @@ def skip_inert(db: Path, module: Path) -> None:
                 work_db.set_result(item.job_id, skipped)
 
 
-def retest(module: str, tests: list[str], tree: Path, workdir: Path, timeout: float | None) -> None:
+def retest(
+    module: str, tests: list[str], tree: Path, workdir: Path, timeout: float | None, lines: tuple[int, int] | None
+) -> None:
     """Run the survivors of ``module``'s session again, against its test files as they are now (after tests were
     added for them): each one killed now is recorded so."""
     from cosmic_ray.mutating import mutate_and_test
@@ -137,6 +139,8 @@ def retest(module: str, tests: list[str], tree: Path, workdir: Path, timeout: fl
     try:
         with use_db(str(db), WorkDB.Mode.open) as work_db:
             survivors = [i for i, r in work_db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+            if lines is not None:
+                survivors = [i for i in survivors if lines[0] <= i.mutations[0].start_pos[0] <= lines[1]]
             for item in survivors:
                 result = mutate_and_test(item.mutations, command, timeout or 600)
                 print(f"{module}: line {item.mutations[0].start_pos[0]} {item.mutations[0].operator_name}: "
@@ -256,6 +260,8 @@ def main() -> int:
     parser.add_argument("--diffs", action="store_true", help="with --report: each survivor's diff")
     parser.add_argument("--check", action="store_true", help="fail if a mapped path does not exist")
     parser.add_argument("--retest", action="store_true", help="run the survivors again against the tests as they are")
+    parser.add_argument("--tests", nargs="+", default=None, help="with --retest: these test files instead of the map's")
+    parser.add_argument("--lines", default=None, help="with --retest: only the survivors on lines A-B")
     args = parser.parse_args()
 
     config = load_map()
@@ -274,7 +280,10 @@ def main() -> int:
     if args.retest:
         for module in modules:
             if (args.workdir / f"{session_name(module)}.sqlite").exists():
-                retest(module, mapping[module], scratch_copy(args.workdir, "retest"), args.workdir, args.timeout)
+                lines = tuple(int(n) for n in args.lines.split("-")) if args.lines else None
+                tests = args.tests or mapping[module]
+                tree = scratch_copy(args.workdir, "retest")
+                retest(module, tests, tree, args.workdir, args.timeout, lines)  # type: ignore[arg-type]
     elif not args.report:
         for module in modules:  # (a fresh copy each: the tests as they are now)
             tree = scratch_copy(args.workdir)
