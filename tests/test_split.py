@@ -682,6 +682,8 @@ def test_sync_batchnorm_with_auto_on_several_ranks_is_refused() -> None:
     with pytest.raises(RuntimeError, match="`SyncBatchNorm` on 2 ranks"):
         fit_checks.refuse_split_misuse("auto", trainer_, model, sync.SyncPlan("ddp", True))
     fit_checks.refuse_split_misuse(4, trainer_, model, sync.SyncPlan("ddp", True))  # ranks cut alike: allowed
+    one = _Strategy(strategy=_Strategy(world_size=1))
+    fit_checks.refuse_split_misuse("auto", one, model, sync.SyncPlan("ddp", True))  # one rank: nothing to cut alike
 
 
 def test_manual_optimization_is_refused() -> None:
