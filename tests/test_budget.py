@@ -22,6 +22,7 @@ from lightning_accum import (
     Budget,
     FabricAccumulator,
     GradientDecay,
+    Lambda,
     NoiseScale,
     Progress,
     Ramp,
@@ -680,3 +681,55 @@ def test_a_window_of_count_zero_steps_with_the_guides_factor_zero(adapter: str, 
                         step.backward(position_mean(wrapped, batch))
         params = [p.detach().clone() for p in net.parameters()]
     assert max_diff(params, zero_count_reference(data, scaling)) < 1e-12
+
+
+# (issue 53: a `Budget` of samples whose `n` is a function reading `Progress.items` was walked with the items growing
+# as the samples do; with a `count` they do not, and the walk gave 9 steps for a fit of 8)
+def by_items(progress: Progress) -> int:
+    """A budget of samples that doubles once 60 items went in (the samples, or the tokens with a `count`)."""
+    return 6 if progress.items < 60 else 12
+
+
+def by_samples(progress: Progress) -> int:
+    return 6 if progress.samples < 60 else 12
+
+
+@pytest.mark.parametrize("counted", [False, True])
+@pytest.mark.parametrize("kind", ["budget", "k"])
+def test_a_function_reading_the_items_is_walked_where_they_are_the_samples_else_refused(
+    kind: str, counted: bool
+) -> None:
+    """Without a `count` the items are the samples: the walk is exact. With one, the walk cannot know them: a
+    function that reads them is refused (naming `Progress.items` and the fix), one that does not is walked exactly.
+    The same for a `Lambda` giving k (it was walked on the same guess, with a warning)."""
+    options: dict[str, Any] = {"normalize": "items", "count": count_tokens, "reduction": "sum"} if counted else {}
+    for n, refused in [(by_items, counted), (by_samples, False)]:
+        model, recorder = Estimating(reduction="sum" if counted else "mean"), KRecorder()
+        schedule = Budget(n, unit="samples") if kind == "budget" else Lambda(lambda p, n=n: n(p) // 3)
+        callback = AccumulationScheduler(schedule, **options)
+        fit = trainer(callbacks=[callback, recorder])
+        if refused:
+            fix = r"lr_schedule=lightning_accum.lr.WarmupCosine\(warmup, total, unit='items'\)"
+            with pytest.raises(ValueError, match=rf"{re.escape(repr(schedule))}.* reads `Progress.items`.*{fix}"):
+                fit.fit(model, loader(DATA, BATCH))
+            continue
+        fit.fit(model, loader(DATA, BATCH))
+        assert model.estimated == len(recorder.windows) == callback.progress.step
+        assert len(set(recorder.windows)) > 1  # (the budget changed during the fit)
+
+
+@pytest.mark.parametrize("kind, unit", [("tqdm", "steps"), ("rich", "batches")])
+def test_progress_bars_under_a_budgets_function_reading_the_tokens(kind: str, unit: str) -> None:
+    """The bars' walk refused (as above): the epoch's total worked out at each window's end, never passed, met at
+    the epoch's end; the fit's total unknown. Without a `count` (the items are the samples) exact from the start."""
+    from test_progress import BARS, expected, fit
+
+    seen = fit(BARS[kind](unit), Budget(by_items, unit="samples"), count=count_tokens)
+    realised = expected(seen, unit)
+    assert [e["last"] for e in seen.epochs] == [(n, n) for n in realised]
+    assert all(not e["passed"] for e in seen.epochs)
+    assert math.isinf(seen.fit[0][1])  # (the fit's total: `?`)
+    seen = fit(BARS[kind](unit), Budget(by_items, unit="samples"))
+    realised = expected(seen, unit)
+    assert [e["first_total"] for e in seen.epochs] == realised  # known from the epoch's start
+    assert seen.fit[-1] == (sum(e["steps"] for e in seen.epochs),) * 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -122,6 +123,72 @@ def test_resume(tmp_path: Path, save_residual: bool) -> None:
     assert difference <= TOL if save_residual else difference > 1e-6
 
 
+class SaveAfter(pl.Callback):
+    """Saves a checkpoint after the ``at``-th training batch of the fit (1-based)."""
+
+    def __init__(self, path: Path, at: int) -> None:
+        self.path, self.at, self.batches = path, at, 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.batches += 1
+        if self.batches == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+class Joining(TokenModel):
+    """The first layer frozen and outside the optimizer till ``join`` (an epoch's start, or a batch's), where it joins
+    as a param group of its own (as `BaseFinetuning` does); resumed after that, the group is given back before
+    Lightning loads the optimizer's state (as `BaseFinetuning` does in `on_fit_start`)."""
+
+    def __init__(self, join: tuple[int, int]) -> None:
+        super().__init__()
+        self.join, self.joined = join, False
+        self.net[0].requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD([p for p in self.net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+        if self.joined:
+            self._add(optimizer)
+        return optimizer
+
+    def _add(self, optimizer: torch.optim.Optimizer) -> None:
+        self.net[0].requires_grad_(True)
+        optimizer.add_param_group({"params": list(self.net[0].parameters())})
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if not self.joined and (self.current_epoch, batch_idx) == self.join:
+            self.joined = True
+            self._add(self.optimizers().optimizer)  # type: ignore[union-attr]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.joined = len(checkpoint["optimizer_states"][0]["param_groups"]) > 1
+
+
+@pytest.mark.parametrize(
+    ("join", "at"),
+    [((1, 0), 8), ((0, 2), 2)],
+    ids=["residual from before the join", "partial window from before the join"],
+)
+def test_resume_across_a_param_group_joining(tmp_path: Path, join: tuple[int, int], at: int) -> None:
+    """A param group joins the optimizer during the fit (6 batches an epoch, windows of 3). A checkpoint written
+    after the join, inside the window after it, holds the `GradientDecay` residual of the window before, over the
+    first group's parameters; one written before the join, inside the window it joins, holds that window's partial
+    gradient over them, and the resumed fit joins at the batch it resumes at, before the gradient is put back. Both
+    resume to the uninterrupted fit; both were refused ("holds gradients for 2 parameters but the optimizer has 4")."""
+
+    def run(extra: list[Any], resume: Path | None = None) -> TokenModel:
+        model = Joining(join)
+        callbacks = [AccumulationScheduler(3), GradientDecay(0.5), *extra]
+        trainer(callbacks=callbacks, max_epochs=2).fit(model, ResumableLoader(TokenData(24), 4), ckpt_path=resume)
+        return model
+
+    path = tmp_path / "inside.ckpt"
+    full = run([SaveAfter(path, at=at)])  # (after the `at`-th batch, inside a window)
+    saved = torch.load(path, weights_only=False)
+    assert len(saved["optimizer_states"][0]["param_groups"]) == (2 if join == (1, 0) else 1)
+    assert max_diff(params_of(run([], resume=path)), params_of(full)) <= TOL
+
+
 def test_skipped_step_keeps_the_residual() -> None:
     """An AMP step skipped for inf/nan never calls optimizer.step(): the old residual stays."""
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
@@ -177,3 +244,33 @@ def test_fit_start_errors(model: Any, callbacks: list[Any], match: str) -> None:
     with pytest.raises((ValueError, RuntimeError), match=match):
         trainer(callbacks=callbacks, max_epochs=1).fit(m, loader(TokenData(8), 4))
     assert max_diff(params_of(m), before) == 0.0
+
+
+# (g, r, f, mode) -> G_t, per parameter: the rule `ResidualDecay.combine` applies (None: no gradient, no residual)
+MIXES = [
+    (2.0, 1.0, 0.5, "sum", 2.5),  # g + f r
+    (2.0, 1.0, 0.0, "sum", 2.0),  # f = 0: the window's gradient as it is
+    (2.0, 1.0, 1.0, "sum", 3.0),  # f = 1: plain accumulation across steps
+    (2.0, 1.0, 0.25, "ema", 1.75),  # (1 - f) g + f r
+    (2.0, None, 0.5, "sum", 2.0),  # no residual yet (a parameter group added mid-fit): the gradient
+    (2.0, None, 0.25, "ema", 1.5),  # ... weighed as a new window under ema
+    (None, 4.0, 0.5, "sum", 2.0),  # no gradient in this window: the residual alone, decayed
+    (None, 4.0, 0.5, "ema", 2.0),
+    (None, 4.0, 0.0, "sum", 0.0),  # (zeros at f = 0)
+    (None, None, 0.5, "sum", None),  # neither: nothing
+]
+
+
+@pytest.mark.parametrize(("g", "r", "f", "mode", "expected"), MIXES)
+def test_the_combined_gradient_table(
+    g: float | None, r: float | None, f: float, mode: str, expected: float | None
+) -> None:
+    from lightning_accum._core.decay import _mix
+
+    def tensor(v: float | None) -> torch.Tensor | None:
+        return None if v is None else torch.tensor([v], dtype=torch.float64)
+
+    new, residual = [tensor(g), tensor(1.0)], [tensor(r), tensor(3.0)]  # (beside a parameter with both)
+    _mix(new, residual, f, mode)
+    assert (None if new[0] is None else new[0].item()) == expected
+    assert new[1].item() == (1.0 + f * 3.0 if mode == "sum" else (1 - f) * 1.0 + f * 3.0)  # type: ignore[union-attr]

@@ -14,9 +14,19 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
 
-from lightning_accum import AccumulationMixin, AccumulationScheduler, GradientDecay, Piecewise, Progress, Ramp
+from lightning_accum import (
+    AccumulationMixin,
+    AccumulationScheduler,
+    Budget,
+    GradientDecay,
+    Piecewise,
+    Progress,
+    Ramp,
+    SchedulerHorizonWarning,
+)
 
 from helpers import (
     ManualTokenModel,
@@ -379,3 +389,54 @@ def test_retry_with_the_same_callback_objects(tmp_path: Path) -> None:
     again = run(mine, resume=last)  # the same objects, resumed
     fresh = run([AccumulationScheduler(schedule), GradientDecay(0.5)], resume=last)
     assert all(torch.equal(a, b) for a, b in zip(again, fresh, strict=True))
+
+
+# ---------------------------------------------------------------------- a scheduler sized so on purpose
+def cosine_restarts(optimizer: torch.optim.Optimizer) -> Any:
+    """A cosine of 2 steps, meant to restart through a fit of more (not a length taken from the fit)."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=2)
+
+
+class AnotherWarning(pl.Callback):
+    """Another `PossibleUserWarning` of the fit, which a filter on the horizon warning's category must leave."""
+
+    def on_train_start(self, *args: Any) -> None:
+        warnings.warn("another possible user warning", PossibleUserWarning, stacklevel=1)
+
+
+def horizon_fit(adapter: str, budget: bool, silenced: bool) -> list[warnings.WarningMessage]:
+    """A fit whose step-interval scheduler is sized on purpose (``cosine_restarts``), every warning recorded;
+    ``silenced``: with the filter the warning names."""
+    schedule: Any = Budget(30, unit="items") if budget else 2
+    items: dict[str, Any] = {"normalize": "items", "count": count_tokens, "reduction": "sum"} if budget else {}
+    reduction = "sum" if budget else "mean"
+    if adapter == "callback":
+        callbacks: list[pl.Callback] = [AccumulationScheduler(schedule, **items)]
+        model: pl.LightningModule = TokenModel(reduction=reduction, scheduler=cosine_restarts)
+    else:
+        callbacks = []
+        items.pop("reduction", None)  # (the mixin's model passes its own)
+        model = ManualTokenModel(reduction=reduction, scheduler=cosine_restarts, schedule=schedule,
+                                 step_schedulers=True, **items)  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if silenced:  # what the warning says to write
+            warnings.filterwarnings("ignore", category=SchedulerHorizonWarning)
+        trainer(callbacks=[*callbacks, AnotherWarning()], max_epochs=1).fit(model, loader(DATA, 4))
+    return seen
+
+
+@pytest.mark.parametrize("adapter", ["callback", "mixin"])
+@pytest.mark.parametrize("budget", [False, True])
+def test_a_scheduler_sized_on_purpose_is_silenced_by_its_warning_category_alone(adapter: str, budget: bool) -> None:
+    """The horizon warning (a length that is not the fit's steps; under a budget of items, a length that cannot be
+    checked) says how to silence it: a `warnings` filter on `SchedulerHorizonWarning` (a `PossibleUserWarning`),
+    which silences nothing else (another `PossibleUserWarning` still comes)."""
+    said = "cannot be known at its start" if budget else "is sized for 2 steps, but this fit takes 3"
+    warned = [w for w in horizon_fit(adapter, budget, silenced=False) if w.category is SchedulerHorizonWarning]
+    assert len(warned) == 1 and "CosineAnnealingLR" in str(warned[0].message) and said in str(warned[0].message)
+    assert "category=lightning_accum.SchedulerHorizonWarning" in str(warned[0].message)
+    assert isinstance(warned[0].message, PossibleUserWarning) and isinstance(warned[0].message, UserWarning)
+    seen = horizon_fit(adapter, budget, silenced=True)
+    assert not [w for w in seen if issubclass(w.category, SchedulerHorizonWarning)]
+    assert [str(w.message) for w in seen if w.category is PossibleUserWarning] == ["another possible user warning"]

@@ -102,6 +102,10 @@ def test_one_graph_alive_at_a_time() -> None:
         (lambda: backward_each(lambda loss: None, [lambda: torch.ones(())], weights=[math.nan]), "finite numbers"),
         (lambda: backward_heads(lambda loss: None, torch.ones(3, requires_grad=True), []), "`heads` is empty"),
         (lambda: backward_heads(lambda loss: None, torch.ones(3), []), "`features` must be the trunk's output"),
+        (  # (a frozen trunk's output: no graph either, the fix named)
+            lambda: backward_heads(lambda loss: None, torch.nn.Linear(3, 2).requires_grad_(False)(torch.ones(3)), []),
+            r"nothing to train .* `acc.backward\(sum\(...\)\)`",
+        ),
     ],
 )
 def test_errors(call: object, match: str) -> None:

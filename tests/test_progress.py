@@ -202,16 +202,6 @@ def fit_totals(bar: Any, schedule: Any, data: TokenData, **kwargs: Any) -> Total
 
 
 @pytest.mark.parametrize("kind", ["tqdm", "rich"])
-def test_a_total_worked_out_from_k_counts_a_short_last_window(kind: str) -> None:
-    """A schedule the walk cannot know (``Lambda``) gives k = 3 for 16 batches: 5 windows of 3 and one of 1, 6 steps
-    by hand; the total worked out from k (the batches left over k, rounded up) is 6 from the start."""
-    seen = fit_totals(BARS[kind]("steps"), Lambda(lambda p: 3), DATA)
-    assert expected(seen, "steps") == [6, 6]
-    for epoch in seen.epochs:
-        assert epoch["first_total"] == 6 and set(epoch["totals"]) == {6}
-
-
-@pytest.mark.parametrize("kind", ["tqdm", "rich"])
 def test_a_budgets_total_follows_the_windows_mean_size_capped_by_max_k(kind: str) -> None:
     """Under a ``Budget`` of items the total is worked out from the windows' mean size so far, at most ``max_k``.
     Every batch here holds 10 tokens: ``Budget(20, max_k=4)`` closes every window after 2 batches, 8 windows an epoch
@@ -223,6 +213,14 @@ def test_a_budgets_total_follows_the_windows_mean_size_capped_by_max_k(kind: str
     first, second = seen.epochs
     assert first["first_total"] >= 8 and first["totals"][1:] == [8] * 15
     assert second["first_total"] == 8 and second["totals"] == [8] * 16
+
+
+def test_an_estimated_total_counts_the_short_last_window_as_a_step() -> None:
+    """Where the walk cannot know the windows (a function reading the items a ``count`` gives), the epoch's total is
+    estimated from the next window's k: 16 batches in windows of 3 are 6 steps, the last window's one batch a step of
+    its own (the estimate rounds up)."""
+    seen = fit(StepProgressBar("steps"), Lambda(lambda p: 3 + 0 * p.items), count=count_tokens)
+    assert [e["first_total"] for e in seen.epochs] == expected(seen, "steps") == [6, 6]
 
 
 @pytest.mark.parametrize("kind", ["tqdm", "rich"])

@@ -143,3 +143,59 @@ def test_a_param_group_added_mid_fit_is_summed_in_float32(adapter: str) -> None:
     assert all(relative(g, w) <= 1.1 * o for g, w, o in zip(got, want, once, strict=True)), [
         relative(g, w) / o for g, w, o in zip(got, want, once, strict=True)
     ]
+
+
+class TwoOptimizers(AccumulationMixin, pl.LightningModule):
+    """A window per optimizer, each optimizer's pass run with the other's parameters frozen by ``toggle_optimizer``
+    (Lightning's way for a GAN's two optimizers)."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = net()
+        self.seen: list[list[Tensor]] = [[], []]  # each optimizer's window gradients, as it steps
+        self.configure_accumulation(K, grad_accum_dtype=dtype, log=False)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        for i, optimizer in enumerate(self.optimizers()):  # type: ignore[arg-type]
+            self.toggle_optimizer(optimizer)
+            with self.accumulate(batch, optimizer=i) as acc:
+                acc.backward(nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+            self.untoggle_optimizer(optimizer)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        opts = [torch.optim.SGD(self.net[i].parameters(), lr=0.0) for i in (0, 2)]
+        for i, opt in enumerate(opts):
+            opt.register_step_post_hook(lambda o, *_, i=i: self.seen[i].append(self._grads(o)))  # (SGD at lr 0)
+        return opts
+
+    @staticmethod
+    def _grads(optimizer: torch.optim.Optimizer) -> Tensor:
+        return torch.cat([p.grad.detach().double().flatten() for p in optimizer.param_groups[0]["params"]])
+
+
+def test_parameters_toggled_off_between_their_passes_stay_summed_in_float32() -> None:
+    """Each optimizer's window (mixin, ``toggle_optimizer`` around each pass) has its gradient within 1.1x one rounding
+    of the float64 value formed by hand: the parameters frozen for the other optimizer's passes stay in the float32
+    sums (they were left to bf16 ``.grad`` from the second micro-batch of a window on)."""
+    x, y = data()
+    model = TwoOptimizers(torch.float32)
+    trainer = pl.Trainer(
+        max_epochs=1, precision="bf16-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    reference = net().to(torch.bfloat16)
+    total = [torch.zeros(64 * 17, dtype=torch.float64), torch.zeros(65, dtype=torch.float64)]
+    for j in range(K):
+        reference.zero_grad()
+        nn.functional.mse_loss(reference(x[4 * j : 4 * j + 4].bfloat16()), y[4 * j : 4 * j + 4].bfloat16()).backward()
+        for i, layer in enumerate((reference[0], reference[2])):
+            total[i] += torch.cat([p.grad.double().flatten() for p in layer.parameters()])  # type: ignore[union-attr]
+    for i in (0, 1):
+        want = total[i] / K
+        (got,) = model.seen[i]
+        once = relative(want.to(torch.bfloat16).double(), want)
+        assert relative(got, want) <= 1.1 * once, (i, relative(got, want) / once)

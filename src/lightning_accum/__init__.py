@@ -20,7 +20,7 @@ Example:
 from lightning_accum import lr
 from lightning_accum._core.errors import NonFiniteWindowError
 from lightning_accum._trainer.reporting import WindowReport
-from lightning_accum._trainer.steps import estimated_stepping_batches
+from lightning_accum._trainer.steps import SchedulerHorizonWarning, estimated_stepping_batches
 from lightning_accum.callbacks import AccumulationScheduler, GradientDecay
 from lightning_accum.fabric import FabricAccumulator
 from lightning_accum.mixin import AccumulationMixin, Accumulator
@@ -45,6 +45,7 @@ __all__ = [
     "Progress",
     "Ramp",
     "Schedule",
+    "SchedulerHorizonWarning",
     "WindowReport",
     "__version__",
     "estimated_stepping_batches",

@@ -52,11 +52,16 @@ Callback = pl.Callback
 LightningModule = pl.LightningModule
 Trainer = pl.Trainer
 rank_zero_warn = pl.utilities.rank_zero_warn
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+else:  # (the namespace's own: a filter on Lightning's category, from either namespace, catches ours)
+    PossibleUserWarning = pl.utilities.warnings.PossibleUserWarning
 extract_batch_size = pl.utilities.data.extract_batch_size
 
 __all__ = [
     "Callback",
     "LightningModule",
+    "PossibleUserWarning",
     "Trainer",
     "builtin_callbacks",
     "extract_batch_size",

@@ -102,7 +102,9 @@ def backward_heads(
     if not isinstance(features, Tensor) or not features.requires_grad:
         raise ValueError(
             "`features` must be the trunk's output tensor, with its graph (it does not require grad); "
-            "pass the trunk's output before any `.detach()`."
+            "pass the trunk's output before any `.detach()`. A trunk with nothing to train (every parameter frozen, "
+            "as before `BaseFinetuning` unfreezes it) gives no graph either, which cannot be told from a detached "
+            "one: back-propagate the heads' losses with `acc.backward(sum(...))` (or `backward_each`) while it is."
         )
     ws = _weights(weights, len(heads), "heads")
     leaf = features.detach().requires_grad_(True)

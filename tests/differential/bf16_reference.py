@@ -2,16 +2,20 @@
 in plain torch, sharing no code with the package.
 
 The model runs in bf16, as the precision makes it: the parameters rounded to bf16 once; the batch converted as
-Lightning's ``bf16-true`` converts it (every float tensor to bf16) or, in the Fabric loop, the user's float32 data
-with Fabric's module converting its input to bf16 and its output to float32. Each micro-batch's loss is the user's
-(the runners' code, written again here) and its backward passes are the adapter's documented ones: one per loss, or
-one per closure (``backward_each``), per head and one for the shared trunk with the heads' summed feature gradient
-(``backward_heads``), per part (``backward_microbatches``, ``microbatch_size``), per Fabric pass. Each pass's loss
-reaches backward weighted as the docs say, in the same order of the two roundings the adapter makes: Lightning
-divides what ``training_step`` returns by the window's divisor and the callback weights a mean by ``count(batch)``
-on that; the mixin and Fabric weigh a mean by its count, then divide by the divisor; a part of a batch (pieces,
-``backward_microbatches``) is weighted by its share of the samples. The divisor is the window's k without
-``grad_accum_dtype`` (1 for a ``Budget``'s windows), 1 with it ("each loss reaches backward undivided").
+Lightning's ``bf16-true`` converts it (every float tensor to bf16) or, in the Fabric loop, the user's float32 data with
+Fabric's module converting its input to bf16 and its output to float32. Each micro-batch's loss is the user's (the
+runners' code, written again here) and its backward passes are the adapter's documented ones: one per loss, or one per
+closure (``backward_each``), per head and one for the shared trunk with the heads' summed feature gradient
+(``backward_heads``), per part (``backward_microbatches``, ``microbatch_size``), per Fabric pass. A pass has a weight: a
+mean over items its count (``count(batch)``, ``items=``), a part of a batch (pieces, ``backward_microbatches``) its
+share of the samples. Without ``grad_accum_dtype`` the weight is on the bf16 loss, in the order of the two roundings the
+adapter makes: Lightning divides what ``training_step`` returns by the window's divisor and the callback weights a mean
+by ``count(batch)`` on that; the mixin and Fabric weigh a mean by its count, then divide by the divisor; a part is
+weighted by its share, then divided. The divisor is the window's k (1 for a ``Budget``'s windows). With
+``grad_accum_dtype`` the loss reaches backward unweighted, divided by the power of two at or above k (``precision.md``:
+a bf16 gradient scaled exactly, so the reference divides by 1 and leaves the whole division to the window's close), and
+the weight multiplies the pass's gradient as it joins the window's sum (``Sums.harvest``: exactly, in float64; the
+package, in float32). ``backward_heads``' task ``weights=`` stay on the loss (the runners pass none).
 
 Then the window's gradient:
 
@@ -111,11 +115,27 @@ def backward(net: nn.Module, loss: Tensor, nothing: bool, retain_graph: bool = F
 Pass = Callable[[], None]  # runs one backward pass (its gradient accumulated into `.grad`)
 
 
-def _weighted(loss: Tensor, weight: Tensor | int | None, divisor: int, divide_first: bool) -> tuple[Tensor, bool]:
+#: with ``grad_accum_dtype``: the weight of the pass under way, which ``Sums.harvest`` puts on its gradients
+WEIGHT: list[float] = []
+
+
+def _on_gradient(weight: Tensor | float) -> None:
+    """With ``grad_accum_dtype``: the pass under way is weighted by ``weight`` on its gradient, not its loss."""
+    WEIGHT[:] = [float(weight)]
+
+
+def _weighted(
+    c: Config, loss: Tensor, weight: Tensor | int | None, divisor: int, divide_first: bool
+) -> tuple[Tensor, bool]:
     """A pass's loss as it reaches backward, and whether it adds nothing: a mean weighted by its count (``weight``;
     0: nothing) and divided by the window's divisor, in the adapter's order: Lightning divides ``training_step``'s
-    return first (``divide_first``), the mixin and Fabric weigh first."""
+    return first (``divide_first``), the mixin and Fabric weigh first. With ``grad_accum_dtype`` the weight goes on
+    the pass's gradients (``_on_gradient``)."""
     nothing = weight is not None and not bool(weight != 0)
+    if c.grad_accum_dtype is not None:
+        if weight is not None:
+            _on_gradient(weight)
+        return loss / divisor, nothing
     if divide_first:
         loss = loss / divisor
         return (loss if weight is None else loss * weight), nothing
@@ -178,11 +198,20 @@ def callback_passes(c: Config, net: nn.Module, batch: dict[str, Tensor], divisor
             loss = callback_loss(c, net, part, None)
             weight = count(part) if mean_items else None
             if c.normalize == "mean" and (start, stop) != (0, samples):
-                loss = loss * ((stop - start) / samples)
-            backward(net, *_weighted(loss, weight, divisor, divide_first=True))
+                loss = _share(c, loss, (stop - start) / samples)
+            backward(net, *_weighted(c, loss, weight, divisor, divide_first=True))
 
         passes.append(run)
     return passes
+
+
+def _share(c: Config, loss: Tensor, share: float) -> Tensor:
+    """A part's loss weighted by its share of the batch's samples: on the loss, or with ``grad_accum_dtype`` on the
+    part's gradients (``_on_gradient``)."""
+    if c.grad_accum_dtype is None:
+        return loss * share
+    _on_gradient(share)
+    return loss
 
 
 def _parts(c: Config, out: Tensor, batch: dict[str, Tensor], by_reduction: bool) -> list[Tensor]:
@@ -219,7 +248,7 @@ def mixin_passes(
                 loss = total / n
             else:
                 loss, weight = total, None
-            backward(net, *_weighted(loss, weight, divisor, divide_first=False))
+            backward(net, *_weighted(c, loss, weight, divisor, divide_first=False))
 
         passes.append(run)
     elif c.mode == "each":
@@ -228,7 +257,7 @@ def mixin_passes(
 
             def run(i: int = i) -> None:
                 loss = _parts(c, outputs(c, net, b["x"]), b, by_reduction)[i]
-                backward(net, *_weighted(loss, weight, divisor, divide_first=False))
+                backward(net, *_weighted(c, loss, weight, divisor, divide_first=False))
 
             passes.append(run)
     elif c.mode == "heads":
@@ -245,7 +274,7 @@ def mixin_passes(
                 if i == 0:
                     trunk()
                 loss = _parts(c, net[2](state["leaf"]), b, by_reduction)[i]
-                backward(net, *_weighted(loss, weight, divisor, divide_first=False))
+                backward(net, *_weighted(c, loss, weight, divisor, divide_first=False))
 
             passes.append(head)
 
@@ -254,6 +283,8 @@ def mixin_passes(
             if grad is not None:
                 if weight is not None and not bool(weight != 0):
                     grad = torch.zeros_like(grad)
+                if weight is not None and c.grad_accum_dtype is not None:  # (the heads' passes were not weighted)
+                    _on_gradient(weight)
                 torch.autograd.backward(state["features"], grad_tensors=grad)
             state.clear()
 
@@ -275,10 +306,10 @@ def mixin_passes(
                     loss = err.sum()
                 if whole is not None:
                     weight = whole if samples <= 2 else count(part)
-                    backward(net, *_weighted(loss, weight, divisor, divide_first=False))
+                    backward(net, *_weighted(c, loss, weight, divisor, divide_first=False))
                 else:
                     if c.normalize == "mean" and samples > 2:
-                        loss = loss * ((stop - start) / samples)
+                        loss = _share(c, loss, (stop - start) / samples)
                     backward(net, loss / divisor, False)
 
             passes.append(part_pass)
@@ -356,7 +387,8 @@ def cached_passes(
         blocks = [slice(None)] if c.loss_chunk is None else [slice(s, min(s + c.loss_chunk, n)) for s in
                                                              range(0, n, c.loss_chunk)]  # fmt: skip
         for rows in blocks:
-            loss, _ = _weighted(loss_fn(leaves[0], leaves[1], g, rows), weight, divisor, divide_first=False)
+            loss, _ = _weighted(c, loss_fn(leaves[0], leaves[1], g, rows), weight, divisor, divide_first=False)
+            WEIGHT.clear()  # (the leaves are no parameters: the weight goes on each replay's gradients)
             loss.backward()
         state["grads"] = [leaf.grad for leaf in leaves]
 
@@ -370,6 +402,8 @@ def cached_passes(
                     return
                 again = encode(i, start, stop, width)
                 cached = torch.zeros_like(again) if nothing else grad[start:stop].to(again.dtype)
+                if weight is not None and c.grad_accum_dtype is not None:
+                    _on_gradient(weight)
                 torch.autograd.backward([again], grad_tensors=[cached])
 
             passes.append(replay)
@@ -401,7 +435,7 @@ def fabric_passes(c: Config, net: nn.Module, batch: dict[str, Tensor], divisor: 
                 loss = total / err.numel()
             else:
                 loss = total / b["mask"].sum() if c.reduction == "mean" else total
-            backward(net, *_weighted(loss, weight, divisor, divide_first=False), retain_graph=i < c.passes - 1)
+            backward(net, *_weighted(c, loss, weight, divisor, divide_first=False), retain_graph=i < c.passes - 1)
             if i == c.passes - 1:
                 state.clear()
 
@@ -458,11 +492,12 @@ class Sums:
         self.terms = 0
 
     def harvest(self, params: Sequence[Tensor]) -> None:
-        """After a pass: its gradients (``.grad``) into the sums, and ``.grad`` let go."""
+        """After a pass: its gradients (``.grad``), times its weight (``WEIGHT``), into the sums; ``.grad`` let go."""
         self.terms += 1
+        weight = WEIGHT.pop() if WEIGHT else 1.0
         for p in params:
             if p.grad is not None:
-                g = p.grad.double()
+                g = p.grad.double() * weight
                 self.sums[id(p)] = self.sums[id(p)] + g if id(p) in self.sums else g
                 self.spread[id(p)] = self.spread[id(p)] + g.abs() if id(p) in self.spread else g.abs()
                 p.grad = None

@@ -335,6 +335,24 @@ CASES: dict[str, dict[str, Any]] = {
     "budget_zero_count_window_lr_scaling": {
         "count": True, "n": 16, "batch_size": 4, "empty_batches": [1, 2], "lr_scaling": "linear",
         "schedule": {"family": "budget", "n": 6, "unit": "items", "max_k": 2}},
+    # issue 53, item 4: a param group joining during the fit (`unfreeze`) beside a resume, `GradientDecay`, SWA, two
+    # optimizers and the mixin. Found: a checkpoint inside a window written before the group joined, resumed at the
+    # batch it joins at, refused its own partial gradient ("holds gradients for 2 parameters but the optimizer has
+    # 4"); and a `GradientDecay` residual taken before the join, in a checkpoint written after it (the optimizer with
+    # the group), refused the same way as the fit resumed
+    "unfreeze_resumed_at_the_join": {"n": 8, "batch_size": 2, "schedule": {"family": "constant", "k": 3},
+                                     "unfreeze": [0, 2], "interruptions": [["save", 0, 1]]},
+    "unfreeze_decay_resumed_after_the_join": {"n": 24, "schedule": {"family": "constant", "k": 3},
+                                              "decay": [0.5, "ema", True], "unfreeze": [0, 4],
+                                              "interruptions": [["save", 0, 4]], "optimizer": "momentum"},
+    "unfreeze_mixin_decay_resumed": {"adapter": "mixin", "mode": "microbatches", "n": 24,
+                                     "schedule": {"family": "constant", "k": 3}, "decay": [0.9, "sum", False],
+                                     "unfreeze": [0, 4], "interruptions": [["on_after_backward", 1, 2]]},
+    "unfreeze_mixin_two_optimizers": {**_ITEMS, "adapter": "mixin", "mode": "each", "optimizers": 2, "shared": True,
+                                      "n": 24, "schedule": {"family": "constant", "k": 2}, "optimizer": "adam",
+                                      "lr": 0.01, "unfreeze": [0, 3], "interruptions": [["save", 0, 4]]},
+    "unfreeze_before_swa": {"n": 24, "epochs": 3, "swa": [0.05, 2], "schedule": {"family": "constant", "k": 2},
+                            "unfreeze": [0, 3], "decay": [0.5, "sum", False]},
     # issue 51: `precision="bf16-true"`, with `grad_accum_dtype="float32"` (`_WIDE`: each window's gradient the exact
     # one rounded to bf16 once, bar float32's ties) and without it (`_BF16`: bf16 sums in `.grad`, bit for bit), in
     # every adapter and backward form, each step's gradient compared before clipping (`bf16_reference.py`). Found:

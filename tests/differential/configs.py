@@ -260,7 +260,42 @@ def generate(rng: random.Random) -> Config:
     _batchnorm(c)
     _budget(c)
     _bf16(c)
+    _unfreeze(c)
     return c
+
+
+def _unfreeze(c: Config) -> None:
+    """The first layer frozen till a batch where it joins the first optimizer as a param group of its own
+    (``unfreeze``, `_lightning_code`) where that leaves it out (issue 53): with a resume (failures and checkpoints,
+    one written after the join holding the group), ``GradientDecay`` (a residual from the window after the join
+    on), SWA (joining before SWA's first epoch: Lightning's `StochasticWeightAveraging` makes its `SWALR`'s per-group
+    lists as that epoch starts, and a group added after it has none, package or not), two optimizers sharing a window
+    (the first layer joins the first, which holds the BatchNorm layer's parameters or the last layer's bias till
+    then: an optimizer of nothing is refused by torch) and the mixin (every mode; `backward_heads` where the trunk has
+    something to train before the join, its BatchNorm layer: a trunk of frozen layers gives features without a graph,
+    which the package refuses as it cannot be told from a `.detach()`, naming the fix); drawn from a generator of the
+    configuration's own, after the others (their draws stay as they were). Not: in a Fabric loop (the helper's param
+    groups have unit tests), on several ranks, under bf16 (`_bf16`'s reference), with a window per optimizer (the
+    reference's `_each` forms no join), `NoiseScale` or AdaScale (`_noise`), a plateau (its per-group list) or
+    `LearningRateMonitor` (its names, made at the start), nor a refit (a new fit's optimizer is made again)."""
+    rng = random.Random(f"unfreeze/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
+    if c.unfreeze is not None or rng.random() >= 0.2:
+        return
+    if c.adapter not in ("callback", "mixin") or c.plain or c.world > 1 or c.bf16 or c.refit is not None:
+        return
+    plateau = (c.scheduler or {}).get("kind") == "plateau"
+    if c.schedule["family"] == "noise" or c.lr_scaling == "adascale" or plateau or c.windows == "each":
+        return
+    if c.optimizers == 2 and not c.shared and c.batchnorm is None:
+        return
+    if c.mode == "heads" and c.batchnorm is None:  # (a trunk with nothing to train: `backward_heads` refuses it)
+        return
+    epochs = range(c.epochs) if c.swa is None else range(int(c.swa[1]) - 1)  # (before SWA's first epoch)
+    batches = [b for b in range(c.batches_per_epoch()) if c.adapter != "mixin" or b not in c.skip]
+    joins = [[epoch, b] for epoch in epochs for b in batches]
+    if joins:
+        c.unfreeze = rng.choice(joins)
+        c.callbacks = [name for name in c.callbacks if name != "lr_monitor"]
 
 
 def _budget(c: Config) -> None:
@@ -298,29 +333,28 @@ def _budget(c: Config) -> None:
 def _bf16(c: Config) -> None:
     """``precision="bf16-true"`` (issue 51) in about 15% of the configurations, half of them with
     ``grad_accum_dtype="float32"``, drawn from a generator of the configuration's own (the other configurations' draws
-    stay as they were), in every adapter and with every other option where the bf16 reference follows the package
-    bit for bit (``bf16_reference.py``). Not drawn beside ``NoiseScale`` or AdaScale (their statistics are continuous
-    functions of the gradients in the package's own float arithmetic, which no bit-exact reference can follow). Left
-    out under bf16: ``GradientDecay`` (its bf16 residual is being reworked), BatchNorm's
-    ``"window"`` statistics (pooled in the package's own arithmetic: ``"micro-batch"`` instead, torch's own update,
-    with its restrictions, ``_batchnorm``), a monitor on ``accum/loss`` (a report of the losses as they reached
-    backward: the probe instead). Lightning's own loop (``plain``) has no ``grad_accum_dtype`` to take."""
+    stay as they were), in every adapter and with every other option where the bf16 reference follows the package bit
+    for bit (``bf16_reference.py``). Not drawn beside ``NoiseScale`` or AdaScale (their statistics are continuous
+    functions of the gradients in the package's own float arithmetic, which no bit-exact reference can follow). Left out
+    under bf16: ``GradientDecay`` (with the option its residual is carried in float32 from step to step, in the
+    package's own arithmetic: ``tests/test_wide_decay.py`` holds it to float64), BatchNorm's ``"window"`` statistics
+    (pooled in the package's own arithmetic: ``"micro-batch"`` instead, torch's own update, with its restrictions,
+    ``_batchnorm``; and with them issue 53's forwards without a backward, drawn only beside them), a monitor on
+    ``accum/loss`` (a report of the losses as they reached backward: the probe instead). Lightning's own loop
+    (``plain``) has no ``grad_accum_dtype`` to take."""
     rng = random.Random(f"bf16/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}/{len(c.interruptions)}")
     if rng.random() >= 0.24:
         return
     if c.schedule["family"] == "noise" or c.lr_scaling == "adascale":
         return
     c.precision = "bf16-true"
-    rng.random()  # (the option's draw, kept so that the other draws stay as they were)
-    # PENDING: `grad_accum_dtype="float32"` is not drawn until `bf16_reference.py` follows the rule as it landed after
-    # it was written (each loss divided by the power of two at or above k, a pass's weight taken on its gradient in
-    # float32 rather than on the bf16 loss; and single elements one bf16 step outside its tie bound, still unexplained)
-    c.grad_accum_dtype = None
-    c.skip_forward = False  # (issue 53's forwards without a backward: not in the bf16 reference yet)
+    if not c.plain and rng.random() < 0.5:
+        c.grad_accum_dtype = "float32"
     c.decay = None
     c.monitor = "probe"
     if c.batchnorm == "window":
         c.batchnorm = "micro-batch"
+        c.skip_forward = False  # (drawn only beside "window": under "micro-batch" its forward is torch's own update)
         c.interruptions = [i for i in c.interruptions if i[0] in FORWARD_ONCE]
         c.fail_piece = 0
         c.refit = None

@@ -148,6 +148,23 @@ class _Base(pl.LightningModule):
         super().__init__()
         self.c, self.data = c, data
         self.net = make_net(c.seed, c)
+        self.joined = False  # (`unfreeze`: whether the first layer joined the first optimizer)
+        if c.unfreeze is not None:  # (frozen, and outside the optimizer, until `on_train_batch_start` of its batch)
+            self.net[0].requires_grad_(False)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.c.unfreeze is not None and not self.joined and [self.current_epoch, batch_idx] == list(self.c.unfreeze):
+            self.joined = True  # (as `BaseFinetuning.unfreeze_and_add_param_group` does)
+            self.net[0].requires_grad_(True)
+            optimizer = self.optimizers()
+            first = optimizer[0] if isinstance(optimizer, list) else optimizer
+            first.optimizer.add_param_group({"params": list(self.net[0].parameters())})  # type: ignore[union-attr]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint written after the join holds the first optimizer with the group (as `BaseFinetuning` keeps
+        its groups' record): the optimizers are made with it (`configure_optimizers`) before their state is loaded."""
+        if self.c.unfreeze is not None:
+            self.joined = len(checkpoint["optimizer_states"][0]["param_groups"]) > 1
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.log("val", micro_loss(self.net, batch)[0], batch_size=len(batch["x"]))
@@ -164,6 +181,9 @@ class _Base(pl.LightningModule):
         if self.c.estimate:  # (sets the training loader up: a resumed epoch must still continue where it stopped)
             self.estimated = la.estimated_stepping_batches(self.trainer)
         opts = make_optimizers(self.c, self.net)
+        if self.joined:  # (resumed after the join: the group given back before Lightning loads the optimizer's state)
+            self.net[0].requires_grad_(True)
+            opts[0].add_param_group({"params": list(self.net[0].parameters())})
         sched = make_scheduler(self.c, opts[0])
         if sched is None:
             return opts
@@ -193,13 +213,6 @@ class Automatic(_Base):
     def __init__(self, c: Config, data: Data) -> None:
         super().__init__(c, data)
         self.calls: dict[tuple[int, int], int] = {}  # `training_step` calls per batch (one per piece)
-        if c.unfreeze is not None:  # (frozen, and outside the optimizer, until `on_train_batch_start` of its batch)
-            self.net[0].requires_grad_(False)
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.c.unfreeze is not None and [self.current_epoch, batch_idx] == list(self.c.unfreeze):
-            self.net[0].requires_grad_(True)  # (as `BaseFinetuning.unfreeze_and_add_param_group` does)
-            self.optimizers().optimizer.add_param_group({"params": list(self.net[0].parameters())})  # type: ignore[union-attr]
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
         here = (self.current_epoch, batch_idx)

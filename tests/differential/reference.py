@@ -105,12 +105,13 @@ def make_optimizer(c: Config, params: Any) -> torch.optim.Optimizer:
 def make_optimizers(c: Config, net: nn.Module) -> list[torch.optim.Optimizer]:
     """One optimizer; or two (the mixin): the first layers' and the last's, and with ``shared`` the first
     holds the last layer's bias too."""
-    if c.unfreeze is not None:  # (the first layer joins as a param group of its own at `c.unfreeze`)
-        return [make_optimizer(c, [*net[1].parameters(), *net[2].parameters()])]
+    if c.unfreeze is not None and c.optimizers == 1:  # (the first layer joins as a param group of its own at
+        return [make_optimizer(c, [*net[1].parameters(), *net[2].parameters()])]  # `c.unfreeze`)
     if c.optimizers == 1:
         return [make_optimizer(c, net.parameters())]
-    # (`net[1]`: the BatchNorm layer's weight and bias where the net has one, with the first layer's)
-    first, last = [*net[0].parameters(), *net[1].parameters()], list(net[2].parameters())
+    # (`net[1]`: the BatchNorm layer's weight and bias where the net has one, with the first layer's; with `unfreeze`
+    # the first layer joins the first optimizer at `c.unfreeze`)
+    first, last = [*([] if c.unfreeze else net[0].parameters()), *net[1].parameters()], list(net[2].parameters())
     return [make_optimizer(c, first + (last[1:] if c.shared else [])), make_optimizer(c, last)]
 
 
@@ -393,7 +394,7 @@ def _run(
     p = {"epoch": 0, "step": 0, "samples": 0, "items": 0, "scaled_steps": 0.0}
     noise = NoiseReference(c)  # `NoiseScale` and AdaScale's estimates (a refit's go on)
     first_k: int | None = None
-    residual: list[Tensor] | None = None
+    residual: list[Tensor | None] | None = None
     lrs: list[list[float]] = []
     best, wait = math.inf, 0  # EarlyStopping(monitor=c.monitor, patience=1)
     last_loss: float | None = None  # the last stepped window's loss (`accum/loss`)
@@ -537,20 +538,24 @@ def _run(
             if noise.active:  # the window's own gradient, before the decay's residual joins it
                 with bn.untouched():
                     noise.measure(net, window, c.world, guide, piece(c))
-            if c.decay is not None:
+            if c.decay is not None:  # (a parameter without a gradient, frozen till `unfreeze`, has no residual)
                 f, mode, bias = c.decay
                 for j, prm in enumerate(net.parameters()):
+                    if prm.grad is None:
+                        continue
                     g = prm.grad if mode == "sum" else (1 - f) * prm.grad
-                    prm.grad = g if residual is None else g + f * residual[j]
+                    kept = None if residual is None else residual[j]
+                    prm.grad = g if kept is None else g + f * kept
                 if bias:
                     for prm in net.parameters():
-                        prm.grad = prm.grad / (1 - f ** (p["step"] + 1))
+                        if prm.grad is not None:
+                            prm.grad = prm.grad / (1 - f ** (p["step"] + 1))
             for opt in opts:  # in order; each clips its own parameters, in place
                 _step(c, opt, factor, lrs)
             if c.decay is not None:
                 f, _, bias = c.decay
                 correction = 1 - f ** (p["step"] + 1) if bias else 1.0
-                residual = [prm.grad.clone() * correction for prm in net.parameters()]
+                residual = [None if prm.grad is None else prm.grad.clone() * correction for prm in net.parameters()]
             last_loss = float(loss)
             ema = _ema(c, net, ema)
             p["step"] += 1

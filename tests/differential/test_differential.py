@@ -30,20 +30,7 @@ def test_sample_agrees_with_the_reference(chunk: int) -> None:
     assert not diverged, "\n".join(diverged)
 
 
-# `grad_accum_dtype="float32"` cases the bf16 reference does not follow yet (`configs._bf16`: PENDING): it weights a
-# pass's loss before backward where the package now weights its gradient in float32, and a plain window can land one
-# bf16 step outside its tie bound; strict, so that the reference catching up shows here
-PENDING = {
-    "bf16_wide_callback_auto_redone_window", "bf16_wide_callback_pieces_resumed", "bf16_wide_fabric_two_passes_resaved",
-    "bf16_wide_mixin_heads_token_means", "bf16_wide_mixin_windows_of_their_own",
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="bf16 reference: PENDING")) if n in PENDING else n
-     for n in sorted(CASES)],
-)  # fmt: skip
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_regression_case(name: str) -> None:
     assert check(case(name)) == []
 

@@ -314,3 +314,80 @@ def test_fsdp2_sync_batchnorm_union_and_plain_batchnorm_per_rank(tmp_path: Path)
     BatchNorm each rank its own window statistics (exact, as under DDP with ``broadcast_buffers=False``)."""
     reports = fit_ranks(tmp_path, ShardedModel(tmp_path), ForkedModelParallel(), precision="32-true")
     check_union_and_own(reports, reference(windows(1), None))
+
+
+# ---------------------------------------------------------------------- plain BatchNorm's "rank 0's statistics"
+SAVE_AT = 4  # (the batch after which every rank saves: inside the second window, after 2 of its micro-batches)
+
+
+class ResumableRankData(RankData):
+    """``RankData`` that resumes after the batches Lightning processed (its state in the checkpoint)."""
+
+    trainer: pl.Trainer | None = None
+    skip = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        skip, self.skip = self.skip, 0
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        assert self.trainer is not None
+        return {"consumed": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["consumed"]
+
+
+class SaveInside(pl.Callback):
+    def __init__(self, path: Path | None, data: ResumableRankData) -> None:
+        self.path, self.data = path, data
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.data.trainer = trainer
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.path is not None and trainer.fit_loop.epoch_loop.batch_idx == SAVE_AT:
+            trainer.save_checkpoint(self.path)  # (every rank: the `SyncBatchNorm` union is gathered; rank 0 writes)
+
+
+def test_ddp_plain_batchnorm_is_rank_0s_in_the_checkpoint_and_after_a_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guide's "rank 0's statistics" under DDP with ``broadcast_buffers=True``: the checkpoint rank 0 writes
+    inside a window holds rank 0's last window's statistics (and rank 0's part of the open window's); resumed on 2
+    ranks, rank 0 ends with the statistics of its own windows (the uninterrupted fit's), and rank 1, which loaded
+    rank 0's part of the open window, with rank 0's closed window updated by that part and its own micro-batch after
+    it. ``SyncBatchNorm`` beside it ends with the union's. Against the float64 single-batch updates by hand."""
+    monkeypatch.setattr(nn.parallel.DistributedDataParallel, "_passing_sync_batchnorm_handle", lambda *a: None)
+    path = tmp_path / "inside.ckpt"
+
+    def fit(save: Path | None, resume: Path | None) -> list[dict[str, Any]]:
+        data = ResumableRankData()
+        t = trainer(
+            callbacks=[AccumulationScheduler(K, batchnorm="window"), SaveInside(save, data)], max_epochs=1,
+            devices=WORLD, use_distributed_sampler=False, precision="64-true",
+            strategy=DDPStrategy(start_method="fork", process_group_backend="gloo", broadcast_buffers=True),
+        )  # fmt: skip
+        t.fit(Model(tmp_path), data, ckpt_path=resume)
+        return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+    full = fit(path, None)
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    first = reference(windows(0)[:1], None)  # rank 0's first window, and the last closed when the checkpoint is written
+    in_file = torch.cat([saved[f"net.plain.{b}"].double().view(-1) for b in ("running_mean", "running_var")])
+    assert float((in_file - first[:-1]).abs().max()) <= 1e-12 and int(saved["net.plain.num_batches_tracked"]) == 1
+    resumed = fit(None, path)
+    own = reference(windows(0), None)
+    start = nn.BatchNorm1d(2, momentum=None).double()
+    with torch.no_grad():
+        start(torch.cat(windows(0)[0]))
+    loaded_part = reference([[X[0][3], X[0][4], X[1][5]]], None, start=start)  # rank 0's part, rank 1's rest
+    union = reference(windows(None), 0.1)
+    for run in (full, resumed):
+        assert float((torch.tensor(run[0]["plain"], dtype=torch.float64) - own).abs().max()) <= 1e-12
+        for report in run:
+            assert float((torch.tensor(report["sync"], dtype=torch.float64) - union).abs().max()) <= 1e-12
+    assert float((torch.tensor(resumed[1]["plain"], dtype=torch.float64) - loaded_part).abs().max()) <= 1e-12
+    assert float((loaded_part - own).abs().max()) > 1e-3  # (rank 1's differs: till its next forward)

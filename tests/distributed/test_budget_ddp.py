@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from test_fabric_fsdp2 import SCATTERS, SHARDED_LAYERS, ForkedModelParallel
 from test_fabric_fsdp2 import train as fsdp2_train
 
 from lightning_accum import AccumulationScheduler, Budget
+from lightning_accum._trainer import fit_checks
 
 from helpers import (
     KRecorder,
@@ -148,3 +150,50 @@ def test_fsdp2_in_a_fabric_loop_equals_the_reference(tmp_path: Path, monkeypatch
         assert max_diff([torch.tensor(p, dtype=torch.float64) for p in params], expected) <= 1e-12
         assert steps == len(sizes)
         assert scatters == SHARDED_LAYERS * len(sizes)
+
+
+# ------------------------------------------------------------------ a rank whose data runs out first
+def recording(out: Path) -> Any:
+    """``refuse_uneven_budget_data`` that writes, on each rank, what it raised and the steps taken (a rank runs in a
+    child process, where Lightning's launcher calls no ``on_exception``)."""
+    check = fit_checks.refuse_uneven_budget_data
+
+    def wrapped(trainer: pl.Trainer, schedule: object, owner: str) -> None:
+        try:
+            check(trainer, schedule, owner)
+        except RuntimeError as error:
+            report = {"error": str(error), "step": trainer.global_step}
+            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+            raise
+
+    return wrapped
+
+
+@pytest.mark.parametrize("adapter", ["callback", "mixin"])
+def test_a_rank_whose_loader_runs_out_first_is_refused_on_every_rank_at_the_start(
+    tmp_path: Path, adapter: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """33 samples over 2 ranks in batches of 4: rank 0's loader holds 5 batches, rank 1's 4. Under a budget every
+    micro-batch's count is summed over the ranks, so rank 1's epoch would end while rank 0 waits in the count of its
+    fifth (rank 1 ended the fit as if nothing were wrong, and rank 0 failed on a closed connection, or waited for the
+    process group's timeout). Every rank raises at the fit's start, before any step, naming the lengths and the fix.
+    (The process group's timeout is short here, so that a rank left waiting fails the test rather than holds it.)"""
+    monkeypatch.setattr(fit_checks, "refuse_uneven_budget_data", recording(tmp_path))  # (before the fork)
+    budget = Budget(16, unit="samples")
+    if adapter == "callback":
+        model: pl.LightningModule = TokenModel()
+        callbacks: list[pl.Callback] = [AccumulationScheduler(budget)]
+    else:
+        model, callbacks = ManualTokenModel(schedule=budget), []
+    t = make_trainer(
+        callbacks=callbacks, devices=WORLD, use_distributed_sampler=False,
+        strategy=DDPStrategy(start_method="fork", process_group_backend="gloo", timeout=timedelta(seconds=30)),
+    )  # fmt: skip
+    with pytest.raises(Exception, match=r"training loaders hold \[5, 4\] batches"):
+        t.fit(model, loader(TokenData(33), 4, sharded=True))
+    owner = "AccumulationScheduler" if adapter == "callback" else "configure_accumulation"
+    for rank in range(WORLD):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["step"] == 0
+        assert report["error"].startswith(f"`{owner}(Budget(16, unit='samples'))` needs every rank to run the same")
+        assert "limit_train_batches=4" in report["error"]

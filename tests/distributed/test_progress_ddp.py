@@ -69,3 +69,70 @@ def test_two_ranks(tmp_path: Path, kind: str) -> None:
     assert [e["first"] for e in epochs] == steps
     # the epoch's counter and total, and the fit's steps: its total walked at the start with both ranks' samples
     assert [e["last"] for e in epochs] == [[7, 7, 7, 10], [3, 3, 10, 10]]
+
+
+# ---------------------------------------------------------------------- the postfix on 2 ranks, under a budget
+class Postfix(pl.Callback):
+    """Rank 0's bar after each window (listed after the bar, so that it has counted the window): the numbers of its
+    postfix, the postfix drawn, the epoch's counter and total; each epoch's counter and total at its end."""
+
+    def __init__(self, bar: StepProgressBar, out: Path) -> None:
+        self.bar, self.out = bar, out
+        self.windows: list[dict[str, Any]] = []
+        self.epochs: list[list[float]] = []
+
+    def on_window_end(self, trainer: pl.Trainer, pl_module: Any, window: Any) -> None:
+        if trainer.is_global_zero:
+            shown = {key: self.bar.get_metrics(trainer, pl_module)[key] for key in ("k", "batch", "tokens", "loss")}
+            tq = self.bar.train_progress_bar
+            self.windows.append({**shown, "drawn": str(tq.postfix), "n": tq.n, "total": tq.total})
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.is_global_zero:
+            self.epochs.append([self.bar.train_progress_bar.n, self.bar.train_progress_bar.total])
+            report = {"windows": self.windows, "epochs": self.epochs}
+            (self.out / "rank0.json").write_text(json.dumps(report))
+
+
+@pytest.mark.parametrize("adapter", ["callback", "mixin"])
+def test_the_postfix_on_two_ranks_under_a_budget_is_the_windows_over_both(tmp_path: Path, adapter: str) -> None:
+    """Rank 0's bar under `Budget(50, unit="items")` on 2 ranks whose micro-batches hold different token counts:
+    each window's `k` (the micro-batches each rank took), `batch` and `tokens` (over both ranks) and `loss` (the
+    window's over both ranks, normalised as its gradient) are the float64 reference's windows over both ranks' batches
+    (`test_budget.reference`); the epoch's counter never passes its total and meets it at the epoch's end."""
+    from test_budget import reference
+
+    from lightning_accum import Budget
+
+    from helpers import ManualTokenModel, count_tokens, rank_batches
+
+    bar = StepProgressBar()
+    budget = Budget(50, unit="items")
+    if adapter == "callback":
+        model: pl.LightningModule = TokenModel(reduction="sum")
+        own = [AccumulationScheduler(budget, normalize="items", count=count_tokens, reduction="sum")]
+    else:
+        model, own = ManualTokenModel(reduction="sum", schedule=budget, normalize="items", count=count_tokens), []
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo")
+    t = trainer(
+        callbacks=[*own, bar, Postfix(bar, tmp_path)], max_epochs=2, devices=2, strategy=strategy,
+        enable_progress_bar=True, use_distributed_sampler=False,
+    )  # fmt: skip
+    t.fit(model, loader(TokenData(64), 4, sharded=True))
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    ranks = rank_batches(TokenData(64), 4, world=2)
+    _, sizes, losses = reference([ranks] * 2, lambda p: 50)
+    expected, start = [], 0
+    for m in sizes:  # (each epoch's batches from its first: the windows of an epoch end at its end)
+        window = [b for r in ranks for b in r[start : start + m]]
+        expected.append({"k": m, "batch": sum(len(b["x"]) for b in window),
+                         "tokens": sum(int(b["mask"].sum()) for b in window)})  # fmt: skip
+        start = (start + m) % len(ranks[0])
+    assert len(set(sizes)) > 1 and len(seen["windows"]) == len(sizes)
+    for got, want, loss in zip(seen["windows"], expected, losses, strict=True):
+        assert {key: got[key] for key in ("k", "batch", "tokens")} == want
+        assert abs(got["loss"] - loss) <= 1e-12
+        assert f"k={want['k']}, batch={want['batch']}, tokens={want['tokens']}" in got["drawn"]
+        assert got["n"] <= got["total"]
+    assert all(n == total for n, total in seen["epochs"])  # (met at each epoch's end)
+    assert sum(n for n, _ in seen["epochs"]) == len(sizes)

@@ -103,31 +103,9 @@ def plan(
     cut into its chunks: of ``chunk_size`` rows, or packed up to ``chunk_tokens`` tokens (by the
     input's ``attention_mask``; at most ``chunk_size`` rows where both are given) with each chunk's
     trailing padding columns trimmed."""
-    for name, given in (("encoders", encoders), ("inputs", inputs)):
-        if isinstance(given, nn.Module | Tensor | str | Mapping) or not isinstance(given, Sequence):
-            raise TypeError(
-                f"`{name}` must be a list, one entry per tower (e.g. `encoders=[model]`, `inputs=[batch]`); "
-                f"got {type(given).__name__}."
-            )
-    if len(encoders) != len(inputs) or not encoders:
-        raise ValueError(
-            f"`encoders` has {len(encoders)} entries and `inputs` {len(inputs)}; give one encoder per input "
-            "(the same encoder twice for a shared tower)."
-        )
+    _check_towers(encoders, inputs)
     towers = len(encoders)
-    sizes = [
-        _count("chunk_size", s, chunk_size, "samples per chunk") for s in _per_tower("chunk_size", chunk_size, towers)
-    ]
-    budgets = [
-        _count("chunk_tokens", t, chunk_tokens, "tokens per chunk")
-        for t in _per_tower("chunk_tokens", chunk_tokens, towers)
-    ]
-    for i, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
-        if size is None and budget is None:
-            raise ValueError(
-                f"Give `chunk_size` (samples per chunk) or `chunk_tokens` (tokens per chunk) for encoder {i}: "
-                "one for all encoders, or one per encoder."
-            )
+    sizes, budgets = _chunk_limits(chunk_size, chunk_tokens, towers)
     pickers = _per_tower("get_rep", get_rep, towers)
     for picker in pickers:
         if picker is not None and not callable(picker):
@@ -147,20 +125,61 @@ def plan(
     if loss_chunk_size is not None:
         _count("loss_chunk_size", loss_chunk_size, loss_chunk_size, "rows of the first input per block of the loss")
         _check_rows_argument(loss_fn)
-    out = []
-    for i, (encoder, x) in enumerate(zip(encoders, inputs, strict=True)):
-        rows, budget = _length(x, i), budgets[i]
-        widths: list[int | None]
-        if budget is None:
-            size = sizes[i] or rows
-            chunks = [(s, min(s + size, rows)) for s in range(0, rows, size)]
-            widths = [None] * len(chunks)
-        else:
-            chunks, widths = _pack(x, i, budget, sizes[i])
-        tower = Tower(i, encoder, pickers[i], flags[i] or _frozen(encoder), x, rows, chunks, widths)
-        tower.style = _call_style(encoder, tower.part(0), i)
-        out.append(tower)
-    return out
+    return [
+        _tower(i, encoder, x, sizes[i], budgets[i], pickers[i], flags[i])
+        for i, (encoder, x) in enumerate(zip(encoders, inputs, strict=True))
+    ]
+
+
+def _check_towers(encoders: Sequence[Any], inputs: Sequence[Any]) -> None:
+    """``encoders`` and ``inputs``: lists of one entry per tower, as many of each."""
+    for name, given in (("encoders", encoders), ("inputs", inputs)):
+        if isinstance(given, nn.Module | Tensor | str | Mapping) or not isinstance(given, Sequence):
+            raise TypeError(
+                f"`{name}` must be a list, one entry per tower (e.g. `encoders=[model]`, `inputs=[batch]`); "
+                f"got {type(given).__name__}."
+            )
+    if len(encoders) != len(inputs) or not encoders:
+        raise ValueError(
+            f"`encoders` has {len(encoders)} entries and `inputs` {len(inputs)}; give one encoder per input "
+            "(the same encoder twice for a shared tower)."
+        )
+
+
+def _chunk_limits(chunk_size: object, chunk_tokens: object, towers: int) -> tuple[list[int | None], list[int | None]]:
+    """Each tower's rows per chunk and tokens per chunk (``None``: no limit), one of them at least."""
+    sizes = [
+        _count("chunk_size", s, chunk_size, "samples per chunk") for s in _per_tower("chunk_size", chunk_size, towers)
+    ]
+    budgets = [
+        _count("chunk_tokens", t, chunk_tokens, "tokens per chunk")
+        for t in _per_tower("chunk_tokens", chunk_tokens, towers)
+    ]
+    for i, (size, budget) in enumerate(zip(sizes, budgets, strict=True)):
+        if size is None and budget is None:
+            raise ValueError(
+                f"Give `chunk_size` (samples per chunk) or `chunk_tokens` (tokens per chunk) for encoder {i}: "
+                "one for all encoders, or one per encoder."
+            )
+    return sizes, budgets
+
+
+def _tower(
+    i: int, encoder: Callable[..., Any], x: Any, size: int | None, budget: int | None, picker: Any, no_grad: bool
+) -> Tower:
+    """Tower ``i``, planned: its input ``x`` cut into chunks of ``size`` rows (all of them for ``None``), or packed
+    up to ``budget`` tokens (``_pack``), and how its encoder is called."""
+    rows = _length(x, i)
+    widths: list[int | None]
+    if budget is None:
+        size = size or rows
+        chunks = [(s, min(s + size, rows)) for s in range(0, rows, size)]
+        widths = [None] * len(chunks)
+    else:
+        chunks, widths = _pack(x, i, budget, size)
+    tower = Tower(i, encoder, picker, no_grad or _frozen(encoder), x, rows, chunks, widths)
+    tower.style = _call_style(encoder, tower.part(0), i)
+    return tower
 
 
 def _count(name: str, value: object, given: object, what: str) -> int | None:
@@ -459,29 +478,50 @@ def run(
     ``modules`` move once per sample; the RNG ends where the whole batch's forward and loss leave it; the
     graph-free pass of a tower that is replayed runs under ``uncounted()`` (``batchnorm="window"``: the
     replay's forward is the one that counts). Returns the loss, detached.
+
+    The steps: the graph-free pass (``_first_pass``) -> the loss and its backward into the leaves (``_loss``) -> the
+    leaves' gradients (summed over ranks, ``_sum_over_ranks``; this rank's rows, ``_own_rows``) -> each chunk
+    replayed with its cached gradient (``_replay``).
     """
     local = gather is not None and loss_chunk_size is not None  # each rank scores its own rows
     if local and reduce is None:
         raise ValueError("`loss_chunk_size` with `gather` needs `reduce` (a sum over ranks).")
+    states, leaves, offsets = _first_pass(towers, gather, modules, uncounted)
+    total = _loss(loss_fn, leaves, loss_backward, offsets[0], towers[0].rows, loss_chunk_size, world if local else 1)
+    after = _RNG()  # where the whole batch's forward and loss leave the generators
+    grads: list[list[Tensor | None]] = [[t.grad if t.requires_grad else None for t in leaf] for leaf in leaves]
+    if local:
+        total = _sum_over_ranks(leaves, grads, total, reduce)  # type: ignore[arg-type]
+    del leaves
+    if gather is not None:  # (the replay needs this rank's rows only: the others' are let go)
+        _own_rows(towers, grads, offsets)
+    _replay(towers, states, grads, offsets, 1 if local else world, reps_backward)
+    after.restore()
+    return total
+
+
+def _first_pass(
+    towers: Sequence[Tower],
+    gather: Gather | None,
+    modules: Sequence[nn.Module],
+    uncounted: Callable[[], contextlib.AbstractContextManager[None]],
+) -> tuple[list[list[_RNG]], list[tuple[Tensor, ...]], list[int]]:
+    """(1) Every tower's chunks without a graph: each replayed tower's RNG state per chunk, its representations as
+    leaves of the loss (every rank's under ``gather``) and where this rank's rows start among them; the buffers of
+    ``modules`` as they were before a replayed tower's pass (a frozen tower's pass is the one that counts: its
+    writes stay)."""
     states: list[list[_RNG]] = [[] for _ in towers]
     leaves: list[tuple[Tensor, ...]] = []
-    offsets: list[int] = []  # where this rank's rows start among the loss's
+    offsets: list[int] = []
     saved: _Buffers | None = None
     with torch.no_grad():
         for tower in towers:
-            if tower.frozen and saved is not None:  # (the frozen tower's pass is the one that counts: its writes stay)
+            if tower.frozen and saved is not None:
                 saved.restore()
                 saved = None
             elif not tower.frozen and saved is None:
                 saved = _Buffers(modules)
-            outs = []
-            for j in range(len(tower.chunks)):
-                if not tower.frozen:
-                    states[tower.index].append(_RNG())
-                with contextlib.nullcontext() if tower.frozen else uncounted():
-                    outs.append(tower.encode(tower.part(j)))
-            reps = _join(outs, tower)
-            del outs  # (the chunks' outputs: one copy of the representations is enough)
+            reps = _encode_chunks(tower, states[tower.index], uncounted)
             offset = 0
             if gather is not None:
                 reps, offset = gather(reps)
@@ -490,27 +530,61 @@ def run(
             del reps
         if saved is not None:
             saved.restore()
+    return states, leaves, offsets
+
+
+def _encode_chunks(
+    tower: Tower, states: list[_RNG], uncounted: Callable[[], contextlib.AbstractContextManager[None]]
+) -> list[Tensor]:
+    """A tower's representations, chunk by chunk (each chunk's RNG state kept in ``states`` where it is replayed),
+    joined (the chunks' outputs let go: one copy of the representations is enough)."""
+    outs = []
+    for j in range(len(tower.chunks)):
+        if not tower.frozen:
+            states.append(_RNG())
+        with contextlib.nullcontext() if tower.frozen else uncounted():
+            outs.append(tower.encode(tower.part(j)))
+    return _join(outs, tower)
+
+
+def _loss(
+    loss_fn: Callable[..., Tensor],
+    leaves: list[tuple[Tensor, ...]],
+    loss_backward: Callable[[Tensor], None],
+    start: int,
+    rows: int,
+    size: int | None,
+    factor: int,
+) -> Tensor:
+    """(2) The loss on every representation, back-propagated into the leaves: whole, or in blocks of ``size`` of the
+    first tower's ``rows`` rows from ``start`` (``_loss_in_blocks``); detached (its graph held the leaves)."""
     args = [leaf[0] if len(leaf) == 1 else leaf for leaf in leaves]
-    if loss_chunk_size is None:
-        whole = loss_fn(*args)
-        loss_backward(whole)
-        total = whole.detach()  # (its graph held the leaves)
-        del whole
-    else:
-        total = _loss_in_blocks(loss_fn, args, loss_backward, offsets[0], towers[0].rows, loss_chunk_size,
-                                world if local else 1)  # fmt: skip
-    del args
-    after = _RNG()  # where the whole batch's forward and loss leave the generators
-    grads: list[list[Tensor | None]] = [[t.grad if t.requires_grad else None for t in leaf] for leaf in leaves]
-    if local:
-        total = _sum_over_ranks(leaves, grads, total, reduce)  # type: ignore[arg-type]
-    del leaves
-    if gather is not None:  # (the replay needs this rank's rows only: the others' are let go)
-        for tower in towers:
-            i, start = tower.index, offsets[tower.index]
-            grads[i] = [None if g is None else g[start : start + tower.rows].clone() for g in grads[i]]
-            offsets[i] = 0
-    factor = 1 if local else world
+    if size is not None:
+        return _loss_in_blocks(loss_fn, args, loss_backward, start, rows, size, factor)
+    whole = loss_fn(*args)
+    loss_backward(whole)
+    return whole.detach()
+
+
+def _own_rows(towers: Sequence[Tower], grads: list[list[Tensor | None]], offsets: list[int]) -> None:
+    """Under ``gather``: each tower's cached gradient cut to this rank's rows (copied, so that the other ranks' are
+    let go), its offset then 0."""
+    for tower in towers:
+        i, start = tower.index, offsets[tower.index]
+        grads[i] = [None if g is None else g[start : start + tower.rows].clone() for g in grads[i]]
+        offsets[i] = 0
+
+
+def _replay(
+    towers: Sequence[Tower],
+    states: list[list[_RNG]],
+    grads: list[list[Tensor | None]],
+    offsets: list[int],
+    factor: int,
+    reps_backward: Callable[[Sequence[Tensor], Sequence[Tensor]], None],
+) -> None:
+    """(3) Each chunk of every tower that needs a gradient again, with a graph and its RNG state replayed, its
+    representations back-propagating their cached gradient (times ``factor``) through ``reps_backward``."""
     for tower in towers:
         if tower.frozen:
             continue
@@ -525,8 +599,6 @@ def run(
                 cached = [(g * factor if factor != 1 else g).to(r.dtype) for r, g in pairs]
                 reps_backward([r for r, _ in pairs], cached)
                 del pairs, cached
-    after.restore()
-    return total
 
 
 def _loss_in_blocks(

@@ -138,7 +138,11 @@ class PartialWindow:
 
 def restore_partial(params: Sequence[Tensor], grads: Partial, wide: WideSums | None = None) -> None:
     """A window's partial gradient (as a checkpoint saved it) back into ``params``: a narrow parameter's into its sum
-    in ``wide`` (``grad_accum_dtype``), exactly as saved, any other's into ``.grad``; checked whole first."""
+    in ``wide`` (``grad_accum_dtype``), exactly as saved, any other's into ``.grad``; checked whole first. A param
+    group added to the optimizer since the checkpoint (``BaseFinetuning``'s, at the batch the fit resumed at) comes
+    after the saved parameters and has no partial gradient."""
+    if len(grads) < len(params):
+        grads = [*grads, *[None] * (len(params) - len(grads))]
     gradients.placed(params, grads)
     if wide is None:
         gradients.restore(params, grads)

@@ -113,10 +113,10 @@ class ResidualDecay:
         for i, optimizer in enumerate(self._optimizers):
             self._hooks.append(optimizer.register_step_post_hook(lambda *_, i=i: self._stepped.add(i)))
             if i in self._residual:  # restored from a checkpoint: checked and put on the parameters' devices
-                params = gradients.optimizer_params(optimizer)
-                placed = gradients.placed(params, self._residual[i])
+                params = gradients.optimizer_params(optimizer)  # (a param group added since the checkpoint: none)
+                saved = _fitted(self._residual[i], params)
+                placed = gradients.placed(params, saved)
                 if self._wide is not None:  # (a narrow parameter's residual kept in the wide dtype, as saved)
-                    saved = self._residual[i]
                     placed = [self._wide_residual(p, r, g) for p, r, g in zip(params, saved, placed, strict=True)]
                 self._residual[i] = placed
 
@@ -143,30 +143,25 @@ class ResidualDecay:
         new = [p.grad for p in params]
         if all(g is None for g in new):  # a window nothing went into is not stepped: the residual waits
             return
-        wide = self._wide
-        narrow = [] if wide is None else [j for j, p in enumerate(params) if wide.holds(p)]
-        for j in narrow:  # (the window's normalised gradient in the wide dtype, where it has one)
-            new[j] = wide.normalised(params[j])  # type: ignore[union-attr]
+        narrow = self._widen(params, new)
         f = self.factor_at(self.steps)
-        residual = _fitted(self._residual.get(i) or [], params)
-        both = [(g, r) for g, r in zip(new, residual, strict=True) if g is not None and r is not None]
-        alone = [g for g, r in zip(new, residual, strict=True) if g is not None and r is None]
-        if self.mode == "ema":  # one fused pass: lerp(g, r, f) = (1 - f) g + f r
-            if both:
-                torch._foreach_lerp_([g for g, _ in both], [r for _, r in both], f)
-            gradients.scale_(alone, 1.0 - f)
-        elif both and f != 0.0:
-            torch._foreach_add_([g for g, _ in both], [r for _, r in both], alpha=f)
-        for j, (g, r) in enumerate(zip(new, residual, strict=True)):
-            if g is None and r is not None:  # no gradient in this window: the residual alone (zeros if f=0)
-                new[j] = r.mul_(f)
+        _mix(new, _fitted(self._residual.get(i) or [], params), f, self.mode)
         if self.bias_correction:
             gradients.scale_([g for g in new if g is not None], 1.0 / (1.0 - f ** (self.steps + 1)))
-        for p, g in zip(params, new, strict=True):
-            if g is not None and p.grad is not g:
-                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # (a narrow one rounded once)
+        _into_grad(params, new)
         self._wide_g[i] = {j: new[j] for j in narrow if new[j] is not None}  # type: ignore[misc]
         self._combined[i] = f
+
+    def _widen(self, params: Sequence[Tensor], new: list[Tensor | None]) -> list[int]:
+        """Under ``grad_accum_dtype``: the narrow parameters' window gradient, normalised in the wide dtype, in
+        ``new`` (where it has one); their indices."""
+        wide = self._wide
+        if wide is None:
+            return []
+        narrow = [j for j, p in enumerate(params) if wide.holds(p)]
+        for j in narrow:
+            new[j] = wide.normalised(params[j])
+        return narrow
 
     def after_step(self) -> None:
         """Move G_t aside as the next residual (or keep the old one if the step was skipped)."""
@@ -218,6 +213,37 @@ class ResidualDecay:
         self._wide_g.clear()
         self.steps = int(state_dict.get("steps", 0))
         self._residual = {int(i): list(r) for i, r in state_dict.get("residual", {}).items()}
+
+
+def _mix(new: list[Tensor | None], residual: list[Tensor | None], f: float, mode: str) -> None:
+    """G_t in ``new``, in place: the window's gradient plus ``f`` times the residual (``"sum"``), or
+    ``(1 - f) g + f r`` (``"ema"``); a parameter with no gradient this window gets the residual alone, times ``f``
+    (zeros if ``f`` is 0), one without a residual its gradient (times ``1 - f`` under ``"ema"``)."""
+    grads: list[Tensor] = []  # (the gradients with a residual, and theirs; those without one)
+    held: list[Tensor] = []
+    alone: list[Tensor] = []
+    for g, r in zip(new, residual, strict=True):
+        if g is not None and r is not None:
+            grads.append(g)
+            held.append(r)
+        elif g is not None:
+            alone.append(g)
+    if mode == "ema":  # one fused pass: lerp(g, r, f) = (1 - f) g + f r
+        if grads:
+            torch._foreach_lerp_(grads, held, f)
+        gradients.scale_(alone, 1.0 - f)
+    elif grads and f != 0.0:
+        torch._foreach_add_(grads, held, alpha=f)
+    for j, (g, r) in enumerate(zip(new, residual, strict=True)):
+        if g is None and r is not None:  # no gradient in this window: the residual alone
+            new[j] = r.mul_(f)
+
+
+def _into_grad(params: Sequence[Tensor], new: Sequence[Tensor | None]) -> None:
+    """Each parameter's G_t into its ``.grad`` (a narrow parameter's, formed in the wide dtype, rounded once)."""
+    for p, g in zip(params, new, strict=True):
+        if g is not None and p.grad is not g:
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
 
 
 def _fitted(residual: list[Tensor | None], params: Sequence[Tensor]) -> list[Tensor | None]:

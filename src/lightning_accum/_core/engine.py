@@ -1,9 +1,9 @@
 """The window lifecycle, shared by ``AccumulationScheduler`` and ``AccumulationMixin``.
 
 One ``WindowEngine`` drives one window group (the optimizers that step together) through
-schedule -> ``Window`` -> local counts -> global counts (one
-all-reduce, through the strategy) -> gradient scale -> LR factor -> ``Progress``, and
-holds that state for checkpoints. It imports no Lightning: the callback and the mixin translate
+schedule -> ``Window`` -> local counts, and at the window's end (``close``) global counts (one record, one
+all-reduce through the strategy, one host read) -> gradient scale -> LR factor -> window losses -> ``Closing``,
+then ``Progress``; it holds that state for checkpoints. It imports no Lightning: the callback and the mixin translate
 Lightning's hooks (or the ``accumulate`` block) into calls of ``open``, ``count``,
 ``close`` and ``advance``, and act on the gradient themselves where Lightning lets them.
 """
@@ -15,7 +15,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from lightning_accum._core import collectives, sync
 from lightning_accum._core.batchnorm import WindowBatchNorm
 from lightning_accum._core.gradients import norms, squared_norm
-from lightning_accum._core.metrics import WindowMetrics
+from lightning_accum._core.metrics import WindowMetrics, window_losses
 from lightning_accum._core.probe import NoiseProbe, measured
 from lightning_accum._core.wide import WideSums, dtype_name
 from lightning_accum._core.window import Window, check_count, check_item_count, lr_factor, wide_divisor
@@ -61,6 +61,28 @@ class Closing(NamedTuple):
     gain: float = 1.0
     losses: dict[str, float] | None = None
     norm_sq: float | None = None
+
+
+class Counts(NamedTuple):
+    """A window's counts over all ranks, and what was read with them (``WindowEngine.close``'s first step).
+
+    Attributes:
+        world: the ranks that average gradients (1 on one device).
+        microbatches: micro-batches back-propagated, over all ranks.
+        samples: samples, over all ranks.
+        items: items, over all ranks.
+        extra: the caller's extra integers, summed over ranks in the same collective.
+        losses: the window's losses' sums over all ranks, by name (``None``: not read).
+        norms: the norms of the window's gradient (each a part of it; ``None``: not measured).
+    """
+
+    world: int
+    microbatches: int
+    samples: int
+    items: int
+    extra: tuple[int, ...]
+    losses: dict[str, float] | None
+    norms: list[float] | None
 
 
 def samples_needed_by(schedule: Schedule, normalize: str, lr_scaling: str | None) -> str | None:
@@ -114,6 +136,7 @@ class WindowEngine:
         grad_accum_dtype: torch.dtype | None = None,
     ) -> None:
         self.plan = sync.SyncPlan()
+        self._sharded = False  # (`plan.sharded`, read once per fit: the window's end asks it)
         self.progress = Progress()
         self.window: Window | None = None
         self.first_k: int | None = None
@@ -195,7 +218,7 @@ class WindowEngine:
 
     def start_fit(self, plan: sync.SyncPlan, track: bool) -> None:
         """What a fit gives: its sync plan, and whether the windows' losses are tracked (for logging)."""
-        self.plan = plan
+        self.plan, self._sharded = plan, plan.sharded
         self.metrics.tracking = track
         self._clock, self.seconds = time.perf_counter(), None
 
@@ -369,94 +392,115 @@ class WindowEngine:
         already (times the AMP ``loss_scale()``), whose norm is then measured in the same read.
         ``losses``, ``norm``: whether anyone reads the window's loss and its gradient's norm (every rank
         must ask alike); where nobody does, neither is computed, and a window of host counts on one device
-        reads nothing at all."""
+        reads nothing at all.
+
+        The steps: global counts (``_global_counts``) -> gradient scale (``Window.gradient_scale``) -> LR factor
+        (``_lr_factor``) -> window losses (``metrics.window_losses``) -> the ``Closing``."""
         window = self.window
         assert window is not None
-        if self.plan.sharded:
-            sync.check_window_synced(self.plan, window)
-        world = collectives.world_size(strategy)
-        read_losses = losses and self.metrics.tracking
-        measure = grads is not None and ((norm and self.metrics.tracking) or self.probe is not None)
-        if measure:
-            grads = self._with_sums(grads)  # type: ignore[arg-type]
-        ident: list[int] = []
-        sums: dict[str, float] = {}  # the losses' sums over ranks, by name, where read
-        if world == 1 and self.probe is None:
-            # one device: the losses, the gradient's norms (where read) and the tensor counts in one stack, one read
-            grad_norms: Any = norms(grads) if measure else []  # type: ignore[arg-type]
-            if read_losses or grad_norms or window.pending_items:  # (else nothing to read)
-                tensors = [*grad_norms, *window.pending_items]
-                sums, values = self.metrics.read(tensors) if read_losses else ({}, collectives.host_values(tensors))
-                grad_norms = values[: len(grad_norms)]
-                if window.pending_items:
-                    window.settle_items(values[len(grad_norms) :])
-            counts = [window.microbatches, window.samples, window.items, *extra]
-        else:
-            pending = list(window.pending_items)
-            parts = self.metrics.parts() if read_losses and world == 1 else []
-            # on a single device each micro-batch's loss is read as it is (summed on the host); under DDP each
-            # rank's sum joins the counts' all-reduce
-            names = [name for name, _, _, _ in parts] if world == 1 else self.metrics.names() if read_losses else []
-            losses_summed: list[collectives.Value] = (
-                [p for _, p, _, _ in parts] if world == 1 else [*self.metrics.sums()] if read_losses else []
-            )
-            local: list[collectives.Value] = [pending, norms(grads) if measure else []]  # type: ignore[arg-type]
-            local.append(self.probe.pending() if self.probe is not None else [])
-            # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran
-            # out first, an exception one rank caught) fail together rather than mix their windows
-            ident = [] if world == 1 else window_id(self.progress.epoch, window.start)
-            summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *losses_summed]
-            read, (items, grad_norms, prefixes) = collectives.sum_over_ranks(strategy, summed, local)  # type: ignore[assignment]
-            counts = [round(v) for v in read[: 3 + len(extra)]]
-            totals = read[3 + len(extra) + len(ident) :]  # the losses' sums
-            sums = dict(zip(names, totals, strict=True))
-            for name, _, f, offset in parts:  # (one device: each sum as `WindowMetrics.read` gives it)
-                sums[name] = sums[name] * f + offset
-            if ident:
-                collectives.check_same_window(strategy, *read[3 + len(extra) : 5 + len(extra)])
-            window.settle_items(items)  # type: ignore[arg-type]
-            if self.probe is not None:
-                self.probe.settle(prefixes)  # type: ignore[arg-type]
+        counts = self._global_counts(strategy, window, extra, grads, losses, norm)
         scale = window.gradient_scale(
-            self.normalize, world_size=world, global_microbatches=counts[0], global_items=counts[2]
+            self.normalize, world_size=counts.world, global_microbatches=counts.microbatches, global_items=counts.items
         )
-        norm_sq = None
-        if measure:
-            norm_sq = math.fsum(n * n for n in grad_norms) * (scale / loss_scale()) ** 2  # type: ignore[union-attr]
-        units = counts[1] if self.normalize == "mean" else counts[2]
-        empty = not counts[0] or (self.normalize == "items" and not counts[2])
+        norm_sq = None if counts.norms is None else math.fsum(n * n for n in counts.norms) * (scale / loss_scale()) ** 2
+        mean = self.normalize == "mean"
+        over = counts.microbatches if mean else counts.items  # what the window's gradient and loss are a mean over
+        units = counts.samples if mean else counts.items  # (AdaScale's batch)
+        empty = not (counts.microbatches and over)  # nothing went in over all ranks: no step
+        factor, gain = self._lr_factor(window, counts, units, empty)
+        per_window = None if counts.losses is None else window_losses(counts.losses, over)
+        k = window.k if window.budget is None else window.microbatches  # (a budget's: the micro-batches it took)
+        self.closing = Closing(
+            k, counts.microbatches, counts.samples, counts.items, counts.extra, scale, factor, empty, gain, per_window,
+            norm_sq,
+        )  # fmt: skip
+        if empty:
+            self._warn_empty(counts.microbatches)
+        return self.closing
+
+    def _global_counts(
+        self, strategy: Any, window: Window, extra: Sequence[int], grads: Sequence[Tensor] | None, losses: bool,
+        norm: bool,
+    ) -> Counts:  # fmt: skip
+        """The window's end, step 1: its counts over all ranks (with ``extra``), its losses' sums where read and its
+        gradient's norms where measured: one record, one collective (none on one device) and one host read (none where
+        nothing is a tensor). On one device the counts are the window's own, on several ranks they are summed over
+        them (``_sum_over_ranks``); the rest is alike."""
+        if self._sharded:
+            sync.check_window_synced(self.plan, window)
+        tracking = self.metrics.tracking
+        read_losses = losses and tracking
+        grad_norms = None
+        if grads is not None and ((norm and tracking) or self.probe is not None):
+            grad_norms = norms(self._with_sums(grads))
+        world = collectives.world_size(strategy)
+        if world > 1:
+            return self._sum_over_ranks(strategy, world, window, extra, grad_norms, read_losses)
+        sums: dict[str, float] | None = None
+        norms_read: list[float] | None = None if grad_norms is None else []  # (measured, with nothing to measure)
+        if read_losses or grad_norms or window.pending_items or self.probe is not None:
+            sums, norms_read = self._read_here(window, grad_norms, read_losses)
+        return Counts(1, window.microbatches, window.samples, window.items, tuple(extra), sums, norms_read)
+
+    def _read_here(
+        self, window: Window, grad_norms: list[Tensor] | None, read_losses: bool
+    ) -> tuple[dict[str, float] | None, list[float] | None]:
+        """One device: the window's losses (each micro-batch's read as it is, summed exactly), its gradient's norms,
+        its tensor counts (then added to its counts) and the noise probe's prefixes, in one host read."""
+        measured, pending, prefixes = grad_norms or (), window.pending_items, None
+        tensors = [*measured, *pending]
+        if self.probe is not None:  # (its prefixes: device scalars, and batch sizes the host holds, not read)
+            prefixes = self.probe.pending()
+            tensors += [p for p in prefixes if isinstance(p, Tensor)]
+        sums, values = self.metrics.read(tensors) if read_losses else (None, collectives.host_values(tensors))
+        n, m = len(measured), len(measured) + len(pending)
+        if pending:
+            window.settle_items(values[n:m])
+        if prefixes:
+            read = iter(values[m:])
+            self.probe.settle([next(read) if isinstance(p, Tensor) else float(p) for p in prefixes])  # type: ignore[union-attr]
+        return sums, None if grad_norms is None else values[:n]
+
+    def _sum_over_ranks(
+        self, strategy: Any, world: int, window: Window, extra: Sequence[int], grad_norms: list[Tensor] | None,
+        read_losses: bool,
+    ) -> Counts:  # fmt: skip
+        """Several ranks: the window's counts, ``extra``, its identity and its losses' sums summed over them in one
+        all-reduce, read with this rank's tensor counts, gradient norms and noise prefixes in one host read; the
+        ranks must close the same window (else all raise)."""
+        names = self.metrics.names() if read_losses else []
+        # which window each rank closes, in the same collective: ranks whose windows differ (a rank's data ran out
+        # first, an exception one rank caught) fail together rather than mix their windows
+        ident = window_id(self.progress.epoch, window.start)
+        losses = self.metrics.sums() if read_losses else []
+        summed = [window.microbatches, window.samples, window.items_on_device(), *extra, *ident, *losses]
+        local: list[collectives.Value] = [list(window.pending_items), [] if grad_norms is None else grad_norms]
+        local.append([] if self.probe is None else self.probe.pending())
+        read, (items, grad_read, prefixes) = collectives.sum_over_ranks(strategy, summed, local)  # type: ignore[misc]
+        counts = [round(v) for v in read[: 3 + len(extra)]]
+        collectives.check_same_window(strategy, *read[3 + len(extra) : 5 + len(extra)])
+        window.settle_items(items)  # type: ignore[arg-type]
+        if self.probe is not None:
+            self.probe.settle(prefixes)  # type: ignore[arg-type]
+        sums = dict(zip(names, read[5 + len(extra) :], strict=True)) if read_losses else None
+        norms_read = None if grad_norms is None else cast("list[float]", grad_read)
+        return Counts(world, counts[0], counts[1], counts[2], tuple(counts[3:]), sums, norms_read)
+
+    def _lr_factor(self, window: Window, counts: Counts, units: int, empty: bool) -> tuple[float, float]:
+        """The window's end, step 3: the learning-rate factor of its step (``lr_scaling``'s rule, ``window.lr_factor``;
+        or AdaScale's gain), times ``lr_schedule``'s multiplier, and AdaScale's gain (1 without it). ``units``: the
+        window's samples (``"mean"``) or items, the first stepped window's kept as AdaScale's base."""
         if self.first_units is None and not empty:  # (AdaScale's base: the first window stepped)
             self.first_units = units
-        gain = 1.0
+        factor = gain = 1.0
         if self.lr_scaling == "adascale" and self.probe is not None:  # from the windows measured before this one
             factor = gain = adascale_gain(self.probe.estimator, units, self.first_units or units)
-        elif window.budget is not None:  # relative to the first window's budget: the window's real size
-            real = counts[1] if self.schedule.unit == "samples" else counts[2]
-            factor = lr_factor(self.lr_scaling, real, self.first_k)  # (a window of count 0: 0, it moves nothing)
-        else:
-            factor = lr_factor(self.lr_scaling, window.k, self.first_k)
+        elif self.lr_scaling is not None:  # (a budget window: its count over the first window's budget)
+            unit = None if window.budget is None else self.schedule.unit
+            factor = lr_factor(self.lr_scaling, unit, window.k, counts.samples, counts.items, self.first_k)
         if self.lr_schedule is not None:  # (a window a checkpoint held was not opened here: asked now)
             factor *= self._multiplier() if self._lr_multiplier is None else self._lr_multiplier
-        denominator = counts[0] if self.normalize == "mean" else counts[2]
-        window_losses = (
-            {name: total / denominator for name, total in sums.items()} if read_losses and denominator else None
-        )
-        self.closing = Closing(
-            window.k if window.budget is None else window.microbatches,  # (a budget's: the micro-batches it took)
-            counts[0],
-            counts[1],
-            counts[2],
-            tuple(counts[3:]),
-            scale,
-            factor,
-            empty,
-            gain,
-            window_losses,
-            norm_sq,
-        )
-        if empty:
-            self._warn_empty(counts[0])
-        return self.closing
+        return factor, gain
 
     def _multiplier(self) -> float:
         """``lr_schedule``'s multiplier for the window opened at ``progress``, checked."""
@@ -524,43 +568,59 @@ class WindowEngine:
         ``open_pass``: a backward pass ran in a block that did not finish (the mixin); ``rescaled``: a closing
         window's gradient was changed in place for its step. Returns what a checkpoint written now loses,
         if anything."""
-        if self.inflight is not None and self.backward_finished and not in_backward:
-            # the pass ran to its end (autograd's mark, `pass_ended`) but the adapter's hook after it had not run:
-            # the micro-batch is in the window, its BatchNorm statistics and loss too (done already: nothing changes)
-            self.backward_done()
-        if self.batchnorm is not None:  # the buffers as before the window; the failed micro-batch's statistics out
-            self.batchnorm.recover()
-            self.batchnorm.drop_pending()
-        if self.closing is not None and not rescaled and not processed:
+        self._finish_pass(in_backward)
+        if processed:  # the batch is done: a closing window's step too
+            self.inflight, self.pooled_alone = None, False
+            if self.closing is not None:
+                self.advance(batch[0])
+            self.redo = None
+            return None
+        if self.closing is not None and not rescaled:
             self.closing = None  # the step had not touched the gradient: the window is as it was
         window, inflight = self.window, self.inflight
         self.inflight = None
         # (a micro-batch that ran no backward, whose forwards' BatchNorm statistics are in the window: trained again,
         # it adds nothing, and a budget keeps its count)
-        alone, self.pooled_alone = self.pooled_alone and window is not None and not processed, False
+        alone, self.pooled_alone = self.pooled_alone and window is not None, False
         if alone:
             window.keep_reach()  # type: ignore[union-attr]
-        if not processed:  # (a budget's count of a micro-batch not counted: it comes again)
-            self.take_back()
-        if processed:
-            if self.closing is not None:
-                self.advance(batch[0])
-            self.redo = None
-            return None
+        self.take_back()  # (a budget's count of a micro-batch not counted: it comes again)
         stepping = self.closing is not None  # (and its gradient changed in place for the step)
-        if inflight is None and not (in_backward or open_pass or stepping):
+        cut_short = stepping or in_backward or open_pass  # (a step, or a backward pass, the exception stopped inside)
+        if inflight is None and not cut_short:
             if alone:
                 self.redo = batch
             return None  # nothing of this batch reached the window (a batch trained again adds nothing)
         if window is None:
             return "this batch's accumulation window was stepped already, and the batch will be trained again"
-        if not (stepping or in_backward or open_pass):
-            if self.backward_finished:
-                self.redo = batch  # trained again, it adds nothing
-            else:
-                window.remove(*inflight)  # type: ignore[misc]
-                self.metrics.drop()
+        if not cut_short:
+            self._take_back_batch(batch, window, inflight)  # type: ignore[arg-type]
             return None
+        return self._drop_cut_short(window, stepping)
+
+    def _finish_pass(self, in_backward: bool) -> None:
+        """After an exception, first: a backward pass that ran to its end (autograd's mark, ``pass_ended``) whose
+        adapter's hook after it had not run puts the micro-batch in the window, its BatchNorm statistics and loss too
+        (done already: nothing changes); BatchNorm's buffers go back to the window's start, the failed micro-batch's
+        statistics out."""
+        if self.inflight is not None and self.backward_finished and not in_backward:
+            self.backward_done()
+        if self.batchnorm is not None:
+            self.batchnorm.recover()
+            self.batchnorm.drop_pending()
+
+    def _take_back_batch(self, batch: tuple[int, int], window: Window, inflight: tuple[int, int | Tensor]) -> None:
+        """The batch under way, which Lightning trains again, outside a backward pass: if its gradient is in the
+        window it adds nothing when trained again, else its counts and loss leave the window."""
+        if self.backward_finished:
+            self.redo = batch  # trained again, it adds nothing
+        else:
+            window.remove(*inflight)
+            self.metrics.drop()
+
+    def _drop_cut_short(self, window: Window, stepping: bool) -> str | None:
+        """A step or a backward pass into ``window`` cut short: the window is dropped (what a checkpoint written now
+        loses, said), unless no micro-batch's gradient went in before this one's."""
         lost = window.microbatches
         if not (lost or stepping):
             # no micro-batch's gradient went in before this one, which is trained again from its start: the window goes
@@ -604,7 +664,10 @@ class WindowEngine:
                 self._scaled_lrs.append((group, group["lr"]))
                 group["lr"] = group["lr"] * factor
         if keep:
-            lrs = [g["lr"].detach().clone() if isinstance(g["lr"], Tensor) else g["lr"] for g in optimizer.param_groups]
+            lrs = []  # (a loop, not a comprehension: no function made at every window's end)
+            for group in optimizer.param_groups:
+                lr = group["lr"]
+                lrs.append(lr.detach().clone() if isinstance(lr, Tensor) else lr)
             self.used_lrs.append((optimizer, lrs))
 
     def restore_lr(self) -> None:
@@ -657,17 +720,24 @@ class WindowEngine:
             state["adascale"] = self.adascale.state_dict()
         if callable(getattr(self.lr_schedule, "state_dict", None)):
             state["lr_schedule"] = self.lr_schedule.state_dict()  # type: ignore[union-attr]
-        if window is not None:  # (what its partial gradient is a sum of: a resume must sum the same)
-            state["window_options"] = self._window_options()
-        if window is not None and self.budgeted:  # (what its count `seen` is a count of)
+        if window is not None:
+            state.update(self._open_window_state())
+        return state
+
+    def _open_window_state(self) -> dict[str, Any]:
+        """What a checkpoint holds beside an open window: what its partial gradient is a sum of (a resume must sum the
+        same), a budget's unit, the noise probe's prefixes, a batch to add nothing when trained again, its BatchNorm
+        statistics and its losses."""
+        state: dict[str, Any] = {"window_options": self._window_options()}
+        if self.budgeted:  # (what its count `seen` is a count of)
             state["budget_unit"] = self.schedule.unit
-        if window is not None and self.probe is not None:
+        if self.probe is not None:
             state["probe"] = self.probe.state_dict()
-        if window is not None and self.redo is not None:
+        if self.redo is not None:
             state["redo"] = list(self.redo)
-        if window is not None and self.batchnorm is not None:
+        if self.batchnorm is not None:
             state["batchnorm"] = self.batchnorm.state_dict()
-        if window is not None and self.metrics.tracking:
+        if self.metrics.tracking:
             state["losses"] = dict(zip(self.metrics.names(), (float(v) for v in self.metrics.sums()), strict=True))
         return state
 
@@ -725,15 +795,7 @@ class WindowEngine:
         if "schedule" in state:
             self.schedule.load_state_dict(state["schedule"])
         if "lr_schedule" in state:
-            if callable(getattr(self.lr_schedule, "load_state_dict", None)):
-                self.lr_schedule.load_state_dict(state["lr_schedule"])  # type: ignore[union-attr]
-            else:  # (the run goes on without the checkpoint's multiplier: the user left it out, or swapped it)
-                warnings.warn(
-                    "The checkpoint holds the state of an `lr_schedule`, but this run's `lr_schedule` "
-                    f"({self.lr_schedule!r}) has no `load_state_dict` to take it: the run goes on without it. Pass "
-                    "the checkpoint's `lr_schedule` again to continue its multiplier.",
-                    stacklevel=3,
-                )
+            self._load_lr_schedule(state["lr_schedule"])
         window = state.get("window")
         self.window = None if window is None else Window.from_state_dict(window)
         # (a base of 0 items, which checkpoints before 0.2 could hold after an empty first window: the next stepped
@@ -748,6 +810,23 @@ class WindowEngine:
             self.probe.load_state_dict(state.get("probe", {}))
         losses = state.get("losses", {})
         self.metrics.load_sums(list(losses), list(losses.values()))
+        self._load_batchnorm(state)
+
+    def _load_lr_schedule(self, state: Any) -> None:
+        """The ``lr_schedule``'s state a checkpoint held, into this run's (a warning if it cannot take it)."""
+        if callable(getattr(self.lr_schedule, "load_state_dict", None)):
+            self.lr_schedule.load_state_dict(state)  # type: ignore[union-attr]
+        else:  # (the run goes on without the checkpoint's multiplier: the user left it out, or swapped it)
+            warnings.warn(
+                "The checkpoint holds the state of an `lr_schedule`, but this run's `lr_schedule` "
+                f"({self.lr_schedule!r}) has no `load_state_dict` to take it: the run goes on without it. Pass "
+                "the checkpoint's `lr_schedule` again to continue its multiplier.",
+                stacklevel=4,
+            )
+
+    def _load_batchnorm(self, state: dict[str, Any]) -> None:
+        """The open window's BatchNorm statistics (``batchnorm="window"``), and a warning where the checkpoint's
+        window and this run pool them differently."""
         if self.batchnorm is not None:
             self.batchnorm.load_state_dict(state.get("batchnorm", {}) if self.window is not None else {})
         held = "batchnorm" in state
@@ -758,7 +837,7 @@ class WindowEngine:
                 f"batchnorm={now}, so the BatchNorm statistics of the window's micro-batches before the checkpoint "
                 + ("are dropped." if held else "are not in the window's (its buffers were updated by each of them).")
                 + f" Resume with batchnorm={saved}, or from a checkpoint written at an optimizer step.",
-                stacklevel=3,
+                stacklevel=4,
             )
 
 

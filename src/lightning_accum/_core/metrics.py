@@ -10,7 +10,7 @@ gradient had, so the reported loss is exactly the quantity whose gradient was st
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -35,6 +35,24 @@ def weigh(loss: Tensor, items: float | Tensor) -> Tensor:
         items = torch.zeros((), dtype=torch.int64, device=weighted.device)
     # (the graph is kept, so that the pass still runs: its gradient is kept out by `gradients.add_nothing_if`)
     return torch.where(items != 0, weighted, torch.zeros_like(weighted))
+
+
+def window_losses(sums: Mapping[str, float], count: int) -> dict[str, float] | None:
+    """The window's losses, by name: each loss's sum over all ranks over the window's global ``count`` (its
+    micro-batches under ``normalize="mean"``, its items under ``"items"``: the normaliser its gradient had); ``None``
+    for a count of 0 (a window nothing went into has no loss).
+
+    Example:
+
+        >>> window_losses({"loss": 6.0, "task": 1.5}, 3), window_losses({"loss": 0.0}, 0)
+        ({'loss': 2.0, 'task': 0.5}, None)
+    """
+    if not count:
+        return None
+    losses = {}
+    for name, total in sums.items():  # (a loop, not a comprehension: no function made at every window's end)
+        losses[name] = total / count
+    return losses
 
 
 def weighted(loss: Tensor, items: int | Tensor | None) -> tuple[Tensor, bool | Tensor]:
@@ -147,7 +165,9 @@ class WindowMetrics:
         exactly (``math.fsum``), and ``extra`` (device scalars: the gradient's norms) read with them: one stack,
         one host read."""
         layout = self.parts()
-        tensors = [t for _, parts, _, _ in layout for t in parts]
+        tensors: list[Tensor] = []
+        for _, parts, _, _ in layout:  # (a loop, not a comprehension: no function made at every window's end)
+            tensors += parts
         values = host_values([*tensors, *extra])
         sums, start = {}, 0
         for name, parts, factor, offset in layout:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -80,12 +79,12 @@ def dtype_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def narrow(params: Iterable[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """The trainable floating parameters narrower than ``dtype`` (each once); a parameter wider than it is refused:
-    its gradient summed in ``dtype`` would lose what its own dtype keeps."""
+def narrow(params: Iterable[Tensor], dtype: torch.dtype, kept: Container[int] = ()) -> list[Tensor]:
+    """The trainable floating parameters narrower than ``dtype`` (each once), and those of ``kept`` (ids) frozen for
+    now; a parameter wider than it is refused: its gradient summed in ``dtype`` would lose what its own dtype keeps."""
     chosen: dict[int, Tensor] = {}
     for p in params:
-        if not p.requires_grad or not p.is_floating_point():
+        if not (p.requires_grad or id(p) in kept) or not p.is_floating_point():
             continue
         width = torch.finfo(p.dtype).bits
         if width > torch.finfo(dtype).bits:
@@ -127,7 +126,9 @@ class WideSums:
         #: whether the sum holds the window's normalised gradient (`land`), till the next window's first gradient
         self.landed: list[bool] = []
         self._index: dict[int, int] = {}
-        self._hooks: dict[int, RemovableHandle] = {}  # by the parameter's id
+        #: by the parameter's id: whether its gradient is taken into a sum (else weighed), and the hook. A hook
+        #: outlives `requires_grad_(False)`, which `toggle_optimizer` sets for a while on another optimizer's parameters
+        self._hooks: dict[int, tuple[bool, RemovableHandle]] = {}
         #: what the backward passes under way are weighted by (`weighting`): each gradient as it is taken
         self.weight: float | Tensor = 1.0
         self._moved: dict[torch.device, Tensor] = {}  # a tensor weight on each other device it was needed on
@@ -141,22 +142,30 @@ class WideSums:
         return id(p) in self._index
 
     def attach(self, params: Iterable[Tensor]) -> None:
-        """Keep the sums of ``params``' narrow ones from now on (sums still held from before are kept, for a
-        checkpoint; a ``.grad`` that exists now stays where it is, for the adapter's zeroing). A parameter another
-        ``WideSums`` takes (or weighs) the gradient of is taken over from it."""
-        self.detach()
-        chosen = narrow(params, self.dtype)
+        """Keep the sums of ``params``' narrow trainable ones from now on, and of those attached before and frozen
+        for now (``toggle_optimizer`` freezes another optimizer's parameters between its passes): sums still held
+        from before are kept, for a checkpoint; a ``.grad`` that exists now stays where it is, for the adapter's
+        zeroing. A parameter another ``WideSums`` takes (or weighs) the gradient of is taken over from it."""
+        params = list(params)
+        chosen = narrow(params, self.dtype, self._hooks)
         if [id(p) for p in chosen] != [id(p) for p in self.params]:
             self._allocate(chosen)
-        for i, p in enumerate(self.params):
-            self._own(p)
-            self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._hook(i))  # type: ignore[no-untyped-call]
-        if self.params:  # the other trained parameters (as wide as the dtype) take `weighting`'s weight on their own
-            ids = {id(p) for p in self.params}
-            others = {id(p): p for p in params if p.requires_grad and p.is_floating_point() and id(p) not in ids}
-            for p in others.values():
+        # the other trained parameters (as wide as the dtype) take `weighting`'s weight on their own
+        taken = {id(p) for p in chosen}
+        weighed = {id(p): p for p in params if id(p) not in taken and p.is_floating_point() and (
+            p.requires_grad or id(p) in self._hooks)} if chosen else {}  # fmt: skip
+        for key, (takes, handle) in list(self._hooks.items()):
+            if key not in (taken if takes else weighed):
+                del self._hooks[key]
+                handle.remove()
+        for p in chosen:
+            if id(p) not in self._hooks:
                 self._own(p)
-                self._hooks[id(p)] = p.register_hook(self._weigh)  # type: ignore[no-untyped-call]
+                self._hooks[id(p)] = (True, p.register_post_accumulate_grad_hook(self._take_hook))  # type: ignore[no-untyped-call]
+        for p in weighed.values():
+            if id(p) not in self._hooks:
+                self._own(p)
+                self._hooks[id(p)] = (False, p.register_hook(self._weigh))  # type: ignore[no-untyped-call]
 
     def _own(self, p: Tensor) -> None:
         """``p``'s gradient is this one's to take (or weigh) from now on: taken over from an earlier owner."""
@@ -168,14 +177,15 @@ class WideSums:
 
     def _give_up(self, p: Tensor) -> None:
         """Take (or weigh) no more of ``p``'s gradient: another ``WideSums`` took it over."""
-        handle = self._hooks.pop(id(p), None)
-        if handle is not None:
-            handle.remove()
+        hook = self._hooks.pop(id(p), None)
+        if hook is not None:
+            hook[1].remove()
 
     def stale(self, params: Iterable[Tensor]) -> bool:
-        """Whether ``params``' narrow trainable ones are no longer those attached (a param group was added, a
-        parameter unfrozen or frozen since): ``attach`` them again where no sum is held."""
-        return [id(p) for p in narrow(params, self.dtype)] != [id(p) for p in self.params]
+        """Whether ``params``' narrow trainable ones (and those attached, frozen for now) are no longer those
+        attached (a param group was added or a parameter unfrozen since): ``attach`` them again where no sum is
+        held."""
+        return [id(p) for p in narrow(params, self.dtype, self._hooks)] != [id(p) for p in self.params]
 
     def _allocate(self, params: list[Tensor]) -> None:
         held = {id(p): self.views[i] for i, p in enumerate(self.params) if self.filled[i]}  # (kept: copied over)
@@ -198,11 +208,8 @@ class WideSums:
                 self.views[i].copy_(held[id(p)])
                 self.filled[i] = True
 
-    def _hook(self, i: int) -> Any:
-        def hook(p: Tensor) -> None:
-            self._take(i, p)
-
-        return hook
+    def _take_hook(self, p: Tensor) -> None:
+        self._take(self._index[id(p)], p)
 
     def _take(self, i: int, p: Tensor) -> None:
         """``p.grad`` (times the pass's weight, in the wide dtype) into its sum, and freed."""
@@ -262,7 +269,7 @@ class WideSums:
 
     def detach(self) -> None:
         """Stop taking gradients (the sums are kept: a checkpoint written after a failure still saves them)."""
-        for handle in self._hooks.values():
+        for _, handle in self._hooks.values():
             handle.remove()
         self._hooks = {}
 

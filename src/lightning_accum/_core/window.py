@@ -244,12 +244,24 @@ def pass_items(declared: int | Tensor | None, mean: bool, counted: int | Tensor 
     return counted if mean else None
 
 
-def lr_factor(lr_scaling: str | None, k: int, first_k: int | None) -> float:
-    """The learning-rate multiplier for a window of ``k``: ``k / first_k`` (``"linear"``), its
-    square root (``"sqrt"``), or 1."""
-    if lr_scaling is None or not first_k:
+def lr_factor(lr_scaling: str | None, unit: str | None, k: int, samples: int, items: int, first: int | None) -> float:
+    """The learning-rate multiplier ``lr_scaling`` gives a window's step: the window's size over the first window's
+    (``first``), as it is (``"linear"``) or its square root (``"sqrt"``); 1 without ``lr_scaling``, or before a first
+    window. The size is ``k`` under a schedule of k (``unit`` is ``None``); under a ``Budget``, the window's count
+    over all ranks in the budget's ``unit`` (``"samples"``: ``samples``, ``"items"``: ``items``), and ``first`` the
+    first window's budget: a budget window of count 0 (closed by ``max_k`` or the epoch's end) gets 0, its step moves
+    nothing. (AdaScale's factor is a gain measured on the gradient: ``lightning_accum.lr.adascale_gain``.)
+
+    Example:
+
+        >>> lr_factor("linear", None, 8, 64, 64, 2), lr_factor("sqrt", "items", 3, 12, 24, 6)
+        (4.0, 2.0)
+        >>> lr_factor("linear", "items", 2, 8, 0, 6), lr_factor(None, None, 8, 64, 64, 2)
+        (0.0, 1.0)
+    """
+    if lr_scaling is None or not first:
         return 1.0
-    ratio = k / first_k
+    ratio = (k if unit is None else samples if unit == "samples" else items) / first
     return ratio if lr_scaling == "linear" else math.sqrt(ratio)
 
 

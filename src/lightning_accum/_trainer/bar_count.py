@@ -163,9 +163,8 @@ class BarCount:
 
     def _total(self, trainer: Any, progress: Progress, start: int | None) -> float:
         """The epoch's total from ``progress`` (after the last closed window), the next window opening at batch
-        ``start`` of the epoch (``None``: where the closed windows leave it)."""
-        assert self._accumulating is not None
-        schedule = self._accumulating.schedule
+        ``start`` of the epoch (``None``: where the closed windows leave it): walked exactly where the walk knows the
+        schedule's windows (``_walked``), else estimated from the next window's k (``_estimated``)."""
         if start is None:
             start = progress.microbatches - self._first_microbatches
         done = self.steps if self.unit == "steps" else start
@@ -174,11 +173,33 @@ class BarCount:
             return math.inf
         here = dataclasses.replace(progress, epoch=self._epoch)
         if self._exact and self._known:
-            if math.isinf(self._batches) and math.isinf(left):
-                return math.inf
-            ahead, taken = steps.windows_ahead(schedule, here, start, self._batches, self._sizes, left)
-            return done + (ahead if self.unit == "steps" else taken)
-        # the next window's k, from the schedule as the engine will ask it (NoiseScale: the last window's)
+            walked = self._walked(here, start, left)
+            if walked is not None:
+                return done + walked
+        return done + self._estimated(progress, here, start, left)
+
+    def _walked(self, here: Progress, start: int, left: float) -> float | None:
+        """The steps (or batches) the epoch's windows from batch ``start`` take, at most ``left`` steps, walked as the
+        package forms them; ``None`` (and estimated from then on) where the schedule reads the items a ``count``
+        gives, which the walk does not know."""
+        assert self._accumulating is not None
+        if math.isinf(self._batches) and math.isinf(left):
+            return math.inf
+        try:
+            ahead, taken = steps.windows_ahead(
+                self._accumulating.schedule, here, start, self._batches, self._sizes, left, items_known=not self.counted
+            )
+        except steps.ItemsNotKnown:  # (a function of `Progress` reading the items a `count` gives: estimated)
+            self._exact = False
+            return None
+        return ahead if self.unit == "steps" else taken
+
+    def _estimated(self, progress: Progress, here: Progress, start: int, left: float) -> float:
+        """The steps (or batches) left in the epoch from batch ``start``, at most ``left`` steps, estimated from the
+        next window's k: the schedule's as the engine will ask it (``NoiseScale``: the last window's; a ``Budget``: the
+        windows' mean size so far, at most its cap)."""
+        assert self._accumulating is not None
+        schedule = self._accumulating.schedule
         last = self.last.k if self.last is not None else 1
         if isinstance(schedule, Budget):  # the windows' mean size so far (the counts seen), at most the cap
             k = min(max(round(progress.microbatches / progress.step), 1) if progress.step else 1, schedule(here))
@@ -187,8 +208,8 @@ class BarCount:
         remaining = self._batches - start
         if self.unit == "steps":
             windows: float = math.ceil(remaining / k) if not math.isinf(remaining) else math.inf
-            return done + min(windows, left)
-        return done + min(remaining, left * k if not math.isinf(left) else math.inf)
+            return min(windows, left)
+        return min(remaining, left * k if not math.isinf(left) else math.inf)
 
     def postfix(self, metrics: dict[str, Any], text: bool = False) -> dict[str, Any]:
         """The bar's postfix: Lightning's (without the package's own ``accum/k`` and ``accum/loss``) and the last

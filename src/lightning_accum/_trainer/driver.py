@@ -26,7 +26,7 @@ from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.wide import inert_note, refuse_under
 from lightning_accum._lightning import Callback, loss_scale, pl, rank_zero_warn
-from lightning_accum._trainer import recovery, schedulers, steps, window_step
+from lightning_accum._trainer import fit_checks, recovery, schedulers, steps, window_step
 from lightning_accum._trainer.block import Block
 from lightning_accum._trainer.guards import MixinGuards, refuse_callbacks
 from lightning_accum._trainer.windows import GroupKey, MixinWindows
@@ -101,6 +101,7 @@ class MixinDriver(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        fit_checks.refuse_uneven_budget_data(trainer, self.config.schedule, "configure_accumulation")
         _seam.resume_after_finished_epoch(trainer)
         self._trained, self._fitting = False, None
         numbers = self.partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window

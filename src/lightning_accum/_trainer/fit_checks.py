@@ -3,8 +3,10 @@ any batch with a message that names the cause and the fix."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_accum import _seam
@@ -105,3 +107,24 @@ def refuse_split_misuse(size: object, trainer: Any, pl_module: Any, plan: sync.S
             "so DDP's communication hook (`DDPStrategy(ddp_comm_hook=...)`) would not apply: remove the hook, or "
             "leave `microbatch_size` out."
         )
+
+
+def refuse_uneven_budget_data(trainer: Any, schedule: object, owner: str) -> None:
+    """Under a ``Budget`` on several ranks, at the fit's start: every rank raises where the ranks' training loaders
+    hold different numbers of batches. A rank whose data runs out first would end its epoch while the others wait in
+    the budget's count of their next micro-batch (till the process group's timeout, or a collective of another kind
+    answers it). One all-gather of one integer per fit; loaders without a length are not checked."""
+    if not isinstance(schedule, Budget) or collectives.world_size(trainer.strategy) == 1:
+        return
+    batches = trainer.num_training_batches
+    mine = torch.tensor([-1 if math.isinf(batches) else int(batches)], device=trainer.strategy.root_device)
+    ranks = [int(n) for n in trainer.strategy.all_gather(mine).reshape(-1).tolist()]
+    if len(set(ranks)) == 1 or min(ranks) < 0:
+        return
+    raise RuntimeError(
+        f"`{owner}({schedule!r})` needs every rank to run the same number of micro-batches each epoch, but the ranks' "
+        f"training loaders hold {ranks} batches (ranks 0..{len(ranks) - 1}): the budget's count is summed over the "
+        "ranks at every micro-batch, and a rank whose data ran out first would leave the others waiting in it. Give "
+        "every rank as many batches (e.g. `DistributedSampler(drop_last=True)`, equal shards), or "
+        f"`Trainer(limit_train_batches={min(ranks)})`."
+    )

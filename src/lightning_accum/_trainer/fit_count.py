@@ -48,8 +48,13 @@ class FitCount:
         if not steps.walk_is_exact(accumulating.schedule, sizes):
             self.total = bound
             return
-        walked = steps.fit_windows(accumulating.schedule, int(batches), sizes, max_epochs, max_steps)
-        self.total = bound if walked is None else walked  # (None: longer than the walk's budget)
+        try:
+            walked = steps.fit_windows(
+                accumulating.schedule, int(batches), sizes, max_epochs, max_steps, items_known=not accumulating.counted
+            )
+        except steps.ItemsNotKnown:  # (a function of `Progress` reading the items a `count` gives)
+            walked = None
+        self.total = bound if walked is None else walked  # (None: longer than the walk's budget, or not known)
 
     def window_end(self, window: WindowReport) -> None:
         """A window stepped."""

@@ -259,22 +259,60 @@ class Pieces:
         fit = self._fit
         assert fit is not None, "the callback attaches the pieces at train start"
         samples = _length(batch, self.rule)
-        if fit.plan.family == "ddp":  # (inside DDP's forward: it reads the flag after `training_step` returns)
-            self.release()
-            self._held.enter_context(fit.strategy.block_backward_sync())
-            self._holding = True
+        if fit.plan.family == "ddp":
+            self._block_sync(fit)
         if self._forward_only or self._next is None:  # (no backward: the pieces' forward, and the batch's loss)
-            items = _count(fit.count, batch) if fit.mean_items else samples
-            b = _Batch(batch, args, kwargs, samples, items, final=False, redoing=True)
-            pooled = fit.one_update if fit.one_update is not None and self._forward_only else contextlib.nullcontext
-            with pooled():
-                out = self._train(original, b, backward=False)
-            return out if out is None else _with_loss(out, self._value(b).detach())
+            return self._forward(original, fit, batch, args, kwargs, samples)
         where, items, final, zeroes_after, redoing, self._divisor, self._factor = self._next
         if self.size != "auto" and samples <= self.size and self.resume is None:
             self.whole, self.used = True, samples  # one piece: as without pieces (Lightning's backward is its own)
             return original(batch, *args, **kwargs)
         b = _Batch(batch, args, kwargs, samples, items, final=final, redoing=redoing)
+        self._begin(fit, b, where, zeroes_after)
+        out = None  # (every sample of the batch in the gradient before a resume: nothing left to run)
+        if b.done < b.samples:
+            out = self._train(original, b, backward=True)
+            if out is None:
+                return None
+        if zeroes_after:
+            self._set_aside(fit)
+        if self.size == "auto" and not b.redoing:
+            self._window.append(b)
+        # the batch's loss value for Lightning: a leaf of its own, so its backward reaches no parameter
+        return _with_loss(out, self._value(b).detach().requires_grad_())
+
+    def _block_sync(self, fit: Fit) -> None:
+        """Under DDP, inside its forward (it reads the flag after ``training_step`` returns): no gradient sync in any
+        backward of the batch (the callback all-reduces the window's gradient at its end)."""
+        self.release()
+        self._held.enter_context(fit.strategy.block_backward_sync())
+        self._holding = True
+
+    def _forward(
+        self, original: Callable[..., Any], fit: Fit, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+        samples: int,
+    ) -> Any:  # fmt: skip
+        """A loader batch without backward (SWA's BatchNorm epoch, a batch Lightning runs forward only): its pieces'
+        forwards (under ``batchnorm="window"`` SWA's make one BatchNorm update, as the loader batch whole), and the
+        batch's loss value."""
+        items = _count(fit.count, batch) if fit.mean_items else samples
+        b = _Batch(batch, args, kwargs, samples, items, final=False, redoing=True)
+        pooled = fit.one_update if fit.one_update is not None and self._forward_only else contextlib.nullcontext
+        with pooled():
+            out = self._train(original, b, backward=False)
+        return out if out is None else _with_loss(out, self._value(b).detach())
+
+    def _set_aside(self, fit: Fit) -> None:
+        """Lightning zeroes after this step (a window's first batch): the pieces' gradient set aside across it (by
+        reference), put back before Lightning's backward."""
+        self._aside = [(p, p.grad) for p in fit.params]
+        for p, _ in self._aside:
+            p.grad = None
+
+    def _begin(self, fit: Fit, b: _Batch, where: tuple[int, int], zeroes_after: bool) -> None:
+        """Before a loader batch's pieces: the gradient they start from (none where Lightning zeroes after this step,
+        a resumed window's partial one put back), a checkpoint's part of the batch, and the generators' state for
+        ``"auto"``'s redo."""
         if zeroes_after:  # Lightning zeroes after this step: the window starts from no gradient
             for p in fit.params:
                 p.grad = None
@@ -288,19 +326,6 @@ class Pieces:
         if self.size == "auto":
             b.rng = _RNG()
         self.batch = b
-        out = None  # (every sample of the batch in the gradient before a resume: nothing left to run)
-        if b.done < b.samples:
-            out = self._train(original, b, backward=True)
-            if out is None:
-                return None
-        if zeroes_after:
-            self._aside = [(p, p.grad) for p in fit.params]
-            for p, _ in self._aside:
-                p.grad = None
-        if self.size == "auto" and not b.redoing:
-            self._window.append(b)
-        # the batch's loss value for Lightning: a leaf of its own, so its backward reaches no parameter
-        return _with_loss(out, self._value(b).detach().requires_grad_())
 
     def _resume(self, b: _Batch, where: tuple[int, int]) -> None:
         assert self.resume is not None

@@ -373,7 +373,18 @@ class Reported:
         """Put the window's numbers in ``trainer.callback_metrics`` and the progress bar and, at the loggers'
         steps, write them to the loggers (a device gradient norm or learning rate read with the rest, once)."""
         values = metric_values(window)
-        metrics, numbers, keys = self._metrics, self._numbers, None if wants is None else wants.keys
+        self._keep(values, prefix, None if wants is None else wants.keys)
+        _seam.put_callback_metrics(trainer, self._metrics)
+        if wants is None or wants.keys is None or wants.bar:
+            show(trainer, window.k, window.loss, prefix)
+        every = trainer.log_every_n_steps
+        if (wants.logs if wants is not None else every and window.step % every == 0) and trainer.loggers:
+            self._write(trainer, values, prefix)
+
+    def _keep(self, values: Mapping[str, Any], prefix: str, keys: frozenset[str] | None) -> None:
+        """The window's numbers (those of ``keys`` alone, a monitor's, where given) as the tensors ``callback_metrics``
+        holds: a device tensor as it is; a number equal to the one kept keeps its tensor, equal numbers share one."""
+        metrics, numbers = self._metrics, self._numbers
         made: dict[float, Tensor] = {}
         for name, value in values.items():
             key = prefix + name
@@ -387,15 +398,13 @@ class Reported:
                 if tensor is None:
                     tensor = made[value] = torch.scalar_tensor(value)  # (in the default dtype, as Lightning logs)
                 metrics[key], numbers[key] = tensor, value
-        _seam.put_callback_metrics(trainer, metrics)
-        if keys is None or (wants is not None and wants.bar):
-            show(trainer, window.k, window.loss, prefix)
-        every = trainer.log_every_n_steps
-        if (wants.logs if wants is not None else every and window.step % every == 0) and trainer.loggers:
-            devices = [v.detach().reshape(()).to(torch.float64) for v in values.values() if isinstance(v, Tensor)]
-            read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
-            scalars = {prefix + n: next(read) if isinstance(v, Tensor) else float(v) for n, v in values.items()}
-            _seam.write_to_loggers(trainer, scalars, {key: metrics[key] for key in scalars})
+
+    def _write(self, trainer: Any, values: Mapping[str, Any], prefix: str) -> None:
+        """The window's numbers to the loggers: the device ones read in one host read."""
+        devices = [v.detach().reshape(()).to(torch.float64) for v in values.values() if isinstance(v, Tensor)]
+        read = iter(torch.stack(devices).tolist() if devices else [])  # one host read for all of them
+        scalars = {prefix + n: next(read) if isinstance(v, Tensor) else float(v) for n, v in values.items()}
+        _seam.write_to_loggers(trainer, scalars, {key: self._metrics[key] for key in scalars})
 
     def restore(self, trainer: Any) -> None:
         """At a fit's train start: put back what a checkpoint held (nothing in a fresh fit)."""

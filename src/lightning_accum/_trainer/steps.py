@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import override
+
 from lightning_accum import _seam
-from lightning_accum._lightning import rank_zero_warn
+from lightning_accum._lightning import PossibleUserWarning, rank_zero_warn
 from lightning_accum.noise import NoiseScale
 from lightning_accum.schedules import Budget, Constant, Progress, Schedule
 
@@ -96,6 +98,24 @@ def _estimate(trainer: Any) -> int | float:
             release()
         return steps if math.isinf(steps) else int(steps)
     schedule, counted = found
+    _refuse_unknown_steps(schedule)
+    if trainer.max_epochs == -1 and trainer.max_steps == -1:
+        return math.inf  # an endless fit (as Lightning's property)
+    release = _seam.set_up_training_loader(trainer)
+    try:
+        batches = trainer.num_training_batches
+        if math.isinf(batches):
+            return _steps_of_endless_loader(trainer)
+        needed = schedule.unit in ("samples", None) and not isinstance(schedule, Constant)
+        sizes = _samples_per_batch(trainer, int(batches), needed=needed)
+    finally:
+        release()
+    return _walk_known(trainer, schedule, int(batches), sizes, counted)
+
+
+def _refuse_unknown_steps(schedule: Schedule) -> None:
+    """Refuse a schedule whose optimizer steps depend on what the data or the gradient will hold: a ``Budget`` of
+    items (or whose ``n`` follows them), a schedule keyed on items, on ``scaled_steps``, or a ``NoiseScale``."""
     if isinstance(schedule, Budget) and "items" in (schedule.unit, schedule.n.unit):
         whose = "" if schedule.unit == "items" else " (its `n` follows them)"
         raise ValueError(
@@ -113,27 +133,32 @@ def _estimate(trainer: Any) -> int | float:
             "Key the learning rate on what is seen instead: "
             "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`."
         )
-    if trainer.max_epochs == -1 and trainer.max_steps == -1:
-        return math.inf  # an endless fit (as Lightning's property)
-    release = _seam.set_up_training_loader(trainer)
+
+
+def _steps_of_endless_loader(trainer: Any) -> int:
+    """A training loader without a length: ``max_steps`` bounds the fit, or its steps cannot be counted."""
+    if trainer.max_steps != -1:
+        return int(trainer.max_steps)
+    raise ValueError(
+        "The training loader has no length (an iterable dataset), so the steps of an epoch cannot be "
+        "counted in advance: give the Trainer `max_steps`, or an integer `limit_train_batches` to bound "
+        "each epoch."
+    )
+
+
+def _walk_known(trainer: Any, schedule: Schedule, batches: int, sizes: list[int] | None, counted: bool) -> int:
+    """``_walk`` of the fit, refused where the schedule reads the items a ``count`` gives (with a ``count`` the items
+    are not the samples: a function that reads them cannot be walked)."""
     try:
-        batches = trainer.num_training_batches
-        if math.isinf(batches):
-            if trainer.max_steps != -1:
-                return int(trainer.max_steps)
-            raise ValueError(
-                "The training loader has no length (an iterable dataset), so the steps of an epoch cannot be "
-                "counted in advance: give the Trainer `max_steps`, or an integer `limit_train_batches` to bound "
-                "each epoch."
-            )
-        constant = isinstance(schedule, Constant)  # (reads nothing)
-        if counted and schedule.unit is None and not constant:
-            rank_zero_warn(f"Counting the steps under {schedule!r} as if `Progress.items` equalled `Progress.samples`.")
-        needed = schedule.unit in ("samples", None) and not constant
-        sizes = _samples_per_batch(trainer, int(batches), needed=needed)
-    finally:
-        release()
-    return _walk(schedule, int(batches), sizes, trainer.max_epochs, trainer.max_steps)
+        return _walk(schedule, batches, sizes, trainer.max_epochs, trainer.max_steps, items_known=not counted)
+    except ItemsNotKnown:
+        raise ValueError(
+            f"The number of optimizer steps under {schedule!r} depends on the items (tokens) each batch will hold: "
+            "its function reads `Progress.items`, which `count` gives as the fit goes, so it cannot be known in "
+            "advance. Key the learning rate on what is seen instead: "
+            "`lr_schedule=lightning_accum.lr.WarmupCosine(warmup, total, unit='items')`, or key the function on "
+            "`Progress.samples` or `Progress.step`, whose steps a loader of fixed batch size gives exactly."
+        ) from None
 
 
 def _active_schedule(trainer: Any) -> tuple[Schedule, bool] | None:
@@ -197,23 +222,31 @@ def _samples_per_batch(trainer: Any, batches: int, needed: bool) -> list[int] | 
     return [s * world for s in sizes[:batches]]
 
 
-def _walk(schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs: int, max_steps: int) -> int:
+def _walk(
+    schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs: int, max_steps: int, items_known: bool = True
+) -> int:
     """Form the fit's windows as the package will: the schedule asked at each window's start,
     windows cut short at each epoch's end; stop at ``max_steps``."""
-    found = _walk_within(schedule, batches, sizes, max_epochs, max_steps, math.inf)
+    found = _walk_within(schedule, batches, sizes, max_epochs, max_steps, math.inf, items_known)
     assert found is not None  # (no budget)
     return found
 
 
 def _walk_within(
-    schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs: int, max_steps: int, budget: float
+    schedule: Schedule,
+    batches: int,
+    sizes: list[int] | None,
+    max_epochs: int,
+    max_steps: int,
+    budget: float,
+    items_known: bool = True,
 ) -> int | None:
     """``_walk``, or ``None`` once it has formed ``budget`` windows without reaching the fit's end."""
     progress = Progress()
     epoch = 0
     while max_epochs == -1 or epoch < max(max_epochs, 1):
         progress = dataclasses.replace(progress, epoch=epoch)
-        for _, after in windows(schedule, progress, 0, batches, sizes):
+        for _, after in windows(schedule, progress, 0, batches, sizes, items_known):
             progress = after
             if progress.step == max_steps:
                 return progress.step
@@ -223,17 +256,43 @@ def _walk_within(
     return progress.step
 
 
+class ItemsNotKnown(Exception):
+    """A schedule read ``Progress.items`` in a walk that does not know them (a ``count`` gives them as the fit goes)."""
+
+
+class _ItemsUnknown(Progress):
+    """The ``Progress`` a walk asks a schedule with where the items are not known: reading ``items`` raises
+    ``ItemsNotKnown`` (so that a function of ``Progress`` that reads them is not walked on a guess)."""
+
+    @override
+    def __getattribute__(self, name: str) -> Any:
+        if name == "items":
+            raise ItemsNotKnown
+        return super().__getattribute__(name)
+
+    @override
+    def __repr__(self) -> str:
+        return f"Progress(epoch={self.epoch}, step={self.step}, samples={self.samples}, items=?, ...)"
+
+
 def windows(
-    schedule: Schedule, progress: Progress, start: int, batches: int | float, sizes: Sequence[int] | None
+    schedule: Schedule,
+    progress: Progress,
+    start: int,
+    batches: int | float,
+    sizes: Sequence[int] | None,
+    items_known: bool = True,
 ) -> Iterator[tuple[int, Progress]]:
     """The windows the package forms from the epoch's batch ``start`` to its end (``batches``; endless for an
     iterable loader's ``inf``), ``progress`` being where the first opens: each as its micro-batches and the
     ``Progress`` after it. ``sizes``: each batch's samples over all ranks (``None``: unknown, samples not
-    counted); the items are taken to grow as the samples do. The schedule is asked as the engine asks it."""
+    counted). The items grow as the samples do, which they do without a ``count``; ``items_known=False`` (with
+    one): a schedule that reads them raises ``ItemsNotKnown``. The schedule is asked as the engine asks it."""
     step, samples, microbatches = progress.step, progress.samples, progress.microbatches
     extra = progress.items - progress.samples
+    asking = Progress if items_known else _ItemsUnknown
     while start < batches:
-        asked = Progress(progress.epoch, step, samples, samples + extra, microbatches, progress.scaled_steps)
+        asked = asking(progress.epoch, step, samples, samples + extra, microbatches, progress.scaled_steps)
         k = schedule(asked)
         if isinstance(schedule, Budget):  # (samples: the walk knows each batch's; it adds them as the engine does)
             m = _budget_window(schedule.budget(asked), k, start, batches, sizes)
@@ -267,15 +326,16 @@ def windows_ahead(
     batches: int | float,
     sizes: Sequence[int] | None,
     limit: int | float,
+    items_known: bool = True,
 ) -> tuple[int, int]:
     """How many windows the package will still close in this epoch from batch ``start`` (``progress`` where the
     next opens; at most ``limit`` of them, the steps ``max_steps`` leaves), and the batches they take:
     ``windows`` counted. Exact where the schedule keys on what the walk knows (epochs, steps, micro-batches,
-    and samples with ``sizes``)."""
+    and samples with ``sizes``; the items where ``items_known``, else ``ItemsNotKnown`` if it reads them)."""
     count = taken = 0
     if limit <= 0:
         return 0, 0
-    for m, _ in windows(schedule, progress, start, batches, sizes):
+    for m, _ in windows(schedule, progress, start, batches, sizes, items_known):
         count, taken = count + 1, taken + m
         if count >= limit:
             break
@@ -297,13 +357,18 @@ WALK_BUDGET = 200_000
 
 
 def fit_windows(
-    schedule: Schedule, batches: int, sizes: list[int] | None, max_epochs: int, max_steps: int
+    schedule: Schedule,
+    batches: int,
+    sizes: list[int] | None,
+    max_epochs: int,
+    max_steps: int,
+    items_known: bool = True,
 ) -> int | None:
     """The windows a whole fit of ``max_epochs`` epochs of ``batches`` batches forms from its start, at most
     ``max_steps`` (-1: unbounded; not both unbounded): ``estimated_stepping_batches``'s walk, for a schedule
-    ``walk_is_exact`` takes; ``None`` where that walk would pass ``WALK_BUDGET`` windows. Counted without walking
-    every window: ``Constant`` (``ceil(batches / k)`` windows an epoch) and schedules keyed on epochs (the same,
-    with each epoch's k)."""
+    ``walk_is_exact`` takes; ``None`` where that walk would pass ``WALK_BUDGET`` windows (``ItemsNotKnown`` where
+    the schedule reads items it does not know). Counted without walking every window: ``Constant``
+    (``ceil(batches / k)`` windows an epoch) and schedules keyed on epochs (the same, with each epoch's k)."""
     if max_steps == 0 or batches == 0:
         return 0
     if isinstance(schedule, Constant):
@@ -319,13 +384,40 @@ def fit_windows(
             total += -(-batches // schedule(Progress(epoch=epoch, step=total)))
             epoch += 1
         return total if max_steps < 0 else min(total, max_steps)
-    return _walk_within(schedule, batches, sizes, max_epochs, max_steps, WALK_BUDGET)
+    return _walk_within(schedule, batches, sizes, max_epochs, max_steps, WALK_BUDGET, items_known)
 
 
 def samples_per_batch(trainer: Any, batches: int) -> list[int] | None:
     """Samples of each of an epoch's ``batches`` over all ranks, from the training loader's batch sampler
     (``None`` where it does not say)."""
     return _samples_per_batch(trainer, batches, needed=False)
+
+
+class SchedulerHorizonWarning(PossibleUserWarning):
+    """The warning at a fit's start about a step-interval LR scheduler whose length (``total_steps``, ``T_max``) is
+    not the fit's number of optimizer steps under the accumulation schedule, or cannot be checked against it.
+
+    Most such schedulers were sized with Lightning's ``trainer.estimated_stepping_batches``, which does not know the
+    schedule. One sized so on purpose (a cosine meant to end before the fit, a ``OneCycleLR`` shared by several
+    fits) silences it with a ``warnings`` filter on this category, which leaves every other warning as it is. It is
+    a ``UserWarning``, and Lightning's ``PossibleUserWarning`` (a filter on that one silences it too).
+
+    Example:
+
+        >>> import warnings
+        >>> from lightning_accum import SchedulerHorizonWarning
+        >>> with warnings.catch_warnings():  # (or once, before `trainer.fit`)
+        ...     warnings.filterwarnings("ignore", category=SchedulerHorizonWarning)  # the length is meant
+        ...     warnings.warn("...", SchedulerHorizonWarning)  # (what the fit's start would warn: silenced)
+        >>> issubclass(SchedulerHorizonWarning, UserWarning)
+        True
+    """
+
+
+#: what each horizon warning ends with
+_ON_PURPOSE = (
+    " (Sized so on purpose: `warnings.filterwarnings('ignore', category=lightning_accum.SchedulerHorizonWarning)`.)"
+)
 
 
 def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:
@@ -347,7 +439,8 @@ def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:
         rank_zero_warn(
             f"The LR scheduler {named} is sized for a number of optimizer steps, but this fit's cannot be known at "
             "its start, so that length cannot be checked against the accumulation schedule (it may end before "
-            f"the fit, or the fit before it). {unknown}"
+            f"the fit, or the fit before it). {unknown}{_ON_PURPOSE}",
+            category=SchedulerHorizonWarning,
         )
         return
     if math.isinf(steps):
@@ -360,5 +453,6 @@ def warn_scheduler_horizons(trainer: Any, optimizers: int = 1) -> None:
                 f"The LR scheduler {type(config.scheduler).__name__} is sized for {int(horizon)} steps, but this fit "
                 f"takes {real} (optimizer steps{f' / frequency {config.frequency}' if config.frequency > 1 else ''}) "
                 "under the accumulation schedule; `trainer.estimated_stepping_batches` does not know the schedule. "
-                f"Size it with `lightning_accum.estimated_stepping_batches(trainer{size_with})`."
+                f"Size it with `lightning_accum.estimated_stepping_batches(trainer{size_with})`.{_ON_PURPOSE}",
+                category=SchedulerHorizonWarning,
             )

@@ -280,6 +280,7 @@ class AccumulationScheduler(Callback):
             and self.grad_accum_dtype is None  # (the parameters it sums in float32 may change at a window's opening)
         )
         steps.warn_scheduler_horizons(trainer)
+        fit_checks.refuse_uneven_budget_data(trainer, self.schedule, "AccumulationScheduler")
         self._readers = reporting.Readers.of(trainer, self._log, reporting.listeners(trainer), own=self)
         self._behind = None
         early = reporting.readers_before(trainer, self) if self._log else []
