@@ -149,6 +149,25 @@ def test_squared_norm_of_gradients_of_several_dtypes() -> None:
     got = gradients.squared_norm(grads)  # (norms exact in float32: 3 and 4)
     assert got.dtype == torch.float64 and float(got) == 9 + 144 + 16
     assert float(gradients.squared_norm([])) == 0.0
+    assert float(gradients.squared_norm([torch.tensor([3.0, 4.0])])) == 25.0  # (one group)
+
+
+def test_norms_count_a_gradient_two_optimizers_share_once() -> None:
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([12.0], dtype=torch.float64)
+    assert [float(n) for n in gradients.norms([a, b, a])] == [5.0, 12.0]
+    assert [float(n) for n in gradients.norms([a, b])] == [5.0, 12.0]
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5, 3.0, 1.0])
+def test_scale_multiplies_every_gradient(factor: float) -> None:
+    grads = [
+        torch.tensor([2.0, -4.0]),
+        torch.tensor([8.0], dtype=torch.float64),
+        torch.tensor([6.0], dtype=torch.bfloat16),
+    ]
+    want = [g.double() * factor for g in grads]
+    gradients.scale_(grads, factor)
+    assert all(torch.equal(g.double(), w) for g, w in zip(grads, want, strict=True))
 
 
 def test_restored_gradients_are_copies_of_the_checkpoints() -> None:
