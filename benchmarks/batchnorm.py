@@ -7,15 +7,22 @@ each micro-batch's statistics pooled at its backward's end, one update per windo
 same loop with BatchNorm left to itself. Rounds are interleaved; the figures are the median of the rounds'
 ratios (each round times both loops, one after the other) and the ratio of the best round times (target
 <= 1.03). On a shared machine these move by a few per cent from run to run, so the package's own work is
-also measured in place: the CPU time spent inside ``WindowBatchNorm``'s hooks, ``accept`` and ``commit``
+also measured in place: the CPU time spent inside ``WindowBatchNorm``'s ``arm``, hooks, ``accept`` and ``commit``
 per window, and its share of the window (a figure that load barely moves).
 
     python benchmarks/batchnorm.py
+
+``--against FILE``: another version of ``_core/batchnorm.py`` (``git show REV:src/lightning_accum/_core/batchnorm.py
+> FILE``) timed in place beside this one, in the same process, rounds interleaved: each one's hooks per window
+(thread CPU time), its share of the window and its window against ``"micro-batch"``, the medians of the rounds.
+
+    python benchmarks/batchnorm.py --against /tmp/batchnorm_before.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -54,7 +61,7 @@ def make_model() -> nn.Module:
 
 
 class TimedWindowBatchNorm(WindowBatchNorm):
-    """``WindowBatchNorm`` whose own work (the two hooks, ``accept``, ``commit``) is timed in CPU seconds."""
+    """``WindowBatchNorm`` whose own work (``arm``, the two hooks, ``accept``, ``commit``) is timed in CPU seconds."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,6 +80,12 @@ class TimedWindowBatchNorm(WindowBatchNorm):
         self.spent += time.process_time() - start
 
     @override
+    def arm(self) -> None:
+        start = time.process_time()
+        super().arm()
+        self.spent += time.process_time() - start
+
+    @override
     def accept(self) -> None:
         start = time.process_time()
         super().accept()
@@ -83,6 +96,69 @@ class TimedWindowBatchNorm(WindowBatchNorm):
         start = time.process_time()
         super().commit()
         self.spent += time.process_time() - start
+
+
+def timed_class(base: type[WindowBatchNorm]) -> type[WindowBatchNorm]:
+    """``base`` with its own work (``arm``, the two hooks, ``accept``, ``commit``) timed in thread CPU seconds, into
+    the class's ``spent``."""
+
+    class Timed(base):  # type: ignore[valid-type,misc]
+        spent = 0.0
+
+        def _timed(self, name: str, *args: Any) -> None:
+            start = time.thread_time()
+            getattr(super(), name)(*args)
+            Timed.spent += time.thread_time() - start
+
+        def _before_forward(self, *args: Any) -> None:
+            self._timed("_before_forward", *args)
+
+        def _after_forward(self, *args: Any) -> None:
+            self._timed("_after_forward", *args)
+
+        def arm(self) -> None:
+            self._timed("arm")
+
+        def accept(self) -> None:
+            self._timed("accept")
+
+        def commit(self) -> None:
+            self._timed("commit")
+
+    return Timed
+
+
+def against(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """This version's ``WindowBatchNorm`` and the one in ``path``, in place, rounds interleaved (see the docstring)."""
+    spec = importlib.util.spec_from_file_location("other_batchnorm", path)
+    assert spec is not None and spec.loader is not None
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    classes = {"other": timed_class(other.WindowBatchNorm), "this": timed_class(WindowBatchNorm)}
+    loops = {name: window_loop("window", args.k, args.batch, cls()) for name, cls in classes.items()}
+    loops["micro-batch"] = window_loop("micro-batch", args.k, args.batch)
+    for loop in loops.values():
+        loop()
+    took: dict[str, list[float]] = {name: [] for name in loops}
+    hooks: dict[str, list[float]] = {name: [] for name in classes}
+    for _ in range(max(1, args.rounds)):
+        for name, loop in loops.items():
+            if name in classes:
+                classes[name].spent = 0.0  # type: ignore[attr-defined]
+            start = time.thread_time()
+            for _ in range(args.windows):
+                loop()
+            took[name].append((time.thread_time() - start) / args.windows)
+            if name in classes:
+                hooks[name].append(classes[name].spent / args.windows)  # type: ignore[attr-defined]
+    out: dict[str, Any] = {"against": str(path)}
+    for name in classes:
+        out[name] = {
+            "hooks_us_per_window": statistics.median(hooks[name]) * 1e6,
+            "hooks_share": statistics.median(h / t for h, t in zip(hooks[name], took[name], strict=True)),
+            "ratio_median": statistics.median(t / m for t, m in zip(took[name], took["micro-batch"], strict=True)),
+        }
+    return out
 
 
 def window_loop(mode: str, k: int, batch: int, stats: WindowBatchNorm | None = None) -> Callable[[], None]:
@@ -118,8 +194,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--json", type=Path, default=Path(__file__).with_name("batchnorm.json"))
+    parser.add_argument("--against", type=Path, default=None, help="another _core/batchnorm.py, timed beside this")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.against is not None:
+        print(json.dumps(against(args.against, args), indent=2))
+        return
     loops = {mode: window_loop(mode, args.k, args.batch) for mode in ("micro-batch", "window")}
     for loop in loops.values():
         loop()  # (warm-up)

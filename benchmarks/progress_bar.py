@@ -6,6 +6,8 @@ with the fit's real trainer, module and last ``WindowReport``, each bar's refres
 Lightning's loop:
 
 * ``lightning``: ``TQDMProgressBar.on_train_batch_end``, Lightning's refresh per batch (the baseline);
+* ``lightning, the same fields``: the same, drawing the fields ``StepProgressBar`` adds to the postfix (set once:
+  what drawing them costs Lightning's own bar);
 * ``steps, exact``: ``StepProgressBar.on_window_end`` (``unit="steps"``) under a ramp over samples, whose total
   is known from the epoch's start: the counts (the epoch's and the fit's), the postfix, the draw;
 * ``steps, found per window``: the same under a ramp over items (with a ``count``), whose total is worked out
@@ -17,8 +19,10 @@ Lightning's loop:
 * ``fit total at start``: ``FitCount.start_fit``, once per fit: the walk of the whole fit's windows (a ramp over
   samples, 1000 batches an epoch, ``--epochs`` epochs), in microseconds per fit and per window walked.
 
-Each time is the best over rounds of a round's mean (a busy machine only adds time); the ratio is against
-``lightning`` in the same process. Nothing here reads a device (``tests/test_host_reads.py`` counts that).
+The calls are timed in interleaved rounds (each round times every call in turn): each time is the best round's
+mean (a busy machine only adds time); the ratio is the median over rounds of the time against ``lightning`` (or
+``rich: lightning``) in the same round, beside the ratio of the best rounds. Nothing here reads a device
+(``tests/test_host_reads.py`` counts that).
 
     python benchmarks/progress_bar.py --json out.json
 """
@@ -57,6 +61,17 @@ class MLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class SameFields(pl.callbacks.TQDMProgressBar):
+    """Lightning's bar drawing the fields ``StepProgressBar``'s postfix adds (the fit's steps, ``k``, ``batch``, the
+    loss in place of ``accum/loss`` and the throughput), set once: Lightning's cost of the same postfix."""
+
+    fields: dict[str, Any] = {"step": "9/9", "k": "6", "batch": "48", "samples/s": "3806"}
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        return {**self.fields, "loss": metrics.pop("accum/loss", None), **metrics}
+
+
 class Last(pl.Callback):
     def __init__(self) -> None:
         self.window: Any = None
@@ -80,53 +95,63 @@ def fitted(bar: Any, schedule: Any, count: Any = None) -> tuple[pl.Trainer, Any,
     return trainer, module, last.window
 
 
-def best(call: Any, reps: int, rounds: int) -> float:
-    """The best over ``rounds`` of the mean of ``reps`` calls, in microseconds."""
-    means = []
+def interleaved(calls: dict[str, Any], base: str, reps: int, rounds: int) -> list[dict[str, Any]]:
+    """Each call's mean over ``reps`` calls, in microseconds, in ``rounds`` rounds that time every call in turn: the
+    best round's (a busy machine only adds time), and the median over rounds of the ratio to ``base`` timed in the
+    same round."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
     with contextlib.redirect_stderr(io.StringIO()):
         for _ in range(rounds):
-            start = time.perf_counter()
-            for i in range(reps):
-                call(i)
-            means.append((time.perf_counter() - start) / reps * 1e6)
-    return min(means)
+            for name, call in calls.items():
+                start = time.perf_counter()
+                for i in range(reps):
+                    call(i)
+                times[name].append((time.perf_counter() - start) / reps * 1e6)
+    rows = []
+    for name, taken in times.items():
+        ratios = sorted(t / b for t, b in zip(taken, times[base], strict=True))
+        rows.append({"run": name, "us": min(taken), "ratio": ratios[len(ratios) // 2], "ratio_best": min(taken)
+                     / min(times[base])})  # fmt: skip
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--epochs", type=int, default=10, help="of the walk at the fit's start (1000 batches each)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     lightning_bar = pl.callbacks.TQDMProgressBar()
     trainer, module, _ = fitted(lightning_bar, 4)
-    base = best(lambda i: lightning_bar.on_train_batch_end(trainer, module, None, None, i), args.reps, args.rounds)
-    rows = [{"run": "lightning", "us": base, "ratio": 1.0}]
+    calls: dict[str, Any] = {
+        "lightning": lambda i, t=trainer, m=module: lightning_bar.on_train_batch_end(t, m, None, None, i)
+    }
+    same = SameFields()
+    trainer, module, _ = fitted(same, 4)
+    calls["lightning, the same fields"] = lambda i, t=trainer, m=module: same.on_train_batch_end(t, m, None, None, i)
     for name, schedule, count in (
         ("steps, exact", Ramp(1, 8, over=128, unit="samples"), None),
         ("steps, found per window", Ramp(1, 8, over=512, unit="items"), lambda batch: 2 * len(batch[0])),
     ):
         bar = StepProgressBar()
         trainer, module, window = fitted(bar, schedule, count)
-        us = best(lambda i, b=bar, t=trainer, m=module, w=window: b.on_window_end(t, m, w), args.reps, args.rounds)
-        rows.append({"run": name, "us": us, "ratio": us / base})
-    count_us = best(lambda i: bar._count.window_end(trainer, window), args.reps, args.rounds)
-    rows.append({"run": "count only", "us": count_us, "ratio": count_us / base})
-    fit_us = best(lambda i: (bar._fit.window_end(window), bar._fit.text()), args.reps, args.rounds)
-    rows.append({"run": "fit's steps only", "us": fit_us, "ratio": fit_us / base})
+        calls[name] = lambda i, b=bar, t=trainer, m=module, w=window: b.on_window_end(t, m, w)
+    calls["count only"] = lambda i, b=bar, t=trainer, w=window: b._count.window_end(t, w)
+    calls["fit's steps only"] = lambda i, b=bar, w=window: (b._fit.window_end(w), b._fit.text())
+    rows = interleaved(calls, "lightning", args.reps, args.rounds)
     console = {"file": io.StringIO(), "width": 200}
     rich = pl.callbacks.RichProgressBar(console_kwargs=console)
     trainer, module, _ = fitted(rich, 4)
-    rich_base = best(lambda i: rich.on_train_batch_end(trainer, module, None, None, i), args.reps, args.rounds)
-    rows.append({"run": "rich: lightning", "us": rich_base, "ratio": 1.0})
+    calls = {"rich: lightning": lambda i, t=trainer, m=module: rich.on_train_batch_end(t, m, None, None, i)}
     rich_bar = RichStepProgressBar(console_kwargs=console)
     trainer, module, window = fitted(rich_bar, Ramp(1, 8, over=128, unit="samples"))
-    us = best(lambda i: rich_bar.on_window_end(trainer, module, window), args.reps, args.rounds)
-    rows.append({"run": "rich: steps, exact", "us": us, "ratio": us / rich_base})
+    calls["rich: steps, exact"] = lambda i, t=trainer, m=module, w=window: rich_bar.on_window_end(t, m, w)
+    rows += interleaved(calls, "rich: lightning", args.reps, args.rounds)
     for row in rows:
-        print(f"{row['run']:>26}: {row['us']:8.1f} us per refresh, {row['ratio']:.3f} x Lightning's")
+        print(f"{row['run']:>26}: {row['us']:8.1f} us per refresh (best round); {row['ratio']:.3f} x Lightning's "
+              f"(median of rounds), {row['ratio_best']:.3f} (best rounds)")  # fmt: skip
     start = fit_start(args.epochs, max(1, args.rounds))
     print(f"{'fit total at start':>26}: {start['us']:8.0f} us per fit, {start['us_per_window']:.2f} us per window "
           f"({start['windows']} windows)")  # fmt: skip

@@ -222,7 +222,8 @@ def rows(results: dict[str, dict]) -> list[tuple[str, str, str, str]]:  # type: 
     bars = results["progress_bar.py"]
     for row in bars["rows"]:
         target = "(baseline)" if row["run"].endswith("lightning") else "(reported)"
-        table.append((f"progress bar refresh: {row['run']}", f"us, in place (best): {row['us']:.1f}; vs Lightning's",
+        table.append((f"progress bar refresh: {row['run']}",
+                      f"us, in place (best): {row['us']:.1f}; vs Lightning's (median of rounds)",
                       f"{row['ratio']:.3f}", target))  # fmt: skip
     if "fit_start" in bars:  # (the one walk of the fit's windows, at its start)
         start = bars["fit_start"]

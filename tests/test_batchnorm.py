@@ -1027,3 +1027,35 @@ def test_low_precision_buffers_within_the_documented_figures(dtype: torch.dtype,
     want = x.reshape(-1, 32).var(0)
     assert layer.running_var is not None
     assert float(((layer.running_var.double() - want).abs() / want).max()) <= bound
+
+
+def test_rows_shared_by_the_layers_and_the_forwards_they_do_not_serve() -> None:
+    """Each layer's first forward of a micro-batch writes into the rows ``arm`` made for all the layers (one
+    allocation); a second forward of a layer, a lazy layer before its first forward and a layer in another dtype get
+    blocks of their own; a model whose buffers were replaced (``.double()``) is planned again. Each layer's window is
+    every sample it saw in the window, as one batch (``momentum=None`` after one window: the buffers are it)."""
+    g = torch.Generator().manual_seed(5)
+    net = nn.ModuleDict({
+        "a": nn.BatchNorm1d(3, momentum=None), "lazy": nn.LazyBatchNorm1d(momentum=None),
+        "wide": nn.BatchNorm1d(3, momentum=None).double(),
+    })  # fmt: skip
+    stats = WindowBatchNorm()
+    stats.attach(net)
+    for dtype, bound in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+        seen: dict[str, list[Tensor]] = {"a": [], "lazy": [], "wide": []}
+        for _ in range(3):  # a window of three micro-batches
+            stats.arm()
+            for name, n in (("a", 4), ("a", 6), ("lazy", 5), ("wide", 3)):  # (layer `a` twice)
+                x = torch.randn(n, 3, generator=g, dtype=torch.float64) * 3 + 2
+                x = x if name == "wide" else x.to(dtype)
+                net[name](x)
+                seen[name].append(x.double())
+            stats.accept()
+        stats.commit()
+        for name, xs in seen.items():
+            whole = torch.cat(xs)
+            layer = net[name]
+            assert float((layer.running_mean.double() - whole.mean(0)).abs().max()) <= bound, (name, dtype)
+            assert float((layer.running_var.double() - whole.var(0)).abs().max()) <= 10 * bound, (name, dtype)
+            layer.reset_running_stats()
+        net.double()  # (the next window: every buffer replaced, in float64)

@@ -50,7 +50,10 @@ class _StepBar(pl.callbacks.ProgressBar):
     _count: BarCount
     _fit: FitCount
     _shown: int  # the batch whose end the bar has shown (its window may end after, in another callback)
-    _counts_as_text = False  # (Rich formats every number as a float)
+    # the counts as strings, drawn as they are (Rich formats every number as a float; tqdm formats each number,
+    # through Lightning's padding, at every refresh)
+    _counts_as_text = True
+    _fit_in_postfix = False  # the fit's steps shown first in the postfix (TQDM's; Rich draws an overall bar)
 
     @property
     def unit(self) -> Unit:
@@ -112,8 +115,10 @@ class _StepBar(pl.callbacks.ProgressBar):
 
     @override
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Lightning's metrics with the last window's ``k``, ``batch``, ``tokens``, ``loss`` and throughput."""
-        return self._count.postfix(dict(super().get_metrics(trainer, pl_module)), text=self._counts_as_text)
+        """The postfix: the fit's steps (``step``, ``done/total``; TQDM's), Lightning's metrics, then the last
+        window's ``k``, ``batch``, ``tokens``, ``loss`` and throughput."""
+        first = {"step": self._fit.text()} if self._fit_in_postfix else None
+        return self._count.postfix(super().get_metrics(trainer, pl_module), self._counts_as_text, first)
 
     def _set_total(self) -> None:
         """Draw the changed total (the bar's own)."""
@@ -177,6 +182,8 @@ class StepProgressBar(_StepBar, pl.callbacks.TQDMProgressBar):
         >>> trainer = pl.Trainer(callbacks=[AccumulationScheduler(ramp), StepProgressBar()], logger=False)
     """
 
+    _fit_in_postfix = True
+
     def __init__(
         self, unit: Unit = "steps", refresh_rate: int = 1, process_position: int = 0, leave: bool = False
     ) -> None:
@@ -185,12 +192,6 @@ class StepProgressBar(_StepBar, pl.callbacks.TQDMProgressBar):
         super().__init__(refresh_rate=rate, process_position=process_position, leave=leave)
         self._count, self._fit = count, FitCount()
         self._shown = -1  # the batch whose end this bar has shown (its window may end after, in another callback)
-
-    @override
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """The postfix: ``step`` (the fit's steps, ``done/total``), then as ``_StepBar`` (Lightning's metrics and
-        the last window's numbers)."""
-        return {"step": self._fit.text(), **super().get_metrics(trainer, pl_module)}
 
     @override
     def _set_total(self) -> None:
@@ -239,7 +240,6 @@ class RichStepProgressBar(_StepBar, pl.callbacks.RichProgressBar):
         'batches'
     """
 
-    _counts_as_text = True
     #: the overall bar's description
     FIT_DESCRIPTION = "Steps"
 

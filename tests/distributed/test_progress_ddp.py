@@ -130,7 +130,7 @@ def test_the_postfix_on_two_ranks_under_a_budget_is_the_windows_over_both(tmp_pa
         start = (start + m) % len(ranks[0])
     assert len(set(sizes)) > 1 and len(seen["windows"]) == len(sizes)
     for got, want, loss in zip(seen["windows"], expected, losses, strict=True):
-        assert {key: got[key] for key in ("k", "batch", "tokens")} == want
+        assert {key: int(got[key]) for key in ("k", "batch", "tokens")} == want  # (the counts as tqdm draws them: text)
         assert abs(got["loss"] - loss) <= 1e-12
         assert f"k={want['k']}, batch={want['batch']}, tokens={want['tokens']}" in got["drawn"]
         assert got["n"] <= got["total"]

@@ -5,7 +5,11 @@ update of the running buffers: while a layer in training mode runs its forward, 
 swapped for zeroed ones of the same shape (its ``num_batches_tracked`` for ``None``) and its momentum set to 1,
 so that BatchNorm's own kernel writes the micro-batch's mean and unbiased variance into them
 (``1 * stat + 0 * 0``: exactly the statistics it normalised with, with no pass over the activations of ours).
-The forward hook reads them, pools them and puts the layer's own buffers back: those are never written
+The zeroed buffers of each layer's first forward in a micro-batch are rows of one block made as the micro-batch
+is armed (one allocation for all the layers, one conversion when pooled; a second forward of a layer gets a
+block of its own): the hooks run between a forward's kernels, where the CPU's caches are cold and each tensor
+operation costs several times what it does elsewhere. The forward hook reads them, pools them and puts the
+layer's own buffers back: those are never written
 during a forward (autograd keeps the tensors BatchNorm was given, so they must not change in place before
 the backward), and between forwards they hold the last closed window's statistics, which is what a
 validation inside a window, a checkpoint and an exception see.
@@ -124,9 +128,9 @@ class Moments:
         its sum of squared deviations (``m2=True``)."""
         dtype = self.mean.dtype
         total = self.count + count
-        delta = mean.to(dtype) - self.mean
+        delta = (mean if mean.dtype == dtype else mean.to(dtype)) - self.mean  # (no call where the dtype is right)
         self.mean.add_(delta, alpha=count / total)
-        self.m2.add_(spread.to(dtype), alpha=1.0 if m2 else count - 1)
+        self.m2.add_(spread if spread.dtype == dtype else spread.to(dtype), alpha=1.0 if m2 else count - 1)
         self.m2.addcmul_(delta, delta, value=self.count * count / total)
         self.count = total
 
@@ -204,6 +208,43 @@ def _pool_dtype(t: Tensor) -> torch.dtype:
     return t.dtype if t.device.type == "mps" else torch.float64  # (MPS has no float64)
 
 
+class _Rows:
+    """The zeroed buffers of one micro-batch's first training forward of each layer that shares the first layer's
+    device and dtype (``plan``: their names, each one's width twice, their running means): one allocation for all of
+    them (each layer's mean then its variance, each contiguous: one ``split`` gives them all), and one conversion to
+    the pooling dtype when their statistics are pooled. The hooks
+    run between a forward's kernels, with the CPU's caches cold: a tensor operation there costs several times what
+    it does here, where the micro-batch is armed.
+
+    Example:
+
+        >>> rows = _Rows(torch.zeros(2), (["a", "b"], [2, 2, 3, 3], []))
+        >>> {name: (m.tolist(), v.tolist()) for name, (m, v, _) in rows.free().items()}
+        {'a': ([0.0, 0.0], [0.0, 0.0]), 'b': ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])}
+    """
+
+    __slots__ = ("_split", "data", "plan")
+
+    def __init__(self, like: Tensor, plan: tuple[list[str], list[int], list[Tensor]]) -> None:
+        self.plan = plan
+        self.data = like.new_zeros(sum(plan[1]))
+        self._split: dict[str, tuple[Tensor, Tensor]] | None = None  # (by layer, in the pooling dtype)
+
+    def free(self) -> dict[str, tuple[Tensor, Tensor, _Rows]]:
+        """Each layer's mean and variance rows (views of ``data``)."""
+        rows = self.data.split_with_sizes(self.plan[1])
+        return {name: (mean, var, self) for name, mean, var in zip(self.plan[0], rows[::2], rows[1::2], strict=True)}
+
+    def pooled(self, name: str) -> tuple[Tensor, Tensor]:
+        """``name``'s mean and variance as its forward wrote them, in the pooling dtype: every layer's converted at
+        the first ask, in one copy of ours (the rows are not written again; the window's ``Moments`` of a layer keep
+        and update its mean in place)."""
+        if self._split is None:
+            rows = self.data.to(_pool_dtype(self.data), copy=True).split_with_sizes(self.plan[1])
+            self._split = dict(zip(self.plan[0], zip(rows[::2], rows[1::2], strict=True), strict=True))
+        return self._split[name]
+
+
 class WindowBatchNorm:
     """The BatchNorm layers of one model, their running statistics advanced once per window.
 
@@ -233,13 +274,17 @@ class WindowBatchNorm:
         self._window: dict[str, Moments] = {}  # pooled over the window's accepted micro-batches
         #: the forwards of the micro-batch under way, by layer: (count, [mean; unbiased variance]) as the kernel
         #: wrote them, pooled into the window at the micro-batch's end (``accept``)
-        self._pending: dict[str, list[tuple[int, Tensor]]] = {}
+        self._pending: dict[str, list[tuple[int, Tensor | _Rows]]] = {}
         #: the forwards of finished parts of the micro-batch under way (``hold``: pieces whose backward finished),
         #: which a micro-batch cut short after them keeps (``accept_held``)
-        self._held: dict[str, list[tuple[int, Tensor]]] = {}
+        self._held: dict[str, list[tuple[int, Tensor | _Rows]]] = {}
         #: layers inside their forward: their own running buffers, ``num_batches_tracked`` and momentum, and the
-        #: block the kernel writes this forward's statistics into
-        self._inflight: dict[str, tuple[Tensor, Tensor, Tensor | None, float | None, Tensor]] = {}
+        #: block the kernel writes this forward's statistics into (a ``_Rows`` shared by the layers, or its own)
+        self._inflight: dict[str, tuple[Tensor, Tensor, Tensor | None, float | None, Tensor | _Rows]] = {}
+        #: the zeroed rows of the micro-batch under way not yet written, by layer (``_Rows``, made as it is armed)
+        self._free: dict[str, tuple[Tensor, Tensor, _Rows]] = {}
+        #: the layers one ``_Rows`` serves (their running means: a buffer replaced, ``model.to(...)``, plans again)
+        self._plan: tuple[list[str], list[int], list[Tensor]] | None = None
         self._loaded: dict[str, Moments] = {}  # a checkpoint's window, till its layers are attached
         #: `SyncBatchNorm` layers that synchronise (several ranks in their group): their process group
         self._groups: dict[str, Any] = {}
@@ -275,6 +320,7 @@ class WindowBatchNorm:
                 )
         self._adopt(self._loaded)
         self._loaded = {}
+        self._plan, self._free = None, {}
 
     def detach(self) -> None:
         """Remove every hook (the pooled window is kept, for a fit that goes on)."""
@@ -284,6 +330,7 @@ class WindowBatchNorm:
         self._loaded.update(self._window)
         self._window = {}
         self._names, self._layers, self._groups, self._scratch, self._handles = {}, {}, {}, {}, {}
+        self._plan, self._free = None, {}
 
     def _give_up(self, layer: _BatchNorm, *, taken_over: bool) -> None:
         """Unhook ``layer`` (its own buffers back if a forward of it failed): detached, or taken over by another
@@ -300,14 +347,47 @@ class WindowBatchNorm:
         if owner is not None and owner() is self:
             del _OWNERS[layer]
         if taken_over:  # (this owner goes on with its other layers, if any)
+            self._plan, self._free = None, {}
             del self._layers[name]
             for kept in (self._window, self._pending, self._held, self._groups, self._scratch):
                 kept.pop(name, None)
 
     # ------------------------------------------------------------------ the hooks
     def arm(self) -> None:
-        """A micro-batch begins: till ``accept`` or ``drop_pending``, the layers' training forwards are pooled."""
+        """A micro-batch begins: till ``accept`` or ``drop_pending``, the layers' training forwards are pooled (the
+        rows their first forwards write made now, where a row was taken since: one allocation)."""
         self._armed = True
+        plan = self._plan
+        layers = self._layers
+        if plan is None or not all(
+            layers[name]._buffers.get("running_mean") is mean for name, mean in zip(plan[0], plan[2], strict=True)
+        ):  # (a buffer replaced since: `model.to(...)`, `.double()`)
+            plan = self._plan = self._new_plan()
+            self._free = {}
+        if len(self._free) != len(plan[0]):
+            self._free = _Rows(plan[2][0], plan).free() if plan[0] else {}
+
+    def _new_plan(self) -> tuple[list[str], list[int], list[Tensor]]:
+        """The layers one ``_Rows`` serves (their names, each one's width twice, their running means): those whose
+        running buffers are on the first such layer's device, in its dtype (a lazy layer not yet initialised waits
+        for a later plan)."""
+        names: list[str] = []
+        widths: list[int] = []
+        means: list[Tensor] = []
+        for name, layer in self._layers.items():
+            mean, var = layer._buffers.get("running_mean"), layer._buffers.get("running_var")
+            if not isinstance(mean, Tensor) or not isinstance(var, Tensor):
+                continue
+            if isinstance(mean, nn.parameter.UninitializedBuffer) or isinstance(var, nn.parameter.UninitializedBuffer):
+                continue  # (a lazy layer before its first forward)
+            if mean.dim() != 1 or mean.numel() == 0 or var.shape != mean.shape or var.dtype != mean.dtype:
+                continue
+            if means and (mean.device != means[0].device or mean.dtype != means[0].dtype):
+                continue
+            names.append(name)
+            widths += [mean.numel()] * 2  # (its mean's row, then its variance's)
+            means.append(mean)
+        return names, widths, means
 
     def disarm(self) -> None:
         """Outside a micro-batch: a forward is BatchNorm's own update (a layer whose forward failed put back)."""
@@ -351,16 +431,23 @@ class WindowBatchNorm:
             self._put_back(layer, stale)
         if not (self._armed and not self._suspended and layer.training and layer.track_running_stats):
             return
-        mean, var = layer.running_mean, layer.running_var
+        held = layer._buffers
+        mean, var = held.get("running_mean"), held.get("running_var")
         if mean is None or var is None:
             return
-        # BatchNorm's kernel writes this micro-batch's mean and unbiased variance into zeroed buffers, the two rows
-        # of one block (one allocation, one conversion when pooled; straight into the module's dicts:
-        # `nn.Module.__setattr__` costs more than the rest of the hook)
-        block = mean.new_zeros((2, *mean.shape))
-        self._inflight[name] = (mean, var, layer.num_batches_tracked, layer.momentum, block)
-        held = layer._buffers
-        held["running_mean"], held["running_var"] = block.unbind(0)
+        # BatchNorm's kernel writes this micro-batch's mean and unbiased variance into zeroed buffers: the rows
+        # `arm` made for the layer's first forward, else (a second forward of it, or a layer the rows do not serve)
+        # the two rows of a block of its own (straight into the module's dicts: `nn.Module.__setattr__` costs more
+        # than the rest of the hook)
+        free = self._free.pop(name, None)
+        block: Tensor | _Rows
+        if free is None:
+            block = mean.new_zeros((2, *mean.shape))
+            row_mean, row_var = block.unbind(0)
+        else:
+            row_mean, row_var, block = free
+        self._inflight[name] = (mean, var, held.get("num_batches_tracked"), layer.momentum, block)
+        held["running_mean"], held["running_var"] = row_mean, row_var
         held["num_batches_tracked"] = self._scratch.get(name)
         layer.__dict__["momentum"] = 1.0
 
@@ -379,7 +466,9 @@ class WindowBatchNorm:
                 pending.append(forward)
 
     @staticmethod
-    def _put_back(layer: _BatchNorm, inflight: tuple[Tensor, Tensor, Tensor | None, float | None, Tensor]) -> Tensor:
+    def _put_back(
+        layer: _BatchNorm, inflight: tuple[Tensor, Tensor, Tensor | None, float | None, Tensor | _Rows]
+    ) -> Tensor | _Rows:
         """The layer's own buffers and momentum back; returns the block its forward wrote."""
         held = layer._buffers
         held["running_mean"], held["running_var"], held["num_batches_tracked"], layer.__dict__["momentum"], block = (
@@ -420,11 +509,14 @@ class WindowBatchNorm:
         self._pool(self._held)
         self._held = {}
 
-    def _pool(self, forwards_by_layer: Mapping[str, list[tuple[int, Tensor]]]) -> None:
+    def _pool(self, forwards_by_layer: Mapping[str, list[tuple[int, Tensor | _Rows]]]) -> None:
         for name, forwards in forwards_by_layer.items():
             pooled = self._window.get(name)
             for count, block in forwards:
-                mean, var = block.to(_pool_dtype(block)).unbind(0)  # (a block of ours: no copy kept of it)
+                if isinstance(block, _Rows):
+                    mean, var = block.pooled(name)  # (all its layers converted at once, a copy of ours)
+                else:
+                    mean, var = block.to(_pool_dtype(block)).unbind(0)  # (a block of ours: no copy kept of it)
                 if pooled is None:
                     kind = RankMoments if name in self._groups else Moments
                     pooled = self._window[name] = kind.of(count, mean, var, fresh=True)
@@ -459,10 +551,12 @@ class WindowBatchNorm:
             if layer.momentum is None:  # the cumulative average, over windows (read on the device)
                 assert nbt is not None
                 factor = nbt.to(stat_mean.dtype).reciprocal()
-            else:
+                mean.copy_(stat_mean * factor + mean.to(stat_mean.dtype) * (1 - factor))
+                var.copy_(stat_var * factor + var.to(stat_mean.dtype) * (1 - factor))
+            else:  # (the same arithmetic, `(1 - factor) * old` as `add`'s alpha: one operation fewer)
                 factor = float(layer.momentum)
-            mean.copy_(stat_mean * factor + mean.to(stat_mean.dtype) * (1 - factor))
-            var.copy_(stat_var * factor + var.to(stat_mean.dtype) * (1 - factor))
+                mean.copy_(torch.add(stat_mean * factor, mean.to(stat_mean.dtype), alpha=1 - factor))
+                var.copy_(torch.add(stat_var * factor, var.to(stat_mean.dtype), alpha=1 - factor))
         self._window = {}
 
     def _union(self) -> dict[str, tuple[Tensor, Tensor, Tensor]]:

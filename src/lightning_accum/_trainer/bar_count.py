@@ -60,6 +60,9 @@ class BarCount:
         self._known = True  # whether the epoch's start is known (not: resumed from a checkpoint without the bar's)
         self._known_loaded = True  # what a checkpoint said of it
         self._accumulating: steps.Accumulating | None = None
+        self._counted = False  # the fit counts items (`count=`): read once, at the fit's start
+        self._budget = False  # the schedule is a `Budget` (its windows' k is what they took)
+        self._world = 1  # the ranks (the trainer's, read once at the fit's start)
         self._exact = False  # whether the walk is exact for this fit's schedule
         self._sizes: list[int] | None = None
         self._batches: int | float = math.inf  # the epoch's batches (inf: an iterable loader)
@@ -80,7 +83,7 @@ class BarCount:
     @property
     def counted(self) -> bool:
         """Whether the fit counts items (``count=``): the postfix then shows tokens."""
-        return self._accumulating is not None and self._accumulating.counted
+        return self._counted
 
     def start_fit(self, trainer: Any, owner: str) -> None:
         """At train start (after a checkpoint is restored): find the fit's accumulation, or refuse."""
@@ -92,6 +95,8 @@ class BarCount:
                 "mixin), or use Lightning's own progress bar."
             )
         self._accumulating = found
+        self._counted, self._budget = bool(found.counted), isinstance(found.schedule, Budget)
+        self._world = max(int(getattr(trainer, "world_size", 1) or 1), 1)
         if not self._loaded:  # (a fit not resumed from a checkpoint of this bar)
             self._epoch, self._known_loaded = -1, True
         self._loaded = False
@@ -137,8 +142,8 @@ class BarCount:
 
     def window_end(self, trainer: Any, window: WindowReport) -> bool:
         """A window stepped: count it, its throughput; whether the total changed."""
-        self.last, self.taken = window, self._taken(trainer, window)
-        done = window.items if self.counted else window.samples
+        self.last, self.taken = window, self._taken(window)
+        done = window.items if self._counted else window.samples
         self.rate = done / window.seconds if window.seconds else None
         self.steps += 1
         if self._exact and self._known:
@@ -147,15 +152,13 @@ class BarCount:
         changed, self.total = total != self.total, total
         return changed
 
-    def _taken(self, trainer: Any, window: WindowReport) -> int:
+    def _taken(self, window: WindowReport) -> int:
         """The micro-batches ``window`` took, each rank's: a ``Budget``'s ``k`` is that already; a schedule's ``k`` is
         what it gave the window, which holds fewer where it was cut short at the epoch's end (or some of its batches
         ran no backward): its micro-batches over all ranks, per rank."""
-        assert self._accumulating is not None
-        if isinstance(self._accumulating.schedule, Budget):
+        if self._budget:
             return window.k
-        world = max(int(getattr(trainer, "world_size", 1) or 1), 1)
-        return min(window.k, -(-window.microbatches // world))
+        return min(window.k, -(-window.microbatches // self._world))
 
     def _progress(self) -> Progress:
         assert self._accumulating is not None
@@ -211,24 +214,35 @@ class BarCount:
             return min(windows, left)
         return min(remaining, left * k if not math.isinf(left) else math.inf)
 
-    def postfix(self, metrics: dict[str, Any], text: bool = False) -> dict[str, Any]:
-        """The bar's postfix: Lightning's (without the package's own ``accum/k`` and ``accum/loss``) and the last
-        window's k, effective batch (samples; tokens too with a ``count``), loss and throughput (``text``: the
-        counts as strings, for a bar that formats every number as a float)."""
-        out = {key: value for key, value in metrics.items() if key not in ("accum/k", "accum/loss")}
+    def postfix(
+        self, metrics: dict[str, Any], text: bool = False, first: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The bar's postfix: ``first``, then Lightning's ``metrics`` (without the package's own ``accum/k`` and
+        ``accum/loss``), then the last window's k, effective batch (samples; tokens too with a ``count``), loss and
+        throughput (``text``: the counts as strings, which a bar draws as they are, without formatting them as
+        numbers).
+
+        Example:
+
+            >>> BarCount("steps").postfix({"accum/k": 4.0, "v_num": 0}, first={"step": "0/?"})
+            {'step': '0/?', 'v_num': 0}
+        """
+        out = {} if first is None else dict(first)
+        out.update(metrics)
+        out.pop("accum/k", None)
+        out.pop("accum/loss", None)
         window = self.last
         if window is None:
             return out
-        out["k"] = self.taken
-        out["batch"] = window.samples
-        if self.counted:
-            out["tokens"] = window.items
+        shown = str if text else int
+        out["k"] = shown(self.taken)
+        out["batch"] = shown(window.samples)
+        if self._counted:
+            out["tokens"] = shown(window.items)
         if window.loss is not None:
             out["loss"] = window.loss
         if self.rate is not None:
-            out["tokens/s" if self.counted else "samples/s"] = round(self.rate)
-        if text:
-            out.update({key: str(value) for key, value in out.items() if isinstance(value, int)})
+            out["tokens/s" if self._counted else "samples/s"] = shown(round(self.rate))
         return out
 
     def state_dict(self) -> dict[str, Any]:
