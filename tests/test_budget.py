@@ -246,6 +246,53 @@ def test_resume_inside_a_window_is_bit_identical(tmp_path: Path, at: tuple[int, 
         trainer(callbacks=[other]).fit(TokenModel(reduction="sum"), ResumableLoader(DATA, BATCH), ckpt_path=path)
 
 
+class SkipsBatch(TokenModel):
+    """``training_step`` returns ``None`` (no backward) at the batch indices ``skip``."""
+
+    def __init__(self, skip: tuple[int, ...], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.skip = skip
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        return None if batch_idx in self.skip else super().training_step(batch, batch_idx)
+
+
+class StepsAfter(pl.Callback):
+    """(epoch, batch index) of each batch after which the optimizer stepped."""
+
+    def __init__(self) -> None:
+        self.after: list[tuple[int, int]] = []
+        self._batch = (0, 0)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._batch = (trainer.current_epoch, batch_idx)
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self.after.append(self._batch)
+
+
+@pytest.mark.parametrize("at", [(0, 1), (0, 4)])
+def test_max_k_counts_a_batch_without_backward_across_a_resume(tmp_path: Path, at: tuple[int, int]) -> None:
+    """Under ``max_k`` a window takes ``max_k`` loader batches, whether their ``training_step`` returned a loss or
+    ``None``; a checkpoint written right after such a batch resumes the window with it counted. By hand: 11 batches
+    an epoch, a budget never reached, ``max_k=3``: steps after batches 2, 5, 8 and 10 (the epoch's end)."""
+    path = tmp_path / "inside.ckpt"
+
+    def run(ckpt: Path | None, callbacks: list[pl.Callback]) -> tuple[TokenModel, StepsAfter]:
+        model, steps = SkipsBatch((1, 4), reduction="sum"), StepsAfter()
+        budget = Budget(10_000, max_k=3)  # (44 samples of at most 5 tokens: never reached)
+        callback = AccumulationScheduler(budget, normalize="items", count=count_tokens, reduction="sum")
+        trainer(callbacks=[callback, steps, *callbacks]).fit(model, ResumableLoader(DATA, BATCH), ckpt_path=ckpt)
+        return model, steps
+
+    full, steps = run(None, [SaveAt(at, path)])
+    by_hand = [(e, i) for e in (0, 1) for i in (2, 5, 8, 10)]
+    assert steps.after == by_hand
+    resumed, steps = run(path, [])
+    assert steps.after == [s for s in by_hand if s > at]
+    assert max_diff(params_of(resumed), params_of(full)) == 0.0
+
+
 def test_a_window_resumed_under_a_budget_of_another_unit_is_refused_before_anything_changes(tmp_path: Path) -> None:
     path = tmp_path / "inside.ckpt"  # (batch 6 of epoch 0: inside the window of 5-7, 15 items seen of 25)
     first = AccumulationScheduler(Budget(25), normalize="items", count=count_tokens, reduction="sum")
@@ -404,6 +451,25 @@ def test_estimated_stepping_batches_is_exact_for_samples(budget: Budget, fit_kwa
     callback = AccumulationScheduler(budget)
     trainer(callbacks=[callback, recorder], **fit_kwargs).fit(model, loader(data, BATCH))
     assert model.estimated == len(recorder.windows) == callback.progress.step
+
+
+@pytest.mark.parametrize(
+    ("budget", "by_hand"),
+    [
+        # 42 samples in batches of 4 (the last of 2): 11 batches an epoch, 2 epochs
+        (Budget(8, unit="samples"), 2 * 6),  # reached exactly by 2 batches: windows of 2, the last of 1
+        (Budget(12, unit="samples"), 2 * 4),  # by 3: 3, 3, 3, 2
+        (Budget(16, unit="samples", max_k=3), 2 * 4),  # by 4, but capped at 3
+        (Budget(4, unit="samples"), 2 * 11),  # by each batch
+    ],
+)
+def test_estimated_stepping_batches_when_a_window_reaches_its_budget_exactly(budget: Budget, by_hand: int) -> None:
+    """A window closes at the batch whose count reaches the budget, equal included: the estimate walks the same
+    windows as the fit (both counted by hand here)."""
+    model, recorder = Estimating(), KRecorder()
+    callback = AccumulationScheduler(budget)
+    trainer(callbacks=[callback, recorder]).fit(model, loader(TokenData(42, seed=3), BATCH))
+    assert model.estimated == len(recorder.windows) == callback.progress.step == by_hand
 
 
 class SizedByLightning(TokenModel):

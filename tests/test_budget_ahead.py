@@ -274,3 +274,15 @@ def test_a_checkpoint_written_on_an_exception_saves_the_loader_as_without_readin
     resumed = TokenModel(reduction="sum")
     trainer(callbacks=[callback()]).fit(resumed, ResumableLoader(DATA, BATCH), ckpt_path=path)
     assert max_diff(params_of(resumed), params_of(full)) == 0.0
+
+
+# (inside the budget's windows of 25 tokens over `test_faults.DATA`, [0-1] [2-4] [5-6] ...: batches 2 and 3 of the
+# second, neither its last)
+@pytest.mark.parametrize("at", [(0, 2), (0, 3)])
+def test_the_mixins_count_goes_into_the_window_before_its_micro_batch(tmp_path: Path, at: tuple[int, int]) -> None:
+    """The mixin reads a block's count over ranks at the block's end, and adds it to the window before the block's
+    micro-batch is counted: an exception after the block (the batch trained again on resume, adding nothing) keeps
+    the count, and the resumed fit closes the windows of an uninterrupted one."""
+    from test_faults import fail_and_resume
+
+    assert fail_and_resume("mixin+budget", tmp_path, ("after_block", at), "exception") == []

@@ -20,7 +20,17 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accum import AccumulationScheduler, Constant, GradientDecay, NoiseScale, Piecewise, Ramp, Schedule
+from lightning_accum import (
+    AccumulationScheduler,
+    Budget,
+    Constant,
+    GradientDecay,
+    NoiseScale,
+    Piecewise,
+    Ramp,
+    Schedule,
+)
+from lightning_accum.lr import WarmupLinear
 
 from helpers import (
     CPUDeepSpeed,
@@ -98,6 +108,11 @@ def test_builtin_divides_twice_under_deepspeed(tmp_path: Path) -> None:
     [
         ([AccumulationScheduler(2, normalize="items", reduction="sum", count=count_tokens)], r"normalize='items'"),
         ([AccumulationScheduler(2, lr_scaling="sqrt")], r"lr_scaling='sqrt'"),
+        ([AccumulationScheduler(2, lr_schedule=WarmupLinear(2, 8, unit="step"))], r"lr_schedule=WarmupLinear"),
+        (  # (a budget closes its windows where its count is reached; DeepSpeed steps at its own boundaries)
+            [AccumulationScheduler(Budget(8, unit="samples"))],
+            r"`AccumulationScheduler\(Budget\(8, unit='samples'\)\)` cannot run under `CPUDeepSpeed`: DeepSpeed's",
+        ),
         ([AccumulationScheduler(NoiseScale(2, 8))], "`NoiseScale` cannot measure the gradient noise under DEEPSPEED"),
         ([AccumulationScheduler(2), GradientDecay(0.5)], "`GradientDecay` cannot run under `CPUDeepSpeed`"),
         (  # (DeepSpeed sums the window in its own buffers: its config's `data_types.grad_accum_dtype` does the job)

@@ -77,6 +77,53 @@ def test_global_counts_in_one_collective(normalize: str) -> None:
     assert closing.scale == float(expected)
 
 
+def test_progress_counts_this_ranks_micro_batches_and_every_ranks_samples_and_items() -> None:
+    """``Progress.microbatches`` is one rank's (the loader batches it consumed, as a schedule keyed on them
+    reads on every rank alike); ``samples`` and ``items`` are over all ranks. The other rank here ran 3 micro-batches
+    of 12 samples and 20 items in each window, this one 2 of 8 and 11 (uneven counts: a rank's short last batch)."""
+    engine = WindowEngine(Constant(3))
+    for epoch in (0, 1):
+        engine.open(epoch, 0)
+        engine.count(samples=4, items=6)
+        engine.count(samples=4, items=5)
+        engine.close(FakeStrategy(world_size=2, others=[3, 12, 20, *window_id(epoch, 0)]))
+        engine.advance(epoch)
+    assert (engine.progress.microbatches, engine.progress.samples, engine.progress.items) == (4, 40, 62)
+    assert engine.progress.step == 2
+
+
+class TwoRanks(FakeStrategy):
+    """Two ranks, the other one's schedule giving ``other_k`` (``check_same_k``'s sums, then its gather)."""
+
+    def __init__(self, other_k: int) -> None:
+        super().__init__(world_size=2, others=[other_k, other_k * other_k])
+        self.other_k = other_k
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack([tensor, torch.tensor(self.other_k)])
+
+
+def test_ranks_given_different_k_fail_as_the_window_opens() -> None:
+    """(The fast check of ``tests/distributed/test_rank_agreement.py``'s rule: without it the ranks step at different
+    batches and hang in the next gradient collective.) A schedule that does not promise the same k on every rank is
+    compared once as each window opens, with one collective when the ranks agree."""
+    engine = WindowEngine(Lambda(lambda progress: 3))
+    agree = TwoRanks(3)
+    assert engine.open(0, 0, agree).k == 3 and agree.reduces == 1
+    engine.discard()
+    for other in (1, 2, 4, 9):
+        with pytest.raises(
+            RuntimeError, match=rf"disagree on the window's size: the schedule Lambda\(.*\) gave k = \[3, {other}\]"
+        ):
+            engine.open(0, 0, TwoRanks(other))
+        assert engine.window is None  # (nothing opened)
+    one = FakeStrategy(world_size=1, others=[])
+    assert engine.open(0, 0, one).k == 3 and one.reduces == 0  # (one rank: nothing to compare)
+    engine.discard()
+    consistent = WindowEngine(Constant(3))  # (a schedule keyed on what every rank reads alike: no collective)
+    assert consistent.open(0, 0, agree).k == 3 and agree.reduces == 1
+
+
 def test_ranks_closing_different_windows_fail_together() -> None:
     """(A rank whose data ran out first, or that caught an exception the others did not, would otherwise mix
     another window's gradient into this one.) Both ranks read the same sums, so both raise."""

@@ -138,3 +138,52 @@ def test_microbatches_method() -> None:
     model = ManualTokenModel()
     parts = model.microbatches({"x": torch.zeros(5, 3)}, 4)
     assert [len(p["x"]) for p in parts] == [4, 1]
+
+
+@dataclasses.dataclass
+class Labelled:
+    label: int
+    x: torch.Tensor
+
+
+RECURSIVE: list[Any] = [torch.tensor(1.0)]  # (behind a 0-dim tensor: a list that holds itself, searched to a depth)
+RECURSIVE.append(RECURSIVE)
+
+
+@pytest.mark.parametrize(
+    ("batch", "samples"),
+    [
+        ({"x": torch.zeros(5, 3), "y": torch.zeros(2)}, 5),  # the first tensor's dim 0
+        ([torch.zeros(4, 2), torch.zeros(9)], 4),
+        ((torch.zeros(3),), 3),
+        ({"tokens": torch.tensor(7), "x": torch.zeros(6, 2)}, 6),  # a 0-dim tensor is passed over
+        ({"queries": {"ids": torch.zeros(2, 8)}, "passages": {"ids": torch.zeros(10, 8)}}, 2),  # depth first
+        (["text", b"raw", 3, torch.zeros(8, 1)], 8),  # strings, bytes and numbers hold no dim 0
+        ([[], {}, [torch.zeros(())], {"a": [torch.zeros(3, 1)]}], 3),  # empty ones too, and a nested 0-dim one
+        (Labelled(1, torch.zeros(11, 2)), 11),  # a dataclass's fields, in order
+        ([Labelled(1, torch.zeros(4))], 4),
+        (range(3), 0),  # (an iterable without tensors: nothing found, nothing needed it)
+        ({"n": torch.tensor(3)}, 0),
+        (RECURSIVE, 0),
+    ],
+)
+def test_sample_count_is_dim_0_of_the_first_tensor_that_has_one(batch: Any, samples: int) -> None:
+    from lightning_accum._core.samples import sample_count
+
+    assert sample_count(batch, needed_by=None) == samples
+
+
+@pytest.mark.parametrize(
+    ("batch", "held"),
+    [
+        ({"n": torch.tensor(3), "m": [torch.tensor(1.0)]}, "holds only 0-dim tensors"),
+        ([1, "a", {"b": 2.0}], "holds no tensor to read it from"),
+        (RECURSIVE, "holds only 0-dim tensors"),
+    ],
+)
+def test_sample_count_where_none_is_found_names_what_needs_it(batch: Any, held: str) -> None:
+    from lightning_accum._core.samples import sample_count
+
+    need = r"Ramp\(1\) needs each micro-batch's number of samples \(dim 0 of its first tensor that has one\)"
+    with pytest.raises(ValueError, match=rf"{need}, but a batch of type `\w+` {held}"):
+        sample_count(batch, needed_by="Ramp(1)")

@@ -342,6 +342,22 @@ def test_a_window_without_items_does_not_step() -> None:
     assert adam_steps(t.optimizers[0]) == 5 and model.accumulation_progress.step == 5
 
 
+def test_windows_without_items_are_warned_about_once() -> None:
+    """Every window of no items is left unstepped, and said so once per fit, not once per such window: here 2 of
+    the 6 windows of each of 2 epochs hold no token."""
+    data = TokenData(24)
+    data.mask[4:8] = 0.0
+    data.mask[16:20] = 0.0
+    callback = AccumulationScheduler(1, normalize="items", reduction="sum", count=count_tokens)
+    t = trainer(callbacks=[callback], max_epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(TokenModel(reduction="sum", optimizer="adam"), loader(data, 4))
+    empty = [str(w.message) for w in caught if "An accumulation window was not stepped" in str(w.message)]
+    assert len(empty) == 1 and "its global item count is 0" in empty[0] and "only warned once" in empty[0]
+    assert adam_steps(t.optimizers[0]) == callback.progress.step == 2 * 4
+
+
 # ---------------------------------------------------------------------- retrying with the same objects
 class NonFiniteGuard(pl.Callback):
     """A user's guard: raises once, at the step of one window, after the package's rescale."""

@@ -114,8 +114,21 @@ class Mixed(ManualTokenModel):
             acc.backward(first.mean(), items=len(first))
 
 
-def test_a_pass_with_items_adds_its_own_beside_the_count() -> None:
-    model = Mixed(schedule=Constant(2), normalize="items", count=count_tokens, reduction="mean")
+class AllDeclared(Mixed):
+    """``Mixed`` with the LM pass declaring its ``items=`` too: no pass leaves its items to ``count(batch)``, which is
+    then added by none (the window holds the same ``count(batch) + n_aux`` items)."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        with self.accumulate(batch) as acc:
+            total, tokens = token_losses(self.net, batch)
+            acc.backward(total / tokens, items=tokens)
+            first = (self.net(batch["x"][:, 0]) - batch["y"][:, 0]).squeeze(-1) ** 2
+            acc.backward(first.mean(), items=len(first))
+
+
+@pytest.mark.parametrize("model_type", [Mixed, AllDeclared])
+def test_a_pass_with_items_adds_its_own_beside_the_count(model_type: type[Mixed]) -> None:
+    model = model_type(schedule=Constant(2), normalize="items", count=count_tokens, reduction="mean")
     data = TokenData(16)
     trainer(max_epochs=1).fit(model, loader(data, 4))
     assert model.accumulation_progress.items == int(data.mask.sum()) + 16

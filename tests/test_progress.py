@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_accum import AccumulationScheduler, Constant, Lambda, Piecewise, Ramp
+from lightning_accum import AccumulationScheduler, Budget, Constant, Lambda, Piecewise, Ramp
 from lightning_accum._trainer.reporting import Readers
 from lightning_accum.progress import RichStepProgressBar, StepProgressBar
 
@@ -89,11 +89,13 @@ class Endless(IterableDataset[Any]):
                 yield DATA.batch(slice(i, i + 2))
 
 
-def fit(bar: Any, schedule: Any, *, data: Any = None, model: Any = None, **kwargs: Any) -> Seen:
+def fit(
+    bar: Any, schedule: Any, *, data: Any = None, model: Any = None, callbacks_after: Any = (), **kwargs: Any
+) -> Seen:
     seen = Seen(bar)
     count = kwargs.pop("count", None)
     accumulation = [] if model is not None else [AccumulationScheduler(schedule, count=count)]
-    t = trainer(callbacks=[*accumulation, bar, seen], enable_progress_bar=True, **kwargs)
+    t = trainer(callbacks=[*accumulation, bar, seen, *callbacks_after], enable_progress_bar=True, **kwargs)
     t.fit(model or TokenModel(), data if data is not None else loader(DATA, 2))
     return seen
 
@@ -157,6 +159,60 @@ def test_totals_found_as_the_epoch_goes(schedule: Any, kind: str, unit: str) -> 
     # the fit's total is not known in advance: unbounded without max_steps
     assert seen.fit[-1] == (sum(e["steps"] for e in seen.epochs), math.inf)
     assert {total for _, total in seen.fit} == {math.inf}
+
+
+class StopAfter(pl.Callback):
+    """Stops the fit after ``n`` batches (an endless fit's end)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.n -= 1
+        trainer.should_stop = self.n <= 0
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+@pytest.mark.parametrize("schedule", [Constant(3), Ramp(1, 4, over=40, unit="samples")], ids=["constant", "ramp"])
+def test_an_endless_fits_total_is_unbounded(kind: str, schedule: Any) -> None:
+    """``max_epochs=-1`` without ``max_steps``: the fit's total is unbounded (``?``) from the first draw, and the
+    epoch's total is still its windows."""
+    seen = fit(BARS[kind]("steps"), schedule, max_epochs=-1, callbacks_after=[StopAfter(20)])
+    assert seen.fit and {total for _, total in seen.fit} == {math.inf}
+    assert seen.epochs[0]["first_total"] == seen.epochs[0]["steps"]
+
+
+class Totals(Seen):
+    """``Seen``, with the bar's total as drawn at each batch's end, epoch by epoch."""
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self.epochs[-1]["totals"] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_batch_end(trainer, *args)
+        self.epochs[-1]["totals"].append(self.drawn()[1])
+
+
+def fit_totals(bar: Any, schedule: Any, data: TokenData, **kwargs: Any) -> Totals:
+    seen = Totals(bar)
+    callback = AccumulationScheduler(schedule, **kwargs)
+    trainer(callbacks=[callback, bar, seen], enable_progress_bar=True).fit(TokenModel(), loader(data, 2))
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["tqdm", "rich"])
+def test_a_budgets_total_follows_the_windows_mean_size_capped_by_max_k(kind: str) -> None:
+    """Under a ``Budget`` of items the total is worked out from the windows' mean size so far, at most ``max_k``.
+    Every batch here holds 10 tokens: ``Budget(20, max_k=4)`` closes every window after 2 batches, 8 windows an epoch
+    (by hand). Before any window the total is an upper bound (windows of 1 batch); from the first window's end on it
+    is the epoch's real 8, as every window has the mean size."""
+    data = TokenData(32, seed=1, ragged=False)  # 5 tokens a sample
+    seen = fit_totals(BARS[kind]("steps"), Budget(20, unit="items", max_k=4), data, count=count_tokens)
+    assert expected(seen, "steps") == [8, 8]
+    first, second = seen.epochs
+    assert first["first_total"] >= 8 and first["totals"][1:] == [8] * 15
+    assert second["first_total"] == 8 and second["totals"] == [8] * 16
 
 
 def test_an_estimated_total_counts_the_short_last_window_as_a_step() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -153,3 +154,26 @@ NEAR_MISSES = [("tokns", "items"), ("Tokens", "items"), ("smaples", "samples"), 
 def test_a_near_miss_unit_names_the_unit_meant(given: str, hint: str) -> None:
     with pytest.raises(ValueError, match=rf"got {given!r}\. Did you mean {hint!r}\?"):
         Ramp(1, 4, over=10, unit=given)  # type: ignore[arg-type]
+
+
+def floor_power(start: int, end: int, t: Fraction) -> int:
+    """``floor(start * (end / start) ** t)`` in integers: the largest k with ``k ** q <= start ** q * (end /
+    start) ** p`` for ``t = p / q`` (no float: an exact power is exact)."""
+    p, q = t.numerator, t.denominator
+    num, den = start ** (q - p) * end**p, 1  # start ** q * (end / start) ** p = start ** (q - p) * end ** p
+    k = 0
+    while (k + 1) ** q * den <= num:
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("over", [1, 2, 3, 5, 6])
+@pytest.mark.parametrize(("start", "end"), [(1, 8), (1, 16), (3, 24), (2, 64), (8, 1), (48, 3)])
+def test_exponential_ramp_lands_on_its_exact_powers(start: int, end: int, over: int) -> None:
+    """``shape="exponential"`` at each step against exact integer arithmetic: where ``k`` is an exact power
+    (``Ramp(1, 8, over=3)`` at step 2 is 4, which float ``8 ** (2 / 3)`` gives as 3.9999999999999996) it is that
+    power, not the one below."""
+    ramp = Ramp(start, end, over=over, unit="step", shape="exponential")
+    got = [ramp(Progress(step=s)) for s in range(over + 2)]
+    want = [floor_power(start, end, Fraction(min(s, over), over)) for s in range(over + 2)]
+    assert got == want

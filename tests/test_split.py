@@ -33,6 +33,7 @@ from helpers import (
     max_diff,
     params_of,
     rank_batches,
+    token_losses,
     trainer,
 )
 
@@ -159,6 +160,39 @@ class Losses(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
         self.batches.append(float(outputs["loss"]))
+
+
+class BatchLosses(pl.Callback):
+    """Each loader batch's loss as Lightning hands it to ``on_train_batch_end`` (``got``), beside the whole batch's
+    loss by hand (``want``): its token sum, over its tokens for a mean, with the parameters it started with, divided
+    by ``accumulate_grad_batches`` as Lightning divides what ``training_step`` returned (listed after the package's
+    callback, which sets that value for the window)."""
+
+    def __init__(self, returns: str) -> None:
+        self.returns = returns
+        self.want: list[float] = []
+        self.got: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        with torch.no_grad():
+            total, tokens = token_losses(pl_module.net, batch)
+        loss = total if self.returns == "sum" else total / tokens
+        self.want.append(float(loss) / trainer.accumulate_grad_batches)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.got.append(float(outputs["loss"]))
+
+
+@pytest.mark.parametrize(("normalize", "reduction", "returns"), CASES)
+def test_the_batch_loss_lightning_gets_is_the_whole_batchs(normalize: str, reduction: str | None, returns: str) -> None:
+    """With several pieces a batch, Lightning's ``outputs["loss"]`` (what its bar, ``on_train_batch_end`` and a
+    logged ``train_loss`` see) is what ``training_step`` returns for the whole batch: a token mean over the batch's
+    tokens (not its samples), a token sum, a sample mean."""
+    data = TokenData(48, ragged=normalize == "items")
+    losses = BatchLosses(returns)
+    trainer(callbacks=[callback(3, normalize, reduction), losses]).fit(Pieced(reduction=returns), loader(data, 8))
+    assert len(losses.got) == 12
+    assert max(abs(a - b) for a, b in zip(losses.got, losses.want, strict=True)) <= 1e-12
 
 
 @pytest.mark.parametrize(("normalize", "reduction", "returns"), CASES)
@@ -648,6 +682,8 @@ def test_sync_batchnorm_with_auto_on_several_ranks_is_refused() -> None:
     with pytest.raises(RuntimeError, match="`SyncBatchNorm` on 2 ranks"):
         fit_checks.refuse_split_misuse("auto", trainer_, model, sync.SyncPlan("ddp", True))
     fit_checks.refuse_split_misuse(4, trainer_, model, sync.SyncPlan("ddp", True))  # ranks cut alike: allowed
+    one = _Strategy(strategy=_Strategy(world_size=1))
+    fit_checks.refuse_split_misuse("auto", one, model, sync.SyncPlan("ddp", True))  # one rank: nothing to cut alike
 
 
 def test_manual_optimization_is_refused() -> None:

@@ -100,3 +100,85 @@ def test_scale_of_half_precision_gradients_rounds_once(dtype: torch.dtype) -> No
         assert torch.equal(g, w)
         ulp = torch.finfo(dtype).eps * e.abs().clamp_min(torch.finfo(dtype).tiny)
         assert bool(((g.double() - e).abs() <= ulp).all())  # (within one rounding: half an ulp, at most one)
+
+
+@pytest.mark.parametrize(
+    ("items", "empty"),
+    [(0, True), (3, False), (0.0, True), (2.5, False), (torch.tensor(0), True), (torch.tensor([[0.0]]), True),
+     (torch.tensor(3), False), (torch.tensor(1.0), False)],
+)  # fmt: skip
+def test_no_items_is_a_count_of_zero(items: object, empty: bool) -> None:
+    got = gradients.no_items(items)  # type: ignore[arg-type]
+    assert (isinstance(got, torch.Tensor) and got.dtype == torch.bool and got.shape == ()) == isinstance(
+        items, torch.Tensor
+    )
+    assert bool(got) is empty
+
+
+def nan_grads() -> list[torch.Tensor]:
+    return [torch.tensor([1.0, float("nan")]), torch.tensor([[2.0]])]
+
+
+@pytest.mark.parametrize(
+    ("empty", "kept"), [(False, True), (True, False), (torch.tensor(False), True), (torch.tensor(True), False)]
+)
+def test_zero_where_empties_the_gradients_of_a_pass_of_no_items(empty: bool | torch.Tensor, kept: bool) -> None:
+    """Nothing where the count is 0, NaN included; the gradients as they are otherwise."""
+    got = gradients.zero_where(nan_grads(), empty)
+    want = nan_grads() if kept else [torch.zeros(2), torch.zeros(1, 1)]
+    assert all(torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0)) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("empty", [False, True, torch.tensor(False), torch.tensor(True)])
+def test_add_nothing_if_a_pass_has_no_items(empty: bool | torch.Tensor) -> None:
+    """A mean over no items (``sum / 0``: a NaN gradient) adds nothing to the gradient where the count is 0, on the
+    device; elsewhere the pass adds its own gradient; no hook is left on for ``False``."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    w.grad = torch.tensor([0.5, 0.5])
+    handles = gradients.add_nothing_if([w], empty)
+    assert (len(handles) == 0) == (empty is False)
+    count = torch.tensor(0.0) if bool(empty) else torch.tensor(2.0)
+    ((w * w).sum() / count).backward()
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(w.grad, torch.tensor([0.5, 0.5]) if bool(empty) else torch.tensor([1.5, 2.5]))
+
+
+def test_squared_norm_of_gradients_of_several_dtypes() -> None:
+    grads = [torch.tensor([3.0]), torch.tensor([12.0], dtype=torch.float64), torch.tensor([[0.0, 4.0]])]
+    got = gradients.squared_norm(grads)  # (norms exact in float32: 3 and 4)
+    assert got.dtype == torch.float64 and float(got) == 9 + 144 + 16
+    assert float(gradients.squared_norm([])) == 0.0
+    assert float(gradients.squared_norm([torch.tensor([3.0, 4.0])])) == 25.0  # (one group)
+
+
+def test_norms_count_a_gradient_two_optimizers_share_once() -> None:
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([12.0], dtype=torch.float64)
+    assert [float(n) for n in gradients.norms([a, b, a])] == [5.0, 12.0]
+    assert [float(n) for n in gradients.norms([a, b])] == [5.0, 12.0]
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5, 3.0, 1.0])
+def test_scale_multiplies_every_gradient(factor: float) -> None:
+    grads = [
+        torch.tensor([2.0, -4.0]),
+        torch.tensor([8.0], dtype=torch.float64),
+        torch.tensor([6.0], dtype=torch.bfloat16),
+    ]
+    want = [g.double() * factor for g in grads]
+    gradients.scale_(grads, factor)
+    assert all(torch.equal(g.double(), w) for g, w in zip(grads, want, strict=True))
+
+
+def test_restored_gradients_are_copies_of_the_checkpoints() -> None:
+    """A gradient put back from a checkpoint is the parameter's own: accumulating into it leaves the checkpoint
+    (which a second resume, or a checkpoint saved again, reads) as it was."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    w.grad = torch.tensor([1.0, 2.0])
+    saved = gradients.snapshot([w])
+    w.grad.add_(10.0)  # (the snapshot is a copy too)
+    assert torch.equal(saved[0], torch.tensor([1.0, 2.0]))  # type: ignore[arg-type]
+    gradients.restore([w], saved)
+    w.grad.add_(1.0)
+    assert torch.equal(saved[0], torch.tensor([1.0, 2.0]))  # type: ignore[arg-type]
+    assert torch.equal(w.grad, torch.tensor([2.0, 3.0]))

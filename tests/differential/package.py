@@ -34,10 +34,6 @@ from .configs import NOISE_OPTIONS, Config
 from .model import Data, batch_probe, count_tokens, errors, guide_weights, make_net, micro_loss, probe_loss
 from .reference import EMA, Result, make_optimizers, make_scheduler, optimizer_state
 
-# (issue 52) the callback reads a `Budget`'s counts ahead from the loader on one process too, as it does on ranks,
-# so that its reading ahead (a stateful loader's state, resumes, a batch trained again) meets the reference
-ahead.ON_ONE_PROCESS = True
-
 LAMBDA_FNS = {
     "cycle3": lambda p: 1 + p.step % 3,
     "epoch_up": lambda p: 1 + min(p.epoch, 3),
@@ -618,6 +614,16 @@ def quiet() -> None:
 
 
 def run(c: Config) -> Result:
+    # (issue 52) the callback reads a `Budget`'s counts ahead from the loader on one process too, as it does on ranks,
+    # so that its reading ahead (a stateful loader's state, resumes, a batch trained again) meets the reference
+    before, ahead.ON_ONE_PROCESS = ahead.ON_ONE_PROCESS, True
+    try:
+        return _run(c)
+    finally:
+        ahead.ON_ONE_PROCESS = before
+
+
+def _run(c: Config) -> Result:
     quiet()
     with tempfile.TemporaryDirectory() as name, warnings.catch_warnings():
         warnings.simplefilter("ignore")

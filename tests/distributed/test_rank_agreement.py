@@ -28,11 +28,16 @@ def rank_local(progress: Any) -> int:
 
 
 class Batches(pl.Callback):
+    """Counts the batches; a rank that starts a second batch was not stopped at the first window: it fails there,
+    at once, rather than leave the other rank waiting in a gradient collective until the process group's timeout."""
+
     def __init__(self) -> None:
         self.seen = 0
 
     def on_train_batch_start(self, *args: Any) -> None:
         self.seen += 1
+        if self.seen > 1:
+            raise AssertionError("The ranks went on past the first window: no rank refused their different k.")
 
 
 def recording(out: Path, batches: Batches) -> Any:
@@ -63,9 +68,9 @@ def test_ranks_that_disagree_on_k_fail_at_the_first_window(
         callbacks.append(AccumulationScheduler(schedule))  # (after Batches, which counts the batch first)
     else:
         model = ManualTokenModel(schedule=schedule)
-    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", timeout=datetime.timedelta(seconds=120))
+    strategy = DDPStrategy(start_method="fork", process_group_backend="gloo", timeout=datetime.timedelta(seconds=60))
     t = trainer(callbacks=callbacks, max_epochs=1, devices=2, strategy=strategy, use_distributed_sampler=False)
-    # (a hang would end in the process group's timeout error instead, whose message is not this one)
+    # (a rank not stopped fails at its second batch, `Batches`; a hang would end in the process group's timeout error)
     with pytest.raises(Exception, match="disagree on the window's size"):
         t.fit(model, loader(TokenData(32), 4, sharded=True))
     for rank in range(2):

@@ -76,6 +76,8 @@ class Block:
         before the window's last micro-batch if planned."""
         if self._plan.family == "ddp":
             return sync.ddp_no_sync(self.strategy)
+        if not self._plan.skip:  # (nothing skipped: the window's end is not needed before the block's end)
+            return contextlib.nullcontext()
         return sync.skip_sync(self._plan, self.strategy, self.last)
 
     def backward(self, loss: Tensor, *, nothing: bool | Tensor = False) -> None:

@@ -1,0 +1,297 @@
+"""Mutation testing of the package with Cosmic Ray, one module at a time, against the test files that cover it.
+
+The modules and their test files are in ``tools/mutation.toml``. Each module is mutated in a scratch copy of the
+repository (the working tree is never changed, even by an interrupted run), one mutant at a time: Cosmic Ray
+writes the mutant, runs ``pytest -x`` on the module's test files and the module's own doctests, and counts the
+mutant killed if they fail (or run past ``--timeout``). Sessions are kept in ``--workdir``: a second run goes on
+where the first stopped. Run it niced; it uses one core::
+
+    nice -n 19 python tools/mutation.py src/lightning_accum/count.py
+    nice -n 19 python tools/mutation.py --smallest 5          # the five smallest modules of the map
+    python tools/mutation.py --report                         # the scores of the sessions so far
+    python tools/mutation.py --check                          # every mapped path exists
+    nice -n 19 python tools/mutation.py --retest MODULE       # its survivors again, against the tests as they are
+
+A module's score is killed / (killed + survived); survivors are printed with their diff. See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:
+    from tomllib import loads as toml_loads
+except ModuleNotFoundError:  # (Python 3.10: Cosmic Ray's own dependency reads it)
+    from toml import loads as toml_loads
+
+
+ROOT = Path(__file__).resolve().parent.parent
+MAP = ROOT / "tools" / "mutation.toml"
+COPIED = ("src", "tests", "pyproject.toml", "README.md", "docs", "examples", "benchmarks", "mkdocs.yml")
+
+
+def load_map() -> dict[str, object]:
+    return toml_loads(MAP.read_text())  # type: ignore[no-any-return]
+
+
+def check(mapping: dict[str, list[str]]) -> list[str]:
+    """Mapped paths that do not exist."""
+    paths = [p.split("::")[0] for module, tests in mapping.items() for p in (module, *tests)]
+    return [p for p in paths if not (ROOT / p).exists()]
+
+
+def scratch_copy(workdir: Path, name: str = "tree") -> Path:
+    """A fresh copy of the repository's files the tests need (Cosmic Ray mutates files in place)."""
+    tree = workdir / name
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "site", "*.egg-info")
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, tree / name, ignore=ignore)
+        elif source.exists():
+            shutil.copy2(source, tree / name)
+    return tree
+
+
+def test_command(module: str, tests: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests, module]
+
+
+def config_text(module: str, tests: list[str], timeout: float, exclude: list[str]) -> str:
+    command = test_command(module, tests)
+    lines = [
+        "[cosmic-ray]",
+        f"module-path = {json.dumps(module)}",
+        f"timeout = {float(timeout)}",
+        "excluded-modules = []",
+        f"test-command = {json.dumps(' '.join(command))}",
+        "",
+        "[cosmic-ray.distributor]",
+        'name = "local"',
+        "",
+        "[cosmic-ray.filters.operators-filter]",
+        f"exclude-operators = {json.dumps(exclude)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def session_name(module: str) -> str:
+    return module.removeprefix("src/lightning_accum/").replace("/", ".").removesuffix(".py")
+
+
+def inert_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where a mutant changes nothing the package promises: annotations (``int | None`` to ``int & None``: every
+    module has ``from __future__ import annotations``) and a warning's ``stacklevel=`` (which line it is attributed
+    to)."""
+    parts: list[ast.expr] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
+            parts.append(node.annotation)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
+            parts.append(node.returns)
+        if isinstance(node, ast.keyword) and node.arg == "stacklevel":
+            parts.append(node.value)
+    return [((a.lineno, a.col_offset), (a.end_lineno or a.lineno, a.end_col_offset or 0)) for a in parts]
+
+
+def skip_inert(db: Path, module: Path) -> None:
+    """Mark the mutants inside ``inert_spans`` as skipped (not run, not counted), run or not."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    spans = inert_spans(module.read_text())
+    with use_db(str(db), WorkDB.Mode.open) as work_db:
+        for item in list(work_db.work_items):
+            start = tuple(item.mutations[0].start_pos)
+            if any(a <= start < b for a, b in spans):
+                skipped = WorkResult(
+                    output="Inert: an annotation or a stacklevel", worker_outcome=WorkerOutcome.SKIPPED
+                )
+                work_db.set_result(item.job_id, skipped)
+
+
+def retest(
+    module: str, tests: list[str], tree: Path, workdir: Path, timeout: float | None, lines: tuple[int, int] | None
+) -> None:
+    """Run the survivors of ``module``'s session again, against its test files as they are now (after tests were
+    added for them): each one killed now is recorded so."""
+    from cosmic_ray.mutating import mutate_and_test
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    db = workdir / f"{session_name(module)}.sqlite"
+    skip_inert(db, tree / module)
+    command = " ".join(test_command(module, tests))
+    here, env = Path.cwd(), dict(os.environ)
+    os.chdir(tree)
+    os.environ.update(PYTHONPATH="src", PYTHONDONTWRITEBYTECODE="1")
+    try:
+        with use_db(str(db), WorkDB.Mode.open) as work_db:
+            survivors = [i for i, r in work_db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+            if lines is not None:
+                survivors = [i for i in survivors if lines[0] <= i.mutations[0].start_pos[0] <= lines[1]]
+            for item in survivors:
+                result = mutate_and_test(item.mutations, command, timeout or 600)
+                print(f"{module}: line {item.mutations[0].start_pos[0]} {item.mutations[0].operator_name}: "
+                      f"{result.test_outcome}", flush=True)  # fmt: skip
+                work_db.set_result(item.job_id, result)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def run_module(
+    module: str, tests: list[str], tree: Path, workdir: Path, timeout: float | None, exclude: list[str]
+) -> bool:
+    """One module's session, after a baseline run of its tests on the unmutated tree (False if that fails)."""
+    name = session_name(module)
+    cfg, db = workdir / f"{name}.toml", workdir / f"{name}.sqlite"
+    env = {**os.environ, "PYTHONPATH": "src", "PYTHONDONTWRITEBYTECODE": "1"}
+    bindir = Path(sys.executable).parent
+
+    def cr(*args: str) -> None:
+        subprocess.run([str(bindir / args[0]), *args[1:]], cwd=tree, env=env, check=True)
+
+    if not db.exists():
+        cfg.write_text(config_text(module, tests, 0, exclude))
+        cr("cosmic-ray", "init", str(cfg), str(db))
+        cr("cr-filter-operators", str(db), str(cfg))
+        skip_inert(db, tree / module)
+    if not summary(db)["counts"]["pending"]:  # (done, or nothing to mutate: no baseline run)
+        return True
+    began = time.monotonic()
+    baseline = subprocess.run(test_command(module, tests), cwd=tree, env=env, capture_output=True, text=True)
+    took = time.monotonic() - began
+    if baseline.returncode != 0:
+        print(f"{module}: the baseline (no mutant) fails; not run\n{baseline.stdout[-3000:]}", flush=True)
+        return False
+    timeout = timeout if timeout is not None else 3 * took + 15
+    print(f"{module}: baseline {took:.0f} s, per-mutant timeout {timeout:.0f} s", flush=True)
+    cfg.write_text(config_text(module, tests, timeout, exclude))
+    cr("cosmic-ray", "exec", str(cfg), str(db))
+    return True
+
+
+def summary(db: Path) -> dict[str, object]:
+    """Counts of a session, and its survivors' diffs."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    counts = {"killed": 0, "timeout": 0, "survived": 0, "incompetent": 0, "skipped": 0, "pending": 0}
+    survivors, doctest_only = [], []
+    with use_db(str(db), WorkDB.Mode.open) as work_db:
+        done = set()
+        for item, result in work_db.completed_work_items:
+            done.add(item.job_id)
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                counts["skipped"] += 1
+            elif result.test_outcome == TestOutcome.SURVIVED:
+                counts["survived"] += 1
+                m = item.mutations[0]
+                survivors.append({"line": m.start_pos[0], "operator": m.operator_name, "diff": result.diff})
+            elif result.test_outcome == TestOutcome.KILLED:
+                counts["timeout" if result.output == "timeout" else "killed"] += 1
+                m = item.mutations[0]
+                if _failed_in_doctest(result.output or "", str(m.module_path)):
+                    doctest_only.append({"line": m.start_pos[0], "operator": m.operator_name, "diff": result.diff})
+            else:
+                counts["incompetent"] += 1
+        counts["pending"] = sum(1 for item in work_db.work_items if item.job_id not in done)
+    ran = counts["killed"] + counts["timeout"] + counts["survived"]
+    score = (counts["killed"] + counts["timeout"]) / ran if ran else float("nan")
+    return {
+        "counts": counts,
+        "score": score,
+        "survivors": sorted(survivors, key=lambda s: s["line"]),
+        "doctest_only": sorted(doctest_only, key=lambda s: s["line"]),
+    }
+
+
+def _failed_in_doctest(output: str, module: str) -> bool:
+    """Whether the first failure was the module's own doctest: the test files run first (``-x``), so they all
+    passed and only the doctest caught the mutant."""
+    failed = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return bool(failed) and failed[0].split()[1].startswith(module)
+
+
+def report(workdir: Path, modules: list[str], diffs: bool) -> None:
+    for module in modules:
+        db = workdir / f"{session_name(module)}.sqlite"
+        if not db.exists():
+            continue
+        s = summary(db)
+        c = s["counts"]
+        print(
+            f"{module}: score {s['score']:.1%}  killed {c['killed']} timeout {c['timeout']} survived {c['survived']}"
+            f" incompetent {c['incompetent']} pending {c['pending']} (filtered out: {c['skipped']})"
+        )
+        if s["doctest_only"]:
+            print(f"  killed only by the module's doctests: {len(s['doctest_only'])}")
+        shown = [("survived", m) for m in s["survivors"]] + [("doctest only", m) for m in s["doctest_only"]]
+        for what, mutant in shown if diffs else ():
+            print(f"  {what}: line {mutant['line']} {mutant['operator']}")
+            print("    " + "\n    ".join(line for line in (mutant["diff"] or "").splitlines()[2:]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help="paths as in tools/mutation.toml (default: all, smallest first)")
+    parser.add_argument("--smallest", type=int, default=None, help="only the N smallest modules of the map")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds one mutant's tests may run (default: 3 times the baseline's, plus 15)",
+    )
+    parser.add_argument("--workdir", type=Path, default=ROOT / ".mutation", help="sessions and the scratch copy")
+    parser.add_argument("--report", action="store_true", help="print the scores of the sessions so far")
+    parser.add_argument("--diffs", action="store_true", help="with --report: each survivor's diff")
+    parser.add_argument("--check", action="store_true", help="fail if a mapped path does not exist")
+    parser.add_argument("--retest", action="store_true", help="run the survivors again against the tests as they are")
+    parser.add_argument("--tests", nargs="+", default=None, help="with --retest: these test files instead of the map's")
+    parser.add_argument("--lines", default=None, help="with --retest: only the survivors on lines A-B")
+    args = parser.parse_args()
+
+    config = load_map()
+    mapping: dict[str, list[str]] = config["modules"]  # type: ignore[assignment]
+    exclude: list[str] = config["operators"]["exclude"]  # type: ignore[index]
+    if args.check:
+        missing = check(mapping)
+        print("\n".join(missing) or "every mapped path exists")
+        return 1 if missing else 0
+    unknown = [m for m in args.modules if m not in mapping]
+    if unknown:
+        parser.error(f"not in tools/mutation.toml: {unknown}")
+    modules = args.modules or sorted(mapping, key=lambda m: (ROOT / m).stat().st_size)
+    modules = modules[: args.smallest] if args.smallest is not None else modules
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.retest:
+        for module in modules:
+            if (args.workdir / f"{session_name(module)}.sqlite").exists():
+                lines = tuple(int(n) for n in args.lines.split("-")) if args.lines else None
+                tests = args.tests or mapping[module]
+                tree = scratch_copy(args.workdir, "retest")
+                retest(module, tests, tree, args.workdir, args.timeout, lines)  # type: ignore[arg-type]
+    elif not args.report:
+        for module in modules:  # (a fresh copy each: the tests as they are now)
+            tree = scratch_copy(args.workdir)
+            if run_module(module, mapping[module], tree, args.workdir, args.timeout, exclude):
+                report(args.workdir, [module], diffs=False)
+    report(args.workdir, modules, diffs=args.diffs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
