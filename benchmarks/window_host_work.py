@@ -145,12 +145,16 @@ class Internals:
 
     @staticmethod
     def forget(callback: AccumulationScheduler) -> None:
-        """Drop the open (or closed, not stepped) window: the next replay opens it again."""
+        """Drop the open (or closed, not stepped) window: the next replay opens it again (the callback's short path
+        off, as the callback turns it off where it drops a window itself)."""
         Internals.engine(callback).discard()
+        callback._lean = False
 
     @staticmethod
     def advance(callback: AccumulationScheduler, epoch: int) -> Any:
-        """After the step: the closed window into the progress (as ``on_train_batch_end`` does); its closing."""
+        """After the step: the closed window into the progress (as ``on_train_batch_end`` does, its short path off
+        with it); its closing."""
+        callback._lean = False
         return Internals.engine(callback).advance(epoch)
 
     @staticmethod

@@ -49,6 +49,16 @@ class Accumulator:
 
     @property
     def last(self) -> bool:
+        """Whether this micro-batch closes its window (under a ``Budget`` on several ranks, reading it waits for the
+        micro-batch's count over the ranks, sent as the block opened).
+
+        Example:
+
+            with self.accumulate(batch) as acc:
+                acc.backward(loss)
+                if acc.last:
+                    self.log("window_closes", 1.0)
+        """
         return self._block.last
 
     def _close(self) -> None:
