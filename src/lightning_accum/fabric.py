@@ -413,7 +413,7 @@ class FabricAccumulator:
             numbers = self._partial.numbers(self._ranks, self._ranks.global_rank)
             if numbers is not None:
                 self._engine.load_local_numbers(numbers)
-            self._partial.put_back(self.params, self._wide())
+            self._partial.put_back(self.params, self._engine.wide_sums)
             self._resumed = False
 
     def _check_epoch(self, epoch: object) -> None:
@@ -470,7 +470,8 @@ class FabricAccumulator:
         weight = pass_items(items, self.reduction == "mean", step._counted)
         weighed, nothing = weighted(loss, weight)
         self._engine.metrics.add_loss(weighed)
-        wide = self._wide()
+        wide = self._engine.wide_sums
+        weighting: contextlib.AbstractContextManager[None]
         if wide is None or weight is None:
             loss, weighting = weighed, contextlib.nullcontext()
         else:  # (`grad_accum_dtype`: the weight on the gradients as they are taken, in the wide dtype)
@@ -588,10 +589,6 @@ class FabricAccumulator:
                 "clean; find the micro-batch whose loss is not finite."
             ) from error
 
-    def _wide(self) -> Any:
-        """Where `grad_accum_dtype` keeps the window's narrow sums (``None``: `.grad` holds it all)."""
-        return self._engine.wide if self._engine.widened else None
-
     def _scaler(self) -> Any:
         return getattr(self.fabric.strategy.precision, "scaler", None)
 
@@ -617,7 +614,8 @@ class FabricAccumulator:
         state.update(epoch=self._epoch, batch=self._batch)
         window = state["window"]
         if window is not None and window["microbatches"]:
-            state.update(self._partial.save(self._ranks, self._engine.local_numbers(), self.params, self._wide()))
+            engine = self._engine
+            state.update(self._partial.save(self._ranks, engine.local_numbers(), self.params, engine.wide_sums))
         self._unflushed.kept()
         return state
 

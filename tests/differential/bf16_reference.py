@@ -584,7 +584,6 @@ def window_gradient(
     return landed
 
 
-
 def each_windows(
     c: Config,
     net: nn.Module,

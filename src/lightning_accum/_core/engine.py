@@ -201,6 +201,11 @@ class WindowEngine:
         self.widen(params)
         return True
 
+    @property
+    def wide_sums(self) -> WideSums | None:
+        """Where ``grad_accum_dtype`` keeps the window's narrow sums (``None``: nowhere, ``.grad`` holds it all)."""
+        return self.wide if self.widened else None
+
     def unwiden(self) -> None:
         """At a fit's end: no more gradients taken into the sums (those held are kept, for a checkpoint)."""
         if self.wide is not None:
@@ -529,7 +534,7 @@ class WindowEngine:
         """``close`` where the package makes the window's gradient global itself (the mixin and Fabric
         loops under DDP, every backward's sync skipped): the counts' all-reduce also says on how many
         ranks each parameter has a gradient, then the gradient is all-reduced in flat buckets, one round."""
-        wide = self.wide if self.widened else None
+        wide = self.wide_sums
         held = [p.grad for p in params] if wide is None else wide.current(params)
         closing = self.close(strategy, [int(g is not None) for g in held])
         collectives.all_reduce_gradients(strategy, params, closing.extra, None if wide is None else wide.slot_of)

@@ -264,7 +264,7 @@ class AccumulationScheduler(Callback):
         _seam.resume_after_finished_epoch(trainer)
         self._optimizer, self._strategy, self._fitting = trainer.optimizers[0], trainer.strategy, None
         for decay in (cb for cb in trainer.callbacks if isinstance(cb, GradientDecay)):  # type: ignore[attr-defined]
-            decay.keep_wide(self._wide())  # (before its own train start: it comes after this callback)
+            decay.keep_wide(self._engine.wide_sums)  # (before its own train start: it comes after this callback)
         self._counters = _seam.LoopCounters(trainer)
         numbers = self._partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
@@ -339,7 +339,7 @@ class AccumulationScheduler(Callback):
             put_back=self._put_back,
             piece_done=None if self._batchnorm is None else self._batchnorm.hold,
             one_update=None if self._batchnorm is None else self._batchnorm.one_update,
-            wide=self._wide(),
+            wide=self._engine.wide_sums,
         )
         self._split.attach(fit)
         split, routed = self._split, self._routed()
@@ -366,7 +366,7 @@ class AccumulationScheduler(Callback):
                 self._engine.widen(gradients.optimizer_params(self._optimizer))
                 self._set_reduces()
                 if self._split is not None:
-                    self._split.rewiden(self._wide())
+                    self._split.rewiden(self._engine.wide_sums)
         if self._blocks:  # (inside DDP's forward, which reads the flag after `training_step` returns)
             self._release()
             self._pass.enter_context(trainer.strategy.block_backward_sync())  # type: ignore[attr-defined]
@@ -561,7 +561,7 @@ class AccumulationScheduler(Callback):
         if self.grad_accum_dtype is not None and self._rewiden():  # (a param group added, a layer unfrozen)
             self._set_reduces()
             if self._split is not None:
-                self._split.rewiden(self._wide())
+                self._split.rewiden(self._engine.wide_sums)
         window = self._engine.open(trainer.current_epoch, batch_idx, self._strategy)
         if self._batchnorm is not None:
             self._batchnorm.resume()
@@ -773,14 +773,10 @@ class AccumulationScheduler(Callback):
         after the resume (after any zeroing of its next batch); returns it (``None`` if nothing waited)."""
         if not self._partial.pending or self._optimizer is None:
             return None
-        return self._partial.put_back(gradients.optimizer_params(self._optimizer), self._wide())
+        return self._partial.put_back(gradients.optimizer_params(self._optimizer), self._engine.wide_sums)
 
     def _rewiden(self) -> bool:
         return self._optimizer is not None and self._engine.rewiden(gradients.optimizer_params(self._optimizer))
-
-    def _wide(self) -> Any:
-        """Where `grad_accum_dtype` keeps the window's narrow sums (``None``: nowhere, `.grad` holds it all)."""
-        return self._engine.wide if self._engine.widened else None
 
     def _release(self) -> None:
         """End what `_pass` holds."""
@@ -893,7 +889,8 @@ class AccumulationScheduler(Callback):
         if window is not None and (window["microbatches"] or cut_short) and self._optimizer is not None:
             # a checkpoint inside a window (e.g. at a mid-window validation) keeps the partial gradient
             params = gradients.optimizer_params(self._optimizer)
-            state.update(self._partial.save(self._strategy, self._engine.local_numbers(), params, self._wide()))
+            engine = self._engine
+            state.update(self._partial.save(self._strategy, engine.local_numbers(), params, engine.wide_sums))
         return state
 
     @override
