@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -42,9 +44,20 @@ QUICK = {
 }
 
 
+def script_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """A script's environment: this process's without ``MASTER_PORT``. A fork-launched DDP run leaves its port in
+    the launching process's environment (Lightning's ``_MultiProcessingLauncher``), so scripts started after one (a
+    test suite's in-process DDP tests, say) would all inherit the same port, and two run at once (``--jobs 2``) would
+    each start their ranks' store on it: each script finds a free port of its own instead."""
+    return {name: value for name, value in environ.items() if name != "MASTER_PORT"}
+
+
 def run(script: str, extra: list[str], out: Path) -> dict:  # type: ignore[type-arg]
     path = out / script.replace(".py", ".json")
-    subprocess.run([sys.executable, str(HERE / script), "--json", str(path), *extra], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, str(HERE / script), "--json", str(path), *extra], capture_output=True,
+                          text=True, env=script_env(os.environ))  # fmt: skip
+    if done.returncode != 0:  # (the script's own error, not only its exit status)
+        raise RuntimeError(f"{script} {' '.join(extra)} exited with {done.returncode}:\n{done.stderr[-4000:]}")
     return json.loads(path.read_text())  # type: ignore[no-any-return]
 
 

@@ -5,6 +5,7 @@
   size), a forked child's first parallel kernel waits for pool threads that were never copied and
   hangs for ever (seen: one CI run stopped at the first forked DDP test and ran out its 90 minutes).
   With one thread ATen never opens a parallel region; two ranks on two cores lose nothing by it.
+* A test leaves ``MASTER_PORT`` as it found it (``_no_port_left_behind``).
 * A test that still hangs ends the session after ``HANG_AFTER_S`` with every thread's traceback,
   instead of holding CI until its own limit. No test here takes a tenth of it, busy machine or not:
   it is a hang detector, not a timing assertion.
@@ -28,6 +29,19 @@ def _one_thread_in_the_child() -> None:
 
 
 os.register_at_fork(after_in_child=_one_thread_in_the_child)
+
+
+@pytest.fixture(autouse=True)
+def _no_port_left_behind() -> Iterator[None]:
+    """A fork-launched DDP test leaves its port in this process's ``MASTER_PORT`` (Lightning's launcher sets it
+    before forking), which every later test and the processes it starts would inherit: two of those started at once
+    would start their ranks' stores on one port. Each test finds the environment as the session began."""
+    before = os.environ.get("MASTER_PORT")
+    yield
+    if before is None:
+        os.environ.pop("MASTER_PORT", None)
+    else:
+        os.environ["MASTER_PORT"] = before
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+_SESSION_PORT = os.environ.get("MASTER_PORT")  # (as the session began: none, unless the user set one)
 
 
 @pytest.mark.slow
@@ -37,6 +38,29 @@ def test_every_benchmark_runs(tmp_path: Path) -> None:
     assert "--only comm_calls.py" in table and "from an earlier run" in table
     for row in rows:
         assert row in table, row
+
+
+def test_each_script_finds_a_port_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork-launched DDP run leaves its port in the launching process's environment; ``run_all`` starts its
+    scripts without it, or two scripts run at once would start their ranks' stores on one port (a CI run failed
+    so: ``scale.py`` beside another script with ranks, after the suite's in-process DDP tests)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import run_all
+
+    env = run_all.script_env({"MASTER_PORT": "29500", "MASTER_ADDR": "127.0.0.1", "PATH": "/bin"})
+    assert env == {"MASTER_ADDR": "127.0.0.1", "PATH": "/bin"}
+    assert run_all.script_env({"PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+def test_a_test_leaves_the_port_as_it_found_it() -> None:
+    """``conftest._no_port_left_behind``: the port a fork-launched DDP test set (Lightning's launcher, in this
+    process) is gone once the test ends: the next test here checks it."""
+    assert "MASTER_PORT" not in os.environ or os.environ["MASTER_PORT"] == _SESSION_PORT
+    os.environ["MASTER_PORT"] = "1"  # (as Lightning's launcher leaves it)
+
+
+def test_a_test_leaves_the_port_as_it_found_it_checked() -> None:
+    assert os.environ.get("MASTER_PORT") == _SESSION_PORT
 
 
 GPU = BENCHMARKS / "gpu"
