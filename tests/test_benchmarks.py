@@ -1,6 +1,7 @@
 """Every benchmark runs (``run_all.py --quick``: tiny budgets, its figures not asserted; speed is
 never a test's business), so that a change of the package's internals cannot leave one broken
-until the next full run (two were, once)."""
+until the next full run (two were, once). That run (``-m bench``, about 80 s on 2 quiet cores, a
+quarter of the whole) is not in the default ``python -m pytest -q``: CI runs it as a step of its own."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 _SESSION_PORT = os.environ.get("MASTER_PORT")  # (as the session began: none, unless the user set one)
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # (not in the default run: `.ci/run` runs `python -m pytest -q -m bench`)
 def test_every_benchmark_runs(tmp_path: Path) -> None:
     out = tmp_path / "RESULTS.md"
     command = [sys.executable, str(BENCHMARKS / "run_all.py"), "--quick", "--jobs", "2", "--out", str(out)]
