@@ -135,8 +135,8 @@ def test_mixin_a_second_block_is_refused_without_a_budget_and_on_one_process_too
 
 def test_mixin_a_block_on_another_batch_is_refused_where_its_count_differs(reads_ahead: list[int]) -> None:
     """(Batch 0's count is its own, as its chunk goes out with it; batch 1's was read from the loader's batch.)"""
-    with pytest.raises(ValueError, match=r"for batch 1 of the epoch, `count\(batch\)` gave \d+ there, but gives \d+ for "
-                                         r"the batch `training_step` gets"):  # fmt: skip
+    match = r"for batch 1 of the epoch, `count\(batch\)` gave \d+ there, but gives \d+ for the batch `training_step`"
+    with pytest.raises(ValueError, match=match):
         trainer().fit(mixin(OtherBatch, read_ahead=True), loader(DATA, BATCH))
 
 
@@ -354,13 +354,31 @@ def _raised_ahead(acc: FabricAccumulator, model: Any) -> None:
         (_interleaved, RuntimeError, r"A `read_ahead` loop went on after another one began"),
         (_moved_on_in_a_block, RuntimeError, r"The `read_ahead` loop was moved on inside an `acc.accumulate"),
         (_read_ahead_in_a_block, RuntimeError, r"`acc.read_ahead\(...\)` was called inside an `acc.accumulate"),
-        (_changed_before_the_block, ValueError, r"for batch 1 of the epoch, `count\(batch\)` gave \d+ there, but "
-                                                r"gives \d+ for the batch the `accumulate` block gets"),  # fmt: skip
+        (
+            _changed_before_the_block,
+            ValueError,
+            r"for batch 1 of the epoch, `count\(batch\)` gave \d+ there, but "
+            r"gives \d+ for the batch the `accumulate` block gets",
+        ),
         (_raised_ahead, ValueError, r"for batch 1 of the epoch, `count\(batch\)` raised there, but gives \d+"),
     ],
-    ids=["None", "int", "str", "float", "another batch", "a copy", "twice", "after the loop", "before the first",
-         "interleaved", "moved on in a block", "read_ahead in a block", "count changed", "count raised ahead"],
-)  # fmt: skip
+    ids=[
+        "None",
+        "int",
+        "str",
+        "float",
+        "another batch",
+        "a copy",
+        "twice",
+        "after the loop",
+        "before the first",
+        "interleaved",
+        "moved on in a block",
+        "read_ahead in a block",
+        "count changed",
+        "count raised ahead",
+    ],
+)
 def test_fabric_read_ahead_misuse_is_refused(
     reads_ahead: list[int], misuse: Callable[[FabricAccumulator, Any], None], error: type, match: str
 ) -> None:

@@ -274,6 +274,7 @@ def test_fabric_waits_on_no_collective_inside_a_window(tmp_path: Path, read_ahea
         else:
             assert waits["counts"] == sum(sizes)
 
+
 # ------------------------------------------------------------------ a rank whose data runs out first
 def recording(out: Path) -> Any:
     """``refuse_uneven_budget_data`` that writes, on each rank, what it raised and the steps taken (a rank runs in a
@@ -365,7 +366,7 @@ def test_ranks_whose_loaders_without_a_length_end_apart_are_refused_not_left_wai
     monkeypatch.setattr(core_ahead, "_uneven", noting_uneven(tmp_path))  # (before the fork)
     budget = Budget(16, unit="samples")
     ranks = [0] if adapter != "fabric+read_ahead" else [0, 1]
-    with pytest.raises(Exception, match="ended at different batches|ProcessRaisedException|exited"):
+    with pytest.raises(Exception, match=r"ended at different batches|ProcessRaisedException|exited"):
         if adapter == "fabric+read_ahead":
             Fabric(accelerator="cpu", devices=WORLD, strategy="ddp_fork", precision="64-true").launch(
                 uneven_fabric_ranks
