@@ -172,7 +172,7 @@ class AccumulationMixin(_ModuleBase):
                 (a second block is refused); ``count`` is also called on each batch as the loader yields it (before
                 ``on_before_batch_transfer``), and must give the same number as for the block's batch (refused
                 otherwise, where both are host values). No effect without a ``Budget`` or on one process, beyond the
-                contract. See "A budget on many ranks".
+                contract. See "A budget on many ranks" in the guide's "A batch in tokens".
 
         Example:
 
