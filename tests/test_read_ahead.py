@@ -424,3 +424,17 @@ def test_fabric_a_batch_without_a_block_adds_nothing(reads_ahead: list[int]) -> 
     assert max_diff([p.detach() for p in net.parameters()], expected) < 1e-12
     assert acc.progress.step == len(sizes)
     assert sum(tokens_of(b) for b in kept) > 25
+
+
+def test_mixin_a_count_of_more_than_one_number_is_refused_as_without_reading_ahead(reads_ahead: list[int]) -> None:
+    """(Batch 0's count goes out as its chunk does, and is refused there; a later batch's was read ahead: refused
+    where its block opens, with the same error.)"""
+    third = batches_of()[2]["x"][0, 0, 0]
+
+    def count(batch: Batch) -> Any:
+        return batch["mask"].sum(1) if batch["x"][0, 0, 0] == third else batch["mask"].sum()
+
+    with pytest.raises(ValueError, match="one number"):
+        trainer().fit(mixin(count=count, read_ahead=True), loader(DATA, BATCH))
+    with pytest.raises(ValueError, match="one number"):
+        trainer().fit(mixin(count=lambda b: b["mask"].sum(1), read_ahead=True), loader(DATA, BATCH))

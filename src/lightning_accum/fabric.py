@@ -47,7 +47,7 @@ from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.sync import SyncMode
 from lightning_accum._core.wide import check_grad_accum_dtype, inert_note, refuse_under
-from lightning_accum._core.window import Normalize, check_count, microbatch_items, pass_items
+from lightning_accum._core.window import Normalize, Window, check_count, microbatch_items, pass_items
 from lightning_accum._fabric.ahead import FabricAhead
 from lightning_accum._fabric.guards import WindowGuard, check_same_owner, check_set_up, sync_plan
 from lightning_accum._fabric.unflushed import UnflushedWatch
@@ -313,12 +313,11 @@ class FabricAccumulator:
         if isinstance(counted, Tensor):
             counted = counted.detach().clone()
         total = self._read_ahead(batch, samples, samples if counted is None else counted)
-        if engine.window is None and self.grad_accum_dtype is not None:  # (a param group added, a layer unfrozen)
-            engine.rewiden(self.params)
-        if engine.wide is not None and gradients.group_sizes(self.optimizer.optimizer) != self._groups:
-            self._groups = gradients.group_sizes(self.optimizer.optimizer)  # a param group joined inside a window:
-            engine.widen(self.params)  # its narrow parameters' sums too (those held are kept)
-        window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
+        try:
+            window = self._open_window()
+        except BaseException:
+            self._ahead.give_back(batch)  # (a block may run on it again)
+            raise
         engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget:
         # read ahead in a `read_ahead` loop; else its all-reduce goes out now, and is read where the window's end is
@@ -361,6 +360,16 @@ class FabricAccumulator:
             self._step(step)
         elif engine.wants_prefix():  # the noise probe's prefix (`NoiseScale`, AdaScale): this rank's gradient
             engine.measure_prefix(gradients.grads_of(self.params), self._loss_scale())
+
+    def _open_window(self) -> Window:
+        """The window the block goes into (opened now if none is), its wide sums kept up with the param groups."""
+        engine = self._engine
+        if engine.window is None and self.grad_accum_dtype is not None:  # (a param group added, a layer unfrozen)
+            engine.rewiden(self.params)
+        if engine.wide is not None and gradients.group_sizes(self.optimizer.optimizer) != self._groups:
+            self._groups = gradients.group_sizes(self.optimizer.optimizer)  # a param group joined inside a window:
+            engine.widen(self.params)  # its narrow parameters' sums too (those held are kept)
+        return engine.window or engine.open(self._epoch, self._batch, self._ranks)
 
     def _final(self, step: FabricStep) -> bool:
         """Whether the block's micro-batch closes the window (its ``k``-th, ``last=True``, or under a ``Budget`` its

@@ -234,6 +234,7 @@ class MixinDriver(Callback):
         items = counts[0] if counts[1] is None else counts[1]
         total = None
         if not redoing and self.ahead.reading:
+            items = check_count(items)  # (a count of more than one number refused here, as `ask` refuses it)
             total = self.ahead.total(
                 trainer,
                 batch_idx,
