@@ -239,9 +239,9 @@ class FabricAccumulator:
         self._epoch = 0
         self._batch = 0  # micro-batches of the epoch so far
         # `read_ahead`: its loops, and a budget's counts read ahead from them (several ranks, or the test switch)
-        self._ahead = FabricAhead(
-            lambda: self._engine.budgeted and (self._ranks.world_size > 1 or ahead.ON_ONE_PROCESS)
-        )
+        # (the engine and the ranks, not `self`: an accumulator dropped is freed at once, where `UnflushedWatch` warns)
+        engine, ranks = self._engine, self._ranks
+        self._ahead = FabricAhead(lambda: engine.budgeted and (ranks.world_size > 1 or ahead.ON_ONE_PROCESS))
         # warns once if the accumulator is dropped, or the process ends, with micro-batches no step took
         caller = sys._getframe(1)  # (the user's line that made it: where that warning points)
         made_at = (caller.f_code.co_filename, caller.f_lineno)
