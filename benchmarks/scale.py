@@ -3,28 +3,30 @@ a random time (issue 52).
 
 (a) Measured. N gloo ranks on the CPU (forked; N up to 16), each micro-batch a sleep of log-normal length (mean
 ``--mean-ms``, coefficient of variation ``--cv``, drawn per rank and micro-batch from a seed: the runs compared sleep
-alike), so that ranks need no cores. Every batch holds ``BATCH`` samples, so ``Budget(K * BATCH * N,
-unit="samples")`` closes every window after exactly ``K`` micro-batches, as ``K`` does (checked). For each adapter
+alike), so that ranks need no cores. Every batch holds ``BATCH`` samples, so ``Budget(K * BATCH * N, unit="samples")``
+closes every window after exactly ``K`` micro-batches, as ``K`` does (checked). For each adapter
 (``AccumulationScheduler``, ``AccumulationMixin``, ``FabricAccumulator``) the fits are: ``fixed`` (``K``), ``budget``
-(the package's protocol) and ``barrier`` (the protocol before issue 52, forced: each micro-batch's count summed over
-ranks in one blocking all-reduce as it opens); the step time is rank 0's wall time per window after the first
-``WARMUP`` windows, its ratio the budget's over the fixed k's (median over ``--rounds``, each round running every fit
-once). Each fit also counts, on every rank, the collectives of the package the rank waits on before the backward
-pass of the micro-batch they went out in, in micro-batches that do not open their window (``waited``: the
-meetings of all ranks inside a window; the window's own collectives, at its end, are ``per_window``), and the
-budget's count all-reduces it issues (``counts``) without waiting for them.
+(the package's protocol by default: the callback reads ahead, the mixin and the Fabric helper overlap), ``ahead`` (the
+mixin with ``configure_accumulation(read_ahead=True)``, the Fabric loop over ``acc.read_ahead(loader)``: the callback's
+protocol; not a fit of the callback, whose ``budget`` it is) and ``barrier`` (the protocol before issue 52, forced: each
+micro-batch's count summed over ranks in one blocking all-reduce as it opens); the step time is rank 0's wall time per
+window after the first ``WARMUP`` windows, its ratio the budget's over the fixed k's (median over ``--rounds``, each
+round running every fit once). Each fit also counts, on every rank, the collectives of the package the rank waits on
+before the backward pass of the micro-batch they went out in, in micro-batches that do not open their window
+(``waited``: the meetings of all ranks inside a window; the window's own collectives, at its end, are ``per_window``),
+and the budget's count all-reduces it issues (``counts``) without waiting for them.
 
 (b) Simulated. The same protocols for N up to 1024 ranks (``simulate``): each rank's micro-batches take log-normal
-times; a window's end is where its slowest rank ends (the gradient's all-reduce); an all-reduce ends ``latency``
-after the last rank issued it. ``fixed``: no meeting inside a window. ``barrier``: every micro-batch starts after the
-previous one's all-reduce. ``overlap`` (the mixin, the Fabric helper): each micro-batch's count goes out as it opens
-and is read at its end. ``ahead`` (the callback): the counts of ``CHUNK`` micro-batches per all-reduce, each issued
-as the chunk before it is entered, read as its first micro-batch opens. Calibrated on the runs: first, at each N
-measured, with that run's latency of one host all-reduce of a few integers (measured inside the fits) and its time
-per micro-batch besides the sleep (the fixed k's step time over the slowest rank's sleeps, over K), printed beside
-the measured ratios; then, to 1024 ranks, with the latency of ranks that do nothing else (``--latency-ranks``: the
-fastest of 50 on each rank, the machine's other load taken out as far as it can be; extended as ``a + b log2 N``)
-and no time besides the micro-batch's own work (the most a meeting can cost).
+times; a window's end is where its slowest rank ends (the gradient's all-reduce); an all-reduce ends ``latency`` after
+the last rank issued it. ``fixed``: no meeting inside a window. ``barrier``: every micro-batch starts after the previous
+one's all-reduce. ``overlap`` (the mixin, the Fabric helper by default): each micro-batch's count goes out as it opens
+and is read at its end. ``ahead`` (the callback; the mixin and the Fabric helper opted in): the counts of ``CHUNK``
+micro-batches per all-reduce, each issued as the chunk before it is entered, read as its first micro-batch opens.
+Calibrated on the runs: first, at each N measured, with that run's latency of one host all-reduce of a few integers
+(measured inside the fits) and its time per micro-batch besides the sleep (the fixed k's step time over the slowest
+rank's sleeps, over K), printed beside the measured ratios; then, to 1024 ranks, with the latency of ranks that do
+nothing else (``--latency-ranks``: the fastest of 50 on each rank, the machine's other load taken out as far as it can
+be; extended as ``a + b log2 N``) and no time besides the micro-batch's own work (the most a meeting can cost).
 
 On a shared 2-core machine 16 forked ranks contend for the CPU: read the ratios as medians, never as assertions.
 Run it under ``nice``:
@@ -62,7 +64,7 @@ from lightning_accum._trainer import ahead
 
 K, BATCH, WIDTH, WARMUP = 8, 4, 8, 2  # micro-batches per window, samples per micro-batch, features, windows unread
 ADAPTERS = ("callback", "mixin", "fabric")
-MODES = ("fixed", "budget", "barrier")
+MODES = ("fixed", "budget", "ahead", "barrier")
 WAITS: dict[str, int] = {}
 NOW = {"microbatch": 0, "opens": 1, "backward": 0}  # the micro-batch under way
 
@@ -202,9 +204,9 @@ class Sleeper(pl.LightningModule):
 
 
 class ManualSleeper(AccumulationMixin, Sleeper):
-    def __init__(self, times: Sequence[float], accumulation: Any) -> None:
+    def __init__(self, times: Sequence[float], accumulation: Any, read_ahead: bool = False) -> None:
         super().__init__(times)
-        self.configure_accumulation(accumulation, log=False)
+        self.configure_accumulation(accumulation, log=False, read_ahead=read_ahead)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:  # type: ignore[override]
         with self.accumulate(batch) as acc:
@@ -257,7 +259,7 @@ def trainer_fit(adapter: str, mode: str, options: dict[str, Any], out: Path) -> 
         callbacks.append(AccumulationScheduler(schedule(mode, world), log=False))
         model: pl.LightningModule = Sleeper(times[0])
     else:
-        model = ManualSleeper(times[0], schedule(mode, world))
+        model = ManualSleeper(times[0], schedule(mode, world), read_ahead=mode == "ahead")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
@@ -285,7 +287,8 @@ def fabric_ranks(fabric: Any, mode: str, options: dict[str, Any], out: Path) -> 
     model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1e-3))
     acc = FabricAccumulator(fabric, model, optimizer, schedule(mode, world), log=False)
     ends = []
-    for batch in batches(options["windows"] * K):
+    data = batches(options["windows"] * K)
+    for batch in acc.read_ahead(data) if mode == "ahead" else data:
         microbatch_starts(opens=acc._engine.window is None)
         with acc.accumulate(batch) as step:
             step.backward(module.loss(batch))
@@ -346,6 +349,8 @@ def measure(options: dict[str, Any]) -> dict[str, Any]:
     for _ in range(options["rounds"]):
         for adapter in options["adapters"]:
             for mode in options["modes"]:
+                if adapter == "callback" and mode == "ahead":  # (the callback's `budget` reads ahead)
+                    continue
                 rows[adapter][mode].append(fit(adapter, mode, options))
                 print(f"# {adapter} {mode}: {rows[adapter][mode][-1]}", file=sys.stderr, flush=True)
     ideal = ideal_step_s(options["ranks"], options["windows"], options["mean_s"], options["cv"], options["seed"])
@@ -353,7 +358,7 @@ def measure(options: dict[str, Any]) -> dict[str, Any]:
     for adapter, modes in rows.items():
         fixed = [r["step_s"] for r in modes["fixed"]]
         row: dict[str, Any] = {"fixed_step_ms": statistics.median(fixed) * 1e3}
-        for mode in (m for m in modes if m != "fixed"):
+        for mode in (m for m in modes if m != "fixed" and modes[m]):
             ratios = [r["step_s"] / f for r, f in zip(modes[mode], fixed, strict=True)]
             row[mode] = {
                 "ratio_median": statistics.median(ratios),
@@ -462,9 +467,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{measured['adapters'][args.adapters[0]]['fixed_step_ms']:.1f} ms (its sleeps alone: "
               f"{measured['ideal_step_ms']:.1f} ms), host all-reduce {measured['latency_ms']:.2f} ms")  # fmt: skip
         for adapter, row in measured["adapters"].items():
-            for mode in (m for m in args.modes if m != "fixed"):
+            for mode in (m for m in args.modes if m != "fixed" and m in row):
                 r = row[mode]
-                print(f"  {adapter:8s} {mode:7s}: step vs fixed k {r['ratio_median']:.3f} (rounds "
+                label = {"budget": "overlap", "ahead": "read_ahead"}.get(mode, mode)
+                label = "ahead" if adapter == "callback" and mode == "budget" else label
+                print(f"  {adapter:8s} {label:10s}: step vs fixed k {r['ratio_median']:.3f} (rounds "
                       f"{', '.join(f'{x:.3f}' for x in r['ratios'])}); collectives waited on per micro-batch "
                       f"{r['waited_per_microbatch']:.3f}, per window {r['per_window']:.2f}; count all-reduces per "
                       f"micro-batch {r['counts_per_microbatch']:.3f}")  # fmt: skip
@@ -479,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         row = simulated(lambda n, m=m: m["latency_ms"], m["microbatch_overhead_ms"], args.mean_ms, [world], [args.cv],
                         args.sim_windows)[0]  # fmt: skip
         checks.append(row)
-        measured = {a: {p: round(r[p]["ratio_median"], 3) for p in r if p in ("budget", "barrier")}
+        measured = {a: {p: round(r[p]["ratio_median"], 3) for p in r if p in ("budget", "ahead", "barrier")}
                     for a, r in m["adapters"].items()}  # fmt: skip
         print(f"simulated as measured ({world} ranks, latency {m['latency_ms']:.2f} ms, each micro-batch's overhead "
               f"{m['microbatch_overhead_ms']:.2f} ms): ahead {row['ahead']:.3f}, overlap {row['overlap']:.3f}, barrier "
@@ -495,10 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     results["simulated"] = {"as_measured": checks, "rows": rows}
     print(f"simulated (k={K}, micro-batches of mean {args.mean_ms} ms; an all-reduce's latency "
           f"{', '.join(f'{w}: {latency(w):.2f} ms' for w in worlds)}): budget's step time / fixed k's")  # fmt: skip
-    print("  ranks  cv    ahead (callback)  overlap (mixin, Fabric)  barrier (before)")
+    print("  ranks  cv    ahead (callback; mixin, Fabric with read_ahead)  overlap (mixin, Fabric without)  barrier "
+          "(before)")  # fmt: skip
     for row in rows:
-        print(f"  {row['ranks']:5d}  {row['cv']:.2f}  {row['ahead']:.3f}             {row['overlap']:.3f}"
-              f"                    {row['barrier']:.3f}")  # fmt: skip
+        print(f"  {row['ranks']:5d}  {row['cv']:.2f}  {row['ahead']:.3f}{' ' * 45}{row['overlap']:.3f}{' ' * 28}"
+              f"{row['barrier']:.3f}")  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -1,6 +1,6 @@
 """A ``Budget``'s counts summed over ranks ahead of their micro-batches (issue 52): ``CountsAhead``'s schedule of
 all-reduces against a table, with a second rank simulated; and the callback's reading ahead from the loader, turned
-on on one process (``ahead.ON_ONE_PROCESS``, where it sums nothing), against the same float64 reference as
+on on one process (``_core.ahead.ON_ONE_PROCESS``, where it sums nothing), against the same float64 reference as
 ``test_budget.py`` (windows, parameters, resumes inside a window, exceptions), with its refusals. The same on 2 gloo
 ranks: ``tests/distributed/test_budget_ddp.py``."""
 
@@ -20,7 +20,6 @@ from test_budget import BATCH, DATA, epochs_of, reference
 from lightning_accum import AccumulationScheduler, Budget
 from lightning_accum._core import ahead as core_ahead
 from lightning_accum._core.ahead import CountsAhead
-from lightning_accum._trainer import ahead
 
 from helpers import Batch, KRecorder, ResumableLoader, TokenModel, count_tokens, loader, max_diff, params_of, trainer
 
@@ -118,7 +117,7 @@ def test_one_process_reads_its_own_counts_as_they_are() -> None:
 @pytest.fixture
 def reads_ahead(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The callback reads ahead on one process; the positions its all-reduces were issued for are listed."""
-    monkeypatch.setattr(ahead, "ON_ONE_PROCESS", True)
+    monkeypatch.setattr(core_ahead, "ON_ONE_PROCESS", True)
     issued: list[int] = []
     original = CountsAhead._issue
 

@@ -225,6 +225,9 @@ def setups(kind: str) -> tuple[pl.LightningModule, list[pl.Callback]]:
         return ManualValidated(schedule=WINDOWS), []
     if kind == "mixin+budget":  # (issue 52: each block's count over ranks read at its end)
         return ManualValidated(schedule=Budget(25), normalize="items", count=count_tokens, reduction="sum"), []
+    if kind == "mixin+budget+ahead":  # (its counts read ahead from the loader: `tests/test_read_ahead.py`)
+        return ManualValidated(schedule=Budget(25), normalize="items", count=count_tokens, reduction="sum",
+                               read_ahead=True), []  # fmt: skip
     if kind == "mixin+decay":
         return ManualValidated(schedule=WINDOWS, normalize="items", count=count_tokens, reduction="sum",
                                reset=GradientDecay(0.5)), []  # fmt: skip

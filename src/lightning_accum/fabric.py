@@ -22,13 +22,13 @@ import functools
 import numbers
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_accum._core import gradients
+from lightning_accum._core import ahead, gradients
 from lightning_accum._core.batchnorm import BatchNormMode, WindowBatchNorm, check_batchnorm
 from lightning_accum._core.checkpoint import PartialWindow, check_world
 from lightning_accum._core.engine import WindowEngine
@@ -47,7 +47,8 @@ from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.sync import SyncMode
 from lightning_accum._core.wide import check_grad_accum_dtype, inert_note, refuse_under
-from lightning_accum._core.window import Normalize, check_count, microbatch_items, pass_items
+from lightning_accum._core.window import Normalize, Window, check_count, microbatch_items, pass_items
+from lightning_accum._fabric.ahead import FabricAhead
 from lightning_accum._fabric.guards import WindowGuard, check_same_owner, check_set_up, sync_plan
 from lightning_accum._fabric.unflushed import UnflushedWatch
 from lightning_accum._lightning import rank_zero_warn
@@ -98,8 +99,8 @@ class FabricStep:
         self._implicit = 0  # passes without `items=`
         self._open = True
         #: whether the micro-batch closes the window, once decided (``FabricAccumulator._final``); before that, its
-        #: samples and the block's ``last``
-        self._ends: bool | tuple[int, bool] = False
+        #: samples, the block's ``last`` and its count over ranks if read ahead
+        self._ends: bool | tuple[int, bool, int | None] = False
         self._sync: contextlib.ExitStack | None = None  # (FSDP2: where the first backward enters the sync's context)
         self.passes = 0
         self.stepped = False
@@ -237,6 +238,10 @@ class FabricAccumulator:
         ]  # fmt: skip
         self._epoch = 0
         self._batch = 0  # micro-batches of the epoch so far
+        # `read_ahead`: its loops, and a budget's counts read ahead from them (several ranks, or the test switch)
+        # (the engine and the ranks, not `self`: an accumulator dropped is freed at once, where `UnflushedWatch` warns)
+        engine, ranks = self._engine, self._ranks
+        self._ahead = FabricAhead(lambda: engine.budgeted and (ranks.world_size > 1 or ahead.ON_ONE_PROCESS))
         # warns once if the accumulator is dropped, or the process ends, with micro-batches no step took
         caller = sys._getframe(1)  # (the user's line that made it: where that warning points)
         made_at = (caller.f_code.co_filename, caller.f_lineno)
@@ -253,6 +258,33 @@ class FabricAccumulator:
         return gradients.optimizer_params(self.optimizer.optimizer)
 
     # ------------------------------------------------------------------ one micro-batch
+    def read_ahead(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """The loader's batches, for a loop that runs one ``accumulate`` block per batch, in order: under a ``Budget``
+        on several ranks, their counts are read ahead and summed over ranks ``CHUNK`` (4) batches per all-reduce, a
+        chunk before they are needed, so that a rank waits on no collective inside a window (without it, each
+        block's count is summed in an all-reduce issued as the block opens and read at its end, where a rank waits for
+        any rank that had not begun the block).
+
+        It holds up to 7 batches beyond the one it yielded last, and counts each as the loader yields it (its samples,
+        and ``count(batch)``: the same number the block must get). Its contract, refused where broken: each block in
+        the loop runs on the batch the loop yielded last (by identity), at most once; a batch may run no block (every
+        rank alike, as always). A new ``read_ahead`` (the next epoch) ends the one before it. Ranks whose loaders end
+        at different batches are refused, on every rank, at the first batch one of them lacks. Without a budget, or on
+        one process, it only iterates (the contract is still checked). ``flush()``, ``last=True``, ``epoch=`` and
+        checkpoints work as without it; a stateful loader's own state (saved by the loop) is up to 7 batches ahead
+        of the one trained.
+
+        Example:
+
+            for epoch in range(epochs):
+                for batch in acc.read_ahead(loader):
+                    with acc.accumulate(batch, epoch=epoch) as step:
+                        step.backward(model(**batch).loss)
+                acc.flush()
+        """
+        self._refuse_in_block("`acc.read_ahead(...)`")
+        return self._ahead.start(loader, self._ranks, lambda: self._block is not None)
+
     @contextlib.contextmanager
     def accumulate(self, batch: Any, *, epoch: int | None = None, last: bool = False) -> Iterator[FabricStep]:
         """One micro-batch: ``step.backward(loss)`` inside; the window steps when the block of its
@@ -280,18 +312,20 @@ class FabricAccumulator:
         counted = None if self.count is None else check_count(self.count(batch))
         if isinstance(counted, Tensor):
             counted = counted.detach().clone()
-        if engine.window is None and self.grad_accum_dtype is not None:  # (a param group added, a layer unfrozen)
-            engine.rewiden(self.params)
-        if engine.wide is not None and gradients.group_sizes(self.optimizer.optimizer) != self._groups:
-            self._groups = gradients.group_sizes(self.optimizer.optimizer)  # a param group joined inside a window:
-            engine.widen(self.params)  # its narrow parameters' sums too (those held are kept)
-        window = engine.window or engine.open(self._epoch, self._batch, self._ranks)
+        total = self._read_ahead(batch, samples, samples if counted is None else counted)
+        try:
+            window = self._open_window()
+        except BaseException:
+            self._ahead.give_back(batch)  # (a block may run on it again)
+            raise
         engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         # (under a `Budget`: the micro-batch's count over ranks, `count(batch)` or its samples, against the budget:
-        # its all-reduce goes out now, and is read where the window's end is needed, `_final`)
-        engine.ask(samples, samples if counted is None else counted, self._ranks)
+        # read ahead in a `read_ahead` loop; else its all-reduce goes out now, and is read where the window's end is
+        # needed, `_final`)
+        if total is None:
+            engine.ask(samples, samples if counted is None else counted, self._ranks)
         step = self._block = FabricStep(self, counted)
-        step._ends = (samples, final)
+        step._ends = (samples, final, total)
         self._guard.arm()
         finished = False
         try:
@@ -301,11 +335,13 @@ class FabricAccumulator:
         finally:
             step._open, self._block = False, None
             if not finished:
+                self._ahead.give_back(batch)  # (a block may run on it again)
                 engine.take_back()  # (a budget's count of the micro-batch, which did not go in)
                 engine.batch_done()  # (the statistics of its forwards stay out)
                 self._abandon(step, self._skipped(step), "An exception inside an `accumulate` block after its "
                               "`step.backward`")  # fmt: skip
         if not step.passes:
+            self._ahead.give_back(batch)
             engine.take_back()
             engine.batch_done()  # (the statistics of its forwards stay out)
             self._abandon(step, self._skipped(step), "An `accumulate` block that made no `step.backward`", always=True)
@@ -325,14 +361,53 @@ class FabricAccumulator:
         elif engine.wants_prefix():  # the noise probe's prefix (`NoiseScale`, AdaScale): this rank's gradient
             engine.measure_prefix(gradients.grads_of(self.params), self._loss_scale())
 
+    def _open_window(self) -> Window:
+        """The window the block goes into (opened now if none is), its wide sums kept up with the param groups."""
+        engine = self._engine
+        if engine.window is None and self.grad_accum_dtype is not None:  # (a param group added, a layer unfrozen)
+            engine.rewiden(self.params)
+        if engine.wide is not None and gradients.group_sizes(self.optimizer.optimizer) != self._groups:
+            self._groups = gradients.group_sizes(self.optimizer.optimizer)  # a param group joined inside a window:
+            engine.widen(self.params)  # its narrow parameters' sums too (those held are kept)
+        return engine.window or engine.open(self._epoch, self._batch, self._ranks)
+
     def _final(self, step: FabricStep) -> bool:
         """Whether the block's micro-batch closes the window (its ``k``-th, ``last=True``, or under a ``Budget`` its
         count over ranks, read from the all-reduce issued as the block opened): decided once, where first needed."""
         if isinstance(step._ends, tuple):
-            samples, last = step._ends
+            samples, last, total = step._ends
             items = samples if step._counted is None else step._counted
-            step._ends = self._engine.closes_after(samples, items, self._ranks) or last
+            step._ends = self._engine.closes_after(samples, items, self._ranks, total=total) or last
         return step._ends
+
+    def _read_ahead(self, batch: Any, samples: int, items: int | Tensor) -> int | None:
+        """In a ``read_ahead`` loop: the block's batch checked against the loop's, and under a ``Budget`` on several
+        ranks its count over ranks, read ahead (``None``: not read ahead)."""
+        position = self._ahead.position(batch)
+        if position is None or not self._ahead.sums():
+            return None
+        engine, counts = self._engine, self._ahead.counts
+        loop = self._ahead.loop
+        assert loop is not None
+        try:
+            total = counts.total(
+                position,
+                self._ranks,
+                lambda: engine.budget_count(samples, items, warn=False),
+                loop.peek,
+                lambda b: engine.budget_count(*self._count_of(b)),
+            )
+            counts.check(position, samples, items, getattr(engine.schedule, "unit", None) == "samples",
+                         "the `accumulate` block")  # fmt: skip
+        except BaseException:
+            self._ahead.give_back(batch)
+            raise
+        return total
+
+    def _count_of(self, batch: Any) -> tuple[int, int | Tensor]:
+        """A batch's samples and items, as its block will count it (read ahead)."""
+        samples = sample_count(batch, self._engine.samples_needed_by)
+        return samples, samples if self.count is None else check_count(self.count(batch))
 
     @contextlib.contextmanager
     def _backward_sync(self, step: FabricStep) -> Iterator[None]:

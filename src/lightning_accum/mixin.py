@@ -112,6 +112,7 @@ class AccumulationMixin(_ModuleBase):
         step_schedulers: bool | None = None,
         batchnorm: BatchNormMode = "micro-batch",
         grad_accum_dtype: torch.dtype | str | None = None,
+        read_ahead: bool = False,
     ) -> None:
         """Set the schedule and the window-end policy.
 
@@ -162,6 +163,16 @@ class AccumulationMixin(_ModuleBase):
                 parameter's window gradient is summed (every backward form), normalised and all-reduced in float32
                 and rounded to its dtype once, for the step; between passes its ``.grad`` is ``None``. Single device
                 and DDP; see "The window's precision".
+            read_ahead: under a ``Budget`` on several ranks, read the counts of the next batches ahead from the
+                training loader and sum them ``CHUNK`` (4) batches per all-reduce, a chunk before they are needed, as
+                ``AccumulationScheduler`` does (``FabricAccumulator.read_ahead`` is the same in a Fabric loop): a rank
+                then waits on no collective inside a window. Without it each block's count is summed in one
+                all-reduce issued as the block opens and read at its end, where a rank waits for the slowest rank's
+                arrival. Its contract: at most one ``accumulate`` block per ``training_step``, on that step's batch
+                (a second block is refused); ``count`` is also called on each batch as the loader yields it (before
+                ``on_before_batch_transfer``), and must give the same number as for the block's batch (refused
+                otherwise, where both are host values). No effect without a ``Budget`` or on one process, beyond the
+                contract. See "A budget on many ranks" in the guide's "A batch in tokens".
 
         Example:
 
@@ -188,6 +199,7 @@ class AccumulationMixin(_ModuleBase):
                 reduction,
                 batchnorm,
                 grad_accum_dtype,
+                read_ahead,
             )
         )
 

@@ -81,6 +81,9 @@ class Config:
     resave: bool = False
     epoch_arg: bool = True
     last_arg: bool = False  # whether the epoch's last `accumulate` gets `last=True` (else `flush` closes it)
+    # issue 52: under a `Budget`, the mixin's `configure_accumulation(read_ahead=True)`, or the Fabric loop iterating
+    # `acc.read_ahead(batches)` (started again after each resume, from the next batch)
+    read_ahead: bool = False
     # the multi-process part (`ranks.py`): processes, each taking every `world`-th batch, and their strategy
     world: int = 1
     strategy: str = "ddp"  # "ddp" | "fsdp2"
@@ -318,6 +321,9 @@ def _budget(c: Config) -> None:
         n = {"family": "ramp", "start": rng.randint(1, 2 * per), "end": rng.randint(1, 4 * per), "over": over,
              "unit": inner}  # fmt: skip
     c.schedule = {"family": "budget", "n": n, "unit": unit, "max_k": rng.choice([None, None, rng.randint(1, 4)])}
+    # issue 52: the mixin and the Fabric loop read the counts ahead (a generator of its own: the draws above stay)
+    ahead = random.Random(f"read_ahead/{c.seed}/{c.n}/{c.batch_size}/{c.epochs}")
+    c.read_ahead = c.adapter in ("mixin", "fabric") and ahead.random() < 0.5
     c.count = c.count or "items" in c.units() or (isinstance(n, dict) and n["unit"] == "items")
     inner_items = isinstance(n, dict) and n["unit"] == "items"
     c.estimate = c.estimate and unit == "samples" and not inner_items and c.world == 1

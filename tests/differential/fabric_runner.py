@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 
+from lightning_accum._core import ahead
 from lightning_accum.fabric import FabricAccumulator
 
 from .configs import Config
@@ -87,8 +88,9 @@ class _Run:
 
 
 def run(c: Config) -> Result:
-    previous = torch.get_default_dtype()
+    previous, reading = torch.get_default_dtype(), ahead.ON_ONE_PROCESS
     torch.set_default_dtype(default_dtype(c))
+    ahead.ON_ONE_PROCESS = True  # (issue 52: `read_ahead` reads ahead on one process too, as on ranks)
     try:
         with warnings.catch_warnings():  # (the package's, on a window of no items: the runner's own business)
             warnings.simplefilter("ignore")
@@ -96,6 +98,7 @@ def run(c: Config) -> Result:
                 return loop(c, lambda: Fabric(accelerator="cpu", devices=1, precision=c.precision), Path(tmp))
     finally:
         torch.set_default_dtype(previous)
+        ahead.ON_ONE_PROCESS = reading
 
 
 def default_dtype(c: Config) -> torch.dtype:
@@ -145,26 +148,34 @@ def loop(c: Config, make_fabric: Callable[[], Any], tmp: Path, saved: list[Path]
     done = False
     batches = c.batches_per_epoch()
     for epoch in range(c.epochs):
-        for j in range(batches):
-            batch = user_batch(c, data.batch(j * c.world + rank))
-            options = {"epoch": epoch} if epoch_arg else {}
-            with run.acc.accumulate(batch, last=c.last_arg and j == batches - 1, **options) as step:
-                backward(c, run.model, batch, step)
-            if steps_done(c, run):
-                done = True
-                break
-            # a checkpoint, then a fresh process resuming from it (under FSDP2 only where a window just stepped:
-            # there the sync skipped inside a window keeps its gradient where no checkpoint reaches it)
-            if (epoch, j) in saves and (c.strategy != "fsdp2" or step.stepped):
-                path = tmp / f"{epoch}-{j}.ckpt"
-                run.save(path)
-                if saved is not None and not step.stepped:
-                    saved.append(path)
-                run = _Run(c, fabric, lrs, path, grads)
-                if c.resave:  # saved again before the next block, then resumed from that
-                    again = tmp / f"{epoch}-{j}-again.ckpt"
-                    run.save(again)
-                    run = _Run(c, fabric, lrs, again, grads)
+        start = 0  # (the loop starts again from the next batch after a resume: `read_ahead` on the new accumulator)
+        while start < batches and not done:
+            rest = [(j, user_batch(c, data.batch(j * c.world + rank))) for j in range(start, batches)]
+            order = iter(rest)
+            source = run.acc.read_ahead([b for _, b in rest]) if c.read_ahead else (b for _, b in rest)
+            start = batches
+            for batch in source:
+                j, _ = next(order)
+                options = {"epoch": epoch} if epoch_arg else {}
+                with run.acc.accumulate(batch, last=c.last_arg and j == batches - 1, **options) as step:
+                    backward(c, run.model, batch, step)
+                if steps_done(c, run):
+                    done = True
+                    break
+                # a checkpoint, then a fresh process resuming from it (under FSDP2 only where a window just stepped:
+                # there the sync skipped inside a window keeps its gradient where no checkpoint reaches it)
+                if (epoch, j) in saves and (c.strategy != "fsdp2" or step.stepped):
+                    path = tmp / f"{epoch}-{j}.ckpt"
+                    run.save(path)
+                    if saved is not None and not step.stepped:
+                        saved.append(path)
+                    run = _Run(c, fabric, lrs, path, grads)
+                    if c.resave:  # saved again before the next block, then resumed from that
+                        again = tmp / f"{epoch}-{j}-again.ckpt"
+                        run.save(again)
+                        run = _Run(c, fabric, lrs, again, grads)
+                    start = j + 1
+                    break
         if done:
             break
         run.acc.flush()

@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 
 import lightning_accum as la
-from lightning_accum._trainer import ahead
+from lightning_accum._core import ahead
 from lightning_accum.lr import WarmupCosine
 
 from .configs import NOISE_OPTIONS, Config
@@ -263,6 +263,7 @@ class Manual(la.AccumulationMixin, _Base):
             lr_scaling=c.lr_scaling,  # type: ignore[arg-type]
             lr_schedule=lr_schedule(c),
             step_schedulers=c.schedulers_by != "user",  # ("both": the model steps it too, which is refused)
+            read_ahead=c.read_ahead,
             **batchnorm(c),
             **wide(c),
         )
@@ -614,8 +615,9 @@ def quiet() -> None:
 
 
 def run(c: Config) -> Result:
-    # (issue 52) the callback reads a `Budget`'s counts ahead from the loader on one process too, as it does on ranks,
-    # so that its reading ahead (a stateful loader's state, resumes, a batch trained again) meets the reference
+    # (issue 52) the callback (and the mixin with `read_ahead`) read a `Budget`'s counts ahead from the loader on one
+    # process too, as on ranks, so that the reading ahead (a stateful loader's state, resumes, a batch trained again)
+    # meets the reference
     before, ahead.ON_ONE_PROCESS = ahead.ON_ONE_PROCESS, True
     try:
         return _run(c)

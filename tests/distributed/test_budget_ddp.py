@@ -2,7 +2,9 @@
 windows, equal to the float64 reference over both ranks and to one process on the union of their micro-batches,
 and no rank waits on a collective of the budget inside a window (issue 52): the callback sums the counts read
 ahead from the loader, ``CHUNK`` batches per all-reduce, a chunk ahead; the mixin and ``FabricAccumulator`` issue
-each micro-batch's count as it opens and read it after its backward pass."""
+each micro-batch's count as it opens and read it after its backward pass, or, opted in
+(``configure_accumulation(read_ahead=True)``, ``acc.read_ahead(loader)``), read ahead as the callback does; ranks
+whose loaders (without a length) end at different batches are refused on the opt-in, where they hung before."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from test_fabric_fsdp2 import SCATTERS, SHARDED_LAYERS, ForkedModelParallel
 from test_fabric_fsdp2 import train as fsdp2_train
 
 from lightning_accum import AccumulationScheduler, Budget, FabricAccumulator
+from lightning_accum._core import ahead as core_ahead
 from lightning_accum._core.ahead import CHUNK
 from lightning_accum._trainer import fit_checks
 
@@ -163,7 +166,7 @@ def expected(n: int) -> tuple[list[torch.Tensor], list[int]]:
     return params, sizes
 
 
-@pytest.mark.parametrize("adapter", ["callback", "callback+pieces", "mixin"])
+@pytest.mark.parametrize("adapter", ["callback", "callback+pieces", "mixin", "mixin+read_ahead"])
 def test_ranks_close_the_same_windows_as_one_process_on_the_union(tmp_path: Path, adapter: str) -> None:
     budget = Budget(50, unit="items")
     if adapter.startswith("callback"):
@@ -173,7 +176,8 @@ def test_ranks_close_the_same_windows_as_one_process_on_the_union(tmp_path: Path
         )
         reports = fit_ddp(tmp_path, TokenModel(reduction="sum"), [callback])
     else:
-        model = ManualTokenModel(reduction="sum", schedule=budget, normalize="items", count=count_tokens)
+        model = ManualTokenModel(reduction="sum", schedule=budget, normalize="items", count=count_tokens,
+                                 read_ahead=adapter == "mixin+read_ahead")  # fmt: skip
         reports = fit_ddp(tmp_path, model, [])
     params, sizes = expected(50)
     assert len(set(sizes)) > 1  # (windows of different sizes)
@@ -225,8 +229,9 @@ def test_fsdp2_in_a_fabric_loop_equals_the_reference(tmp_path: Path, monkeypatch
         assert scatters == SHARDED_LAYERS * len(sizes)
 
 
-def fabric_ranks(fabric: Fabric, out: Path) -> None:
-    """Two epochs of a user's loop under Fabric's DDP, each micro-batch's start marked (``microbatch_starts``)."""
+def fabric_ranks(fabric: Fabric, out: Path, read_ahead: bool = False) -> None:
+    """Two epochs of a user's loop under Fabric's DDP, each micro-batch's start marked (``microbatch_starts``);
+    ``read_ahead``: through ``acc.read_ahead``."""
     torch.set_default_dtype(torch.float64)
     watch_collectives()
     net = make_net()
@@ -235,7 +240,7 @@ def fabric_ranks(fabric: Fabric, out: Path) -> None:
     acc = FabricAccumulator(fabric, model, optimizer, Budget(50, unit="items"), **options)
     batches = rank_batches(TokenData(64), 4, world=WORLD)[fabric.global_rank]
     for epoch in range(2):
-        for batch in batches:
+        for batch in acc.read_ahead(batches) if read_ahead else batches:
             microbatch_starts(opens=acc._engine.window is None)
             with acc.accumulate(batch, epoch=epoch) as step:
                 total, _ = token_losses(model, batch)
@@ -245,10 +250,13 @@ def fabric_ranks(fabric: Fabric, out: Path) -> None:
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
 
 
-def test_fabric_waits_on_no_collective_inside_a_window(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_fabric_waits_on_no_collective_inside_a_window(tmp_path: Path, read_ahead: bool) -> None:
     """``FabricAccumulator`` under DDP: each block's count goes out as it opens and is read after its backward pass,
-    where the step is decided; the windows are the reference's."""
-    Fabric(accelerator="cpu", devices=WORLD, strategy="ddp_fork", precision="64-true").launch(fabric_ranks, tmp_path)
+    where the step is decided; or, in an ``acc.read_ahead`` loop, the counts are read ahead, ``CHUNK`` per
+    all-reduce; the windows are the reference's."""
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy="ddp_fork", precision="64-true")
+    fabric.launch(fabric_ranks, tmp_path, read_ahead)
     with default_dtype(torch.float64):  # (the ranks' model was made under float64 defaults)
         data = [rank_batches(TokenData(64), 4, world=WORLD)] * 2
         params, sizes, _ = reference(data, lambda p: 50, optimizer="plain-sgd")
@@ -260,7 +268,13 @@ def test_fabric_waits_on_no_collective_inside_a_window(tmp_path: Path) -> None:
         waits = report["waits"]
         assert waits["microbatches"] == sum(sizes)
         assert waits["waited"] == 0  # (before: 10)
-        assert waits["counts"] == sum(sizes) and waits["blocking"] == 0
+        assert waits["blocking"] == 0
+        if read_ahead:  # (per epoch of 8 batches: two chunks at its first, one at its fifth, one as its end is checked)
+            assert waits["counts"] == 2 * (-(-sum(sizes) // 2 // CHUNK) + 2)
+        else:
+            assert waits["counts"] == sum(sizes)
+
+
 # ------------------------------------------------------------------ a rank whose data runs out first
 def recording(out: Path) -> Any:
     """``refuse_uneven_budget_data`` that writes, on each rank, what it raised and the steps taken (a rank runs in a
@@ -306,3 +320,69 @@ def test_a_rank_whose_loader_runs_out_first_is_refused_on_every_rank_at_the_star
         assert report["step"] == 0
         assert report["error"].startswith(f"`{owner}(Budget(16, unit='samples'))` needs every rank to run the same")
         assert "limit_train_batches=4" in report["error"]
+
+
+class Uneven(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """A loader without a length whose rank 0 holds 5 batches of 4 and rank 1 4 (33 samples, rank-strided)."""
+
+    def __iter__(self) -> Any:
+        rank, data = dist.get_rank(), TokenData(33)
+        index = list(range(rank, len(data), WORLD))
+        return iter([data.batch(index[i : i + 4]) for i in range(0, len(index), 4)])
+
+
+def noting_uneven(out: Path) -> Any:
+    """``_core.ahead._uneven`` that writes, on each rank that refuses, the refusal (a rank runs in a child process)."""
+    message = core_ahead._uneven
+
+    def wrapped(position: int, present: int, strategy: Any) -> str:
+        text = message(position, present, strategy)
+        (out / f"rank{dist.get_rank()}.txt").write_text(text)
+        return text
+
+    return wrapped
+
+
+def uneven_fabric_ranks(fabric: Fabric) -> None:
+    torch.set_default_dtype(torch.float64)
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    acc = FabricAccumulator(fabric, model, optimizer, Budget(16, unit="samples"))
+    for batch in acc.read_ahead(torch.utils.data.DataLoader(Uneven(), batch_size=None)):
+        with acc.accumulate(batch) as step:
+            step.backward(token_losses(model, batch)[0])
+    acc.flush()
+
+
+@pytest.mark.parametrize("adapter", ["callback", "mixin+read_ahead", "fabric+read_ahead"])
+def test_ranks_whose_loaders_without_a_length_end_apart_are_refused_not_left_waiting(
+    tmp_path: Path, adapter: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's loader (without a length) holds 5 batches, rank 1's 4: the fit-start check cannot see it, and a rank
+    waited in a budget's count that the other never sent (till the process group's timeout). Reading ahead, every
+    chunk sums how many ranks have each batch: rank 0 refuses its fifth batch (in the Fabric loop rank 1 too, as its
+    loop ends there), naming the fix; the error surfaces at once (the process group's timeout is long here: a rank
+    left waiting would hold the test, not fail it quickly, so the test's own end proves none was)."""
+    monkeypatch.setattr(core_ahead, "_uneven", noting_uneven(tmp_path))  # (before the fork)
+    budget = Budget(16, unit="samples")
+    ranks = [0] if adapter != "fabric+read_ahead" else [0, 1]
+    with pytest.raises(Exception, match=r"ended at different batches|ProcessRaisedException|exited"):
+        if adapter == "fabric+read_ahead":
+            Fabric(accelerator="cpu", devices=WORLD, strategy="ddp_fork", precision="64-true").launch(
+                uneven_fabric_ranks
+            )
+        else:
+            if adapter == "callback":
+                model: pl.LightningModule = TokenModel()
+                callbacks: list[pl.Callback] = [AccumulationScheduler(budget)]
+            else:
+                model, callbacks = ManualTokenModel(schedule=budget, read_ahead=True), []
+            t = make_trainer(
+                callbacks=callbacks, devices=WORLD, use_distributed_sampler=False, max_epochs=1,
+                strategy=DDPStrategy(start_method="fork", process_group_backend="gloo", timeout=timedelta(seconds=60)),
+            )  # fmt: skip
+            t.fit(model, torch.utils.data.DataLoader(Uneven(), batch_size=None))
+    for rank in ranks:
+        error = (tmp_path / f"rank{rank}.txt").read_text()
+        assert error.startswith("The ranks' data ended at different batches: batch 4 of the epoch is on 1 of 2 ranks")
+        assert "`DistributedSampler(drop_last=True)`" in error

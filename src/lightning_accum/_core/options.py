@@ -257,6 +257,7 @@ class AccumulationConfig:
     reduction: Reduction | None = None
     batchnorm: str = "micro-batch"
     grad_accum_dtype: Any = None  # (a dtype once checked: a name is resolved in `__post_init__`)
+    read_ahead: bool = False  # a `Budget`'s counts read ahead from the training loader (one block per step)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grad_accum_dtype", check_grad_accum_dtype(self.grad_accum_dtype))
@@ -264,6 +265,7 @@ class AccumulationConfig:
         check_common("configure_accumulation", *args)
         check_mixin_items(self.normalize, self.count, self.reduction)
         check_flag("log", self.log)
+        check_flag("read_ahead", self.read_ahead)
         check_mode(self.step_schedulers)
         check_batchnorm(self.batchnorm)
         reset = self.reset

@@ -402,7 +402,7 @@ def _refuse_overflow(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
 _ELSEWHERE = {
     "deepspeed": (
         "DeepSpeed sums a window's gradient in its own buffers, in the dtype its config names: set "
-        "`\"data_types\": {\"grad_accum_dtype\": \"fp32\"}` in `DeepSpeedStrategy(config=...)` and leave "
+        '`"data_types": {"grad_accum_dtype": "fp32"}` in `DeepSpeedStrategy(config=...)` and leave '
         "`grad_accum_dtype=None` here."
     ),
     "fsdp2": (

@@ -1,10 +1,13 @@
-"""The callback's ``Budget`` counts over ranks, read ahead from Lightning's training loader.
+"""A ``Budget``'s counts over ranks, read ahead from Lightning's training loader (the callback; the mixin opted in).
 
 Lightning's automatic loop decides whether a batch steps before its ``training_step``, so the callback must know
 whether the batch closes a budget's window as it starts, which takes the batch's count over all ranks. Asking for it
 then made every batch a meeting of all ranks. ``BudgetAhead`` reads the counts of the batches to come from the loader
 (``_seam.Upcoming``) and sums them over ranks a chunk at a time, ahead (``_core.ahead.CountsAhead``), so that a rank
-waits on no collective inside a window unless it runs more than a chunk of batches ahead of the slowest rank.
+waits on no collective inside a window unless it runs more than a chunk of batches ahead of the slowest rank. The
+mixin decides its windows at its blocks' end, where the count of one all-reduce issued as the block opened serves;
+under ``configure_accumulation(read_ahead=True)`` (one block per ``training_step``, on its batch) it reads ahead too,
+through the same object, its block's position the loop's batch index.
 
 ``count`` (or the samples, for ``unit="samples"``) is then also called on each batch as the loader gives it, a few
 batches before it is trained (before ``on_before_batch_transfer`` and the move to the device): it must give the same
@@ -20,37 +23,49 @@ from typing import Any
 from torch import Tensor
 
 from lightning_accum import _seam
-from lightning_accum._core import collectives
-from lightning_accum._core.ahead import CountsAhead
+from lightning_accum._core import ahead, collectives
+from lightning_accum._core.ahead import ReadAhead
 from lightning_accum._lightning import rank_zero_warn
 
-ON_ONE_PROCESS = False
-"""Whether a single process reads ahead too, where nothing is summed and nothing is gained (the tests and the
-differential fuzzer set it, to check the reading ahead against the reference without ranks)."""
+_FIX = (
+    "Count what the loader yields (e.g. in the collate function), or change the batch in the collate function rather "
+    "than in the batch transfer hooks."
+)
 
 
 class BudgetAhead:
-    """A fit's budget counts over ranks, read ahead (several ranks only; one process needs no sum)."""
+    """A fit's budget counts over ranks, read ahead from Lightning's training loader (several ranks only; one process
+    needs no sum), positions being the loop's batch indices: the callback's, and the mixin's under
+    ``configure_accumulation(read_ahead=True)``.
 
-    def __init__(self) -> None:
-        self._counts = CountsAhead()
+    ``owner``: who reads ahead, for the warning where the loop cannot be read ahead."""
+
+    def __init__(self, owner: str = "A `Budget`") -> None:
+        self._owner = owner
+        self._ahead = ReadAhead(
+            "the training loader yields it (before `on_before_batch_transfer` and the move to the device)", _FIX
+        )
         self._upcoming: _seam.Upcoming | None = None
         self._epoch: int | None = None
-        self._failed: set[int] = set()  # positions whose count raised, read ahead (refused if trained: `check`)
+
+    @property
+    def reading(self) -> bool:
+        """Whether the counts are read ahead (``start`` found a loop that can be read, on several ranks)."""
+        return self._upcoming is not None
 
     def start(self, trainer: Any) -> None:
         """At train start: read ahead where the loop allows it (several ranks, a loop that fetches the batches
         itself); else each batch's count is summed as it starts (warned)."""
         self.stop()
-        if collectives.world_size(trainer.strategy) == 1 and not ON_ONE_PROCESS:
+        if collectives.world_size(trainer.strategy) == 1 and not ahead.ON_ONE_PROCESS:
             return
         upcoming = _seam.Upcoming(trainer)
         if upcoming.usable():
             self._upcoming = upcoming
             return
         rank_zero_warn(
-            "A `Budget` reads each batch's count ahead from the training loader, to sum it over the ranks before the "
-            "batch starts without the ranks waiting for each other; with a `training_step` that takes the "
+            f"{self._owner} reads each batch's count ahead from the training loader, to sum it over the ranks before "
+            "the batch starts without the ranks waiting for each other; with a `training_step` that takes the "
             "`dataloader_iter` it cannot, so every batch waits for one all-reduce of its count over the ranks."
         )
 
@@ -65,8 +80,7 @@ class BudgetAhead:
         """The counts read ahead dropped (after an exception: a checkpoint written then still saves the loader as
         without the reading ahead; the next fit's start lets it go)."""
         self._epoch = None
-        self._counts.forget()
-        self._failed.clear()
+        self._ahead.forget()
 
     def total(
         self, trainer: Any, position: int, current: Callable[[], int], count_of: Callable[[Any], int]
@@ -78,45 +92,18 @@ class BudgetAhead:
         if self._upcoming is None:
             return None
         if trainer.current_epoch != self._epoch:
-            self._counts.forget()
-            self._failed.clear()
+            self._ahead.forget()
             self._epoch = trainer.current_epoch
         upcoming = self._upcoming
 
-        def local(p: int) -> int | None:
-            if p == position:
-                return current()
-            batch = upcoming.batch(p - position)
-            if batch is _seam.ENDED:
-                return None
-            try:
-                return count_of(batch)
-            except Exception:  # (refused where the batch is trained, by the count of the batch it gets)
-                self._failed.add(p)
-                return 0
+        def batch(n: int) -> Any:
+            found = upcoming.batch(n)
+            return ahead.ENDED if found is _seam.ENDED else found
 
-        return self._counts.total(position, trainer.strategy, local)
+        return self._ahead.total(position, trainer.strategy, current, batch, count_of)
 
     def check(self, position: int, samples: int, items: int | Tensor, in_samples: bool) -> None:
         """Refuse a batch whose count, as ``training_step`` gets it (``samples``, ``items``), differs from the one read
         ahead from the loader; not checked for a count on a device (its read would wait for the device)."""
-        if self._upcoming is None:
-            return
-        ahead = self._counts.mine(position)
-        if in_samples:
-            now: int | None = samples
-        elif isinstance(items, Tensor):
-            now = int(items.item()) if items.device.type == "cpu" else None
-        else:
-            now = int(items)
-        if now is None or (ahead == now and position not in self._failed):
-            return
-        what = "the samples (dim 0 of its first tensor)" if in_samples else "`count(batch)`"
-        read = "raised" if position in self._failed else f"gave {ahead}"
-        raise ValueError(
-            f"A `Budget` reads each batch's count ahead, from the batch as the training loader yields it (before "
-            f"`on_before_batch_transfer` and the move to the device): for batch {position} of the epoch, {what} "
-            f"{read} there, but gives {now} for the batch `training_step` gets. Count what the loader yields (e.g. in "
-            "the collate function), or change the batch in the collate function rather than in the batch transfer "
-            "hooks."
-        )
+        if self._upcoming is not None:
+            self._ahead.check(position, samples, items, in_samples, "`training_step`")

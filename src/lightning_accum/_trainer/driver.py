@@ -25,11 +25,14 @@ from lightning_accum._core.options import AccumulationConfig
 from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.wide import inert_note, refuse_under
+from lightning_accum._core.window import check_count
 from lightning_accum._lightning import Callback, loss_scale, pl, rank_zero_warn
 from lightning_accum._trainer import fit_checks, recovery, schedulers, steps, window_step
+from lightning_accum._trainer.ahead import BudgetAhead
 from lightning_accum._trainer.block import Block
 from lightning_accum._trainer.guards import MixinGuards, refuse_callbacks
 from lightning_accum._trainer.windows import GroupKey, MixinWindows
+from lightning_accum.schedules import Budget
 
 
 class MixinDriver(Callback):
@@ -53,6 +56,9 @@ class MixinDriver(Callback):
         self._trained = False  # whether a batch of this fit ended yet
         self._restored = False  # whether this fit's checkpoint restored the windows
         self._fitting: pl.Trainer | None = None  # the fit being set up, till train start (its checkpoint checked)
+        # `read_ahead=True`: a budget's counts read ahead from the loader, and the blocks of this `training_step`
+        self.ahead = BudgetAhead("`configure_accumulation(read_ahead=True)`")
+        self._blocks_in_step = 0
 
     @property
     def config(self) -> AccumulationConfig:
@@ -103,6 +109,9 @@ class MixinDriver(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fit_checks.refuse_uneven_budget_data(trainer, self.config.schedule, "configure_accumulation")
         _seam.resume_after_finished_epoch(trainer)
+        self.ahead.stop()
+        if self.config.read_ahead and isinstance(self.config.schedule, Budget):
+            self.ahead.start(trainer)
         self._trained, self._fitting = False, None
         numbers = self.partial.numbers(trainer.strategy, trainer.global_rank, trainer.ckpt_path)  # resumed in a window
         if numbers is not None:
@@ -136,6 +145,7 @@ class MixinDriver(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.ahead.stop()
         self._undo_plateau()
         self._release_plateau_point()
         self._check_schedulers(trainer)
@@ -157,6 +167,7 @@ class MixinDriver(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # before the checkpoint callbacks' `on_exception`: the state a checkpoint written now must hold
+        self.ahead.forget()  # (the loader's state as without the reading ahead stays for them; the counts go)
         self._undo_plateau()
         self._release_plateau_point()  # (a plateau step due at this batch's end is not taken, as in Lightning)
         processed, in_backward = recovery.where(trainer, exception)
@@ -189,7 +200,7 @@ class MixinDriver(Callback):
         if not self._trained:  # (the first batch after a resume: where Lightning's counters go off)
             _seam.keep_progress_consistent(trainer)
         self.guards.batch_start()
-        self._early = None
+        self._early, self._blocks_in_step = None, 0
         if self.config.count is not None:
             self._early = (batch, sample_count(batch, self.windows.samples_needed_by()), self.config.count(batch))
 
@@ -197,6 +208,7 @@ class MixinDriver(Callback):
         """Open an ``accumulate`` block: the group's window (opened now if none is), whether this
         micro-batch is its last, and its counts, taken before the block's code runs."""
         self._check_schedulers(trainer)
+        self._one_block_per_step()
         windows = self.windows
         key = windows.key(optimizer)
         windows.check_disjoint(key)
@@ -218,13 +230,24 @@ class MixinDriver(Callback):
             counts = sample_count(batch, engine.samples_needed_by), None if count is None else count(batch)
         # (under a `Budget`, the block's count over ranks against the window's budget: `count(batch)`, or its samples;
         # its all-reduce goes out now, and is read where the block first needs the window's end: `Block.last`)
+        # (`read_ahead=True`: read ahead from the loader, its all-reduce out a chunk before, `BudgetAhead`)
         items = counts[0] if counts[1] is None else counts[1]
-        if not redoing:
+        total = None
+        if not redoing and self.ahead.reading:
+            items = check_count(items)  # (a count of more than one number refused here, as `ask` refuses it)
+            total = self.ahead.total(
+                trainer,
+                batch_idx,
+                lambda: engine.budget_count(counts[0], items, warn=False),
+                lambda batch: engine.budget_count(*self._count_of(batch, engine)),
+            )
+            self.ahead.check(batch_idx, counts[0], items, getattr(engine.schedule, "unit", None) == "samples")
+        elif not redoing:
             engine.ask(counts[0], items, trainer.strategy)
         strategy, epoch_ends = trainer.strategy, _seam.epoch_ends_after_this_batch(trainer)
 
         def last() -> bool:
-            return engine.closes_after(counts[0], items, strategy, again=redoing) or epoch_ends
+            return engine.closes_after(counts[0], items, strategy, again=redoing, total=total) or epoch_ends
 
         watched = [] if len(key) == len(windows.optimizers()) or self.plan.sharded else windows.params()
         self.guards.block_opened(key, lambda: windows.params(key), watched, self._parameter_names)
@@ -233,6 +256,26 @@ class MixinDriver(Callback):
         )
         engine.batch_start()  # (`batchnorm="window"`: the block's forwards pooled, till it exits)
         return self._block
+
+    def _one_block_per_step(self) -> None:
+        """``read_ahead=True``: a ``training_step`` runs at most one ``accumulate`` block (the batch's count read
+        ahead stands for one micro-batch, at the step's batch index)."""
+        if not self.config.read_ahead:
+            return
+        if self._blocks_in_step:
+            raise RuntimeError(
+                "A second `self.accumulate(...)` block in one `training_step` under `configure_accumulation("
+                "read_ahead=True)`: reading ahead takes each loader batch as one micro-batch, at the step's batch "
+                "index, so a `training_step` runs at most one block, on its batch. Run one block per step (split a "
+                "batch with `acc.backward_microbatches` inside it), or leave `read_ahead` out."
+            )
+        self._blocks_in_step += 1
+
+    def _count_of(self, batch: Any, engine: Any) -> tuple[int, int | Tensor]:
+        """A loader batch's samples and items, as the block would count it (read ahead)."""
+        samples = sample_count(batch, engine.samples_needed_by)
+        count = self.config.count
+        return samples, samples if count is None else check_count(count(batch))
 
     def _parameter_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.module.named_parameters()}
