@@ -337,6 +337,7 @@ def main() -> int:
         parser.error(f"not in tools/mutation.toml: {unknown}")
     modules = args.modules or sorted(mapping, key=lambda m: (ROOT / m).stat().st_size)
     modules = modules[: args.smallest] if args.smallest is not None else modules
+    args.workdir = args.workdir.resolve()  # (a retest runs in the scratch copy)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.retest:
         for module in modules:
