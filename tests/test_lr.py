@@ -492,3 +492,13 @@ def test_the_contract_configured_in_setup_still_keeps_the_plateaus_monitor() -> 
         warnings.filterwarnings("error", message=".*keys will be ignored.*")  # (the mixin honours them)
         trainer(max_epochs=2).fit(model, loader(DATA, 4))
     assert model.plateau.fed == model.means
+
+
+@pytest.mark.parametrize("warmup", [0, 0.5])
+def test_a_warmup_of_zero_or_under_one_unit_is_taken(warmup: float) -> None:
+    """No warm-up (0) and a fraction of a unit are valid (the check is ``>= 0``): from 1 at ``warmup`` down the
+    half cosine, by hand."""
+    lr = WarmupCosine(warmup, 10.5, unit="samples")
+    for x in (0.0, warmup, 3.0, 10.5):
+        expected = x / warmup if x < warmup else 0.5 * (1 + math.cos(math.pi * (x - warmup) / (10.5 - warmup)))
+        assert lr(Progress(samples=x)) == pytest.approx(expected, abs=1e-15)
