@@ -167,3 +167,37 @@ def test_a_checkpoint_inside_a_window_on_two_ranks_keeps_each_ranks_partial_in_i
         assert numbers == [4.0, 2.0]
         assert g_narrow.dtype == (torch.float32 if widened else torch.bfloat16)
         assert torch.equal(g_narrow, expected_narrow) and torch.equal(g_plain, passes[0] + passes[1])
+
+
+def test_a_partial_gradient_restored_into_more_parameters_leaves_the_new_ones_without() -> None:
+    """A param group added since the checkpoint (``BaseFinetuning``'s, at the batch the fit resumed at) comes after
+    the saved parameters: they get their saved gradients back, exactly, and the new ones none."""
+    from lightning_accum._core.checkpoint import restore_partial
+
+    params = [
+        torch.nn.Parameter(torch.zeros(2)),
+        torch.nn.Parameter(torch.zeros(3)),
+        torch.nn.Parameter(torch.zeros(1)),
+    ]
+    saved = [torch.tensor([1.0, -2.0])]
+    restore_partial(params, saved)
+    assert torch.equal(params[0].grad, saved[0]) and params[0].grad is not saved[0]
+    assert params[1].grad is None and params[2].grad is None
+
+
+def test_a_forgotten_partial_window_leaves_nothing_waiting() -> None:
+    """``pending`` (read before every backward pass: the hooks' short path needs it ``False``) is ``False`` once the
+    partial gradient is put back, and once a window it waited for is forgotten."""
+    from lightning_accum._core.checkpoint import PartialWindow
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    for put_back in (True, False):
+        partial = PartialWindow()
+        partial.load({"grads": [torch.tensor([1.0, 2.0])], "world_size": 1})
+        assert partial.numbers(strategy=None, rank=0) is None and partial.pending
+        if put_back:
+            assert partial.put_back([param]) is not None
+        else:
+            partial.forget()
+            assert partial.put_back([param]) is None
+        assert not partial.pending
