@@ -186,8 +186,8 @@ def test_a_partial_gradient_restored_into_more_parameters_leaves_the_new_ones_wi
 
 
 def test_a_forgotten_partial_window_leaves_nothing_waiting() -> None:
-    """``pending`` (read before every backward pass: the hooks' short path needs it ``False``) is ``False`` once the
-    partial gradient is put back, before any was loaded, and once a window it waited for is forgotten."""
+    """``pending`` (read before every backward pass: the hooks' short path needs it ``False``) is ``False`` before any
+    partial gradient was loaded, once it is put back, and once the window it waited for is forgotten."""
     from lightning_accum._core.checkpoint import PartialWindow
 
     param = torch.nn.Parameter(torch.zeros(2))
