@@ -271,3 +271,25 @@ def test_run_time_errors(make: Any, match: str) -> None:
 def test_configuration_errors(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         ManualTokenModel(**kwargs)
+
+
+@pytest.mark.parametrize("shared", [1, 5, 6, 7])
+def test_windows_that_would_share_parameters_are_refused_naming_the_first_five(shared: int) -> None:
+    """Two optimizers' windows sharing ``shared`` parameters: refused, naming them, the first 5 and then ``...``
+    where there are more."""
+    import re
+    from types import SimpleNamespace
+
+    from lightning_accum._trainer.windows import MixinWindows
+
+    module = nn.Module()
+    for i in range(8):
+        module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(1)))
+    params = list(module.parameters())
+    first, second = torch.optim.SGD(params[:shared], lr=0.1), torch.optim.SGD(params[:shared] + params[7:], lr=0.1)
+    module.optimizers = lambda: [SimpleNamespace(optimizer=first), SimpleNamespace(optimizer=second)]  # type: ignore[method-assign,assignment]
+    windows = MixinWindows(module)
+    windows.engine((0,))
+    names = ", ".join(f"p{i}" for i in range(min(shared, 5))) + (", ..." if shared > 5 else "")
+    with pytest.raises(ValueError, match=rf"optimizers \[1\] and \[0\] would share parameters \({re.escape(names)}\)"):
+        windows.check_disjoint((1,))
