@@ -23,6 +23,7 @@ from lightning_accum import AccumulationMixin, AccumulationScheduler, Constant, 
 
 from helpers import (
     Batch,
+    ManualTokenModel,
     Reference,
     ResumableLoader,
     TokenData,
@@ -563,8 +564,6 @@ def test_a_window_saved_on_two_ranks_is_refused_on_one_before_anything_is_restor
     a new model's, and a fit afresh counts as a new model's)."""
     from lightning_accum import Progress
 
-    from helpers import ManualTokenModel
-
     path, edited = tmp_path / "one.ckpt", tmp_path / "two.ckpt"
     make_trainer(callbacks=[_SaveInside(path)], max_epochs=1).fit(
         ManualTokenModel(schedule=3), ResumableLoader(TokenData(24), 4)
@@ -602,3 +601,35 @@ def test_a_checkpoint_resumes_with_a_gradient_decay_added_or_taken_away(tmp_path
     make_trainer(max_epochs=2).fit(resumed, ResumableLoader(TokenData(24), 4), ckpt_path=path)
     done = resumed.accumulation_progress
     assert (done.step, done.microbatches) == (full.accumulation_progress.step, full.accumulation_progress.microbatches)
+
+
+class _ZeroesAt(ZeroesToo):
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        self.started.append(batch_idx)
+        super().training_step(batch, batch_idx)
+
+
+def test_a_zero_grad_in_training_step_is_refused_at_the_first_batch_with_no_window_open_yet() -> None:
+    """Inside a batch ``zero_grad()`` is refused even where no window holds a gradient yet (the fit's first
+    batch): at that batch, not at the next."""
+    model = _ZeroesAt("self.optimizers()")
+    model.started = []
+    with pytest.raises(RuntimeError, match=r"`zero_grad\(\)` was called during training"):
+        trainer().fit(model, loader(DATA, 4))
+    assert model.started == [0]
+
+
+class _PassesInTheFirstEpochOnly(ManualTokenModel):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        if self.current_epoch == 0:
+            super().training_step(batch, batch_idx)
+            return
+        with self.accumulate(batch):
+            pass  # (a block without a pass)
+
+
+def test_an_epoch_without_a_backward_pass_after_one_with_passes_is_refused_at_its_end() -> None:
+    """The count of blocks and passes starts afresh each epoch: a second epoch whose blocks make no backward pass is
+    refused at its end, after a first that trained."""
+    with pytest.raises(RuntimeError, match=r"A whole epoch of .* blocks \(6\) made no backward pass"):
+        trainer(max_epochs=2).fit(_PassesInTheFirstEpochOnly(schedule=2), loader(TokenData(24), 4))
