@@ -112,3 +112,38 @@ def test_a_stateful_lr_schedule_is_not_called_at_construction() -> None:
     schedule = Counting(1, 10)
     AccumulationScheduler(2, lr_schedule=schedule, count=count_tokens)
     assert schedule.calls == 0
+
+
+def test_a_config_made_without_arguments_has_configure_accumulations_defaults() -> None:
+    """A mixin model that never calls ``configure_accumulation`` runs on ``AccumulationConfig``'s defaults (k=1):
+    each is the one ``configure_accumulation`` documents in its signature (logging on, for one)."""
+    import dataclasses
+    import inspect
+
+    from lightning_accum import AccumulationMixin
+    from lightning_accum.schedules import as_schedule
+
+    config = AccumulationConfig(schedule=as_schedule(1))
+    documented = inspect.signature(AccumulationMixin.configure_accumulation).parameters
+    fields = [f.name for f in dataclasses.fields(AccumulationConfig) if f.name != "schedule"]
+    assert sorted(fields) == sorted(name for name in documented if name not in ("self", "schedule"))
+    assert {name: getattr(config, name) for name in fields} == {name: documented[name].default for name in fields}
+
+
+@pytest.mark.parametrize(
+    ("value", "hint"),
+    [(1e-3, None), (0.5, None), (1, None), (0, "0 would zero every gradient"), (-1, None), (-0.5, None)],
+)
+def test_a_clip_value_is_taken_above_zero_and_zero_is_told_how_to_turn_clipping_off(
+    value: float, hint: str | None
+) -> None:
+    """Any finite ``gradient_clip_val`` > 0 is taken, under 1 too; 0 is refused with the way to turn clipping off
+    (``None``), which no other refused value is told."""
+    from lightning_accum._core.options import check_clip
+
+    if value > 0:
+        check_clip(value, "norm")
+        return
+    with pytest.raises(ValueError, match="`gradient_clip_val` must be a finite number > 0") as error:
+        check_clip(value, "norm")
+    assert ("give None to turn clipping off" in str(error.value)) == (hint is not None)

@@ -1059,3 +1059,42 @@ def test_rows_shared_by_the_layers_and_the_forwards_they_do_not_serve() -> None:
             assert float((layer.running_var.double() - whole.var(0)).abs().max()) <= 10 * bound, (name, dtype)
             layer.reset_running_stats()
         net.double()  # (the next window: every buffer replaced, in float64)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_sync_batchnorm_window_resumed_on_two_ranks_gathers_one_row_length_from_each(
+    monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """Resumed inside a window, a synchronising ``SyncBatchNorm``'s statistics go to rank 0 only; a checkpoint
+    saved before the next forward gathers every rank's row for the layer, of one length (count, mean, m2: 1 + 2 x 3
+    numbers; the all-gather needs one size on every rank), and rank 0's holds the loaded window exactly (2 ranks
+    faked: the other rank sends its row)."""
+    import torch.distributed as dist
+
+    width = 3
+    mean, m2 = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64), torch.tensor([3.0, 0.25, 1.0], dtype=torch.float64)
+    loaded = torch.cat([torch.tensor([4.0], dtype=torch.float64), mean, m2])
+    other = torch.zeros(1 + 2 * width, dtype=torch.float64) if rank == 0 else loaded
+    rows: list[int] = []
+
+    def all_gather(out: list[Tensor], flat: Tensor, group: Any = None) -> None:
+        rows.append(flat.numel())
+        assert flat.shape == other.shape, "every rank must give the all-gather one size"
+        out[rank].copy_(flat)
+        out[1 - rank].copy_(other)
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    stats = WindowBatchNorm()
+    stats.attach(nn.Sequential(nn.SyncBatchNorm(width)).double())
+    stats._groups["0"] = "the group"  # (what `attach` finds under a process group of 2 ranks)
+    stats.load_state_dict({"0": {"count": 4, "mean": mean, "m2": m2}})
+    saved = stats.state_dict()
+    assert rows == [1 + 2 * width]
+    if rank == 0:
+        assert saved["0"]["count"] == 4
+        assert torch.allclose(saved["0"]["mean"], mean, rtol=0, atol=1e-15)
+        assert torch.allclose(saved["0"]["m2"], m2, rtol=0, atol=1e-15)
+    else:
+        assert saved == {}

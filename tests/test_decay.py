@@ -274,3 +274,18 @@ def test_the_combined_gradient_table(
     _mix(new, residual, f, mode)
     assert (None if new[0] is None else new[0].item()) == expected
     assert new[1].item() == (1.0 + f * 3.0 if mode == "sum" else (1 - f) * 1.0 + f * 3.0)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("returned", "refused"), [(1.0, True), (0.0, False), (0.5, False)])
+def test_a_factor_function_returning_one_in_ema_mode_is_refused_at_that_step(returned: float, refused: bool) -> None:
+    """``mode="ema"`` with a callable ``factor``: a window whose factor is 1 would get the weight 1 - 1 = 0, refused
+    at the step it is returned for, naming the step; 0 (no memory) and 0.5 are taken."""
+    from lightning_accum._core.decay import ResidualDecay
+
+    decay = ResidualDecay(lambda step: returned if step == 3 else 0.5, mode="ema")
+    assert decay.factor_at(2) == 0.5
+    if refused:
+        with pytest.raises(ValueError, match=r"`factor\(3\)` returned 1 with `mode='ema'`"):
+            decay.factor_at(3)
+    else:
+        assert decay.factor_at(3) == returned

@@ -492,3 +492,37 @@ def test_the_contract_configured_in_setup_still_keeps_the_plateaus_monitor() -> 
         warnings.filterwarnings("error", message=".*keys will be ignored.*")  # (the mixin honours them)
         trainer(max_epochs=2).fit(model, loader(DATA, 4))
     assert model.plateau.fed == model.means
+
+
+@pytest.mark.parametrize("warmup", [0, 0.5])
+def test_a_warmup_of_zero_or_under_one_unit_is_taken(warmup: float) -> None:
+    """No warm-up (0) and a fraction of a unit are valid (the check is ``>= 0``): from 1 at ``warmup`` down the
+    half cosine, by hand."""
+    lr = WarmupCosine(warmup, 10.5, unit="samples")
+    for x in (0.0, warmup, 3.0, 10.5):
+        expected = x / warmup if x < warmup else 0.5 * (1 + math.cos(math.pi * (x - warmup) / (10.5 - warmup)))
+        assert lr(Progress(samples=x)) == pytest.approx(expected, abs=1e-15)
+
+
+class _PlateauMissingItsMetricFirst(ManualTokenModel):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        super().training_step(batch, batch_idx)
+        self.log("flat", 1.0)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        self.missing, self.watching = (torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer) for _ in range(2))
+        configs = [
+            {"scheduler": self.missing, "monitor": "never_logged", "strict": False},
+            {"scheduler": self.watching, "monitor": "flat"},
+        ]
+        return [optimizer], configs
+
+
+def test_a_plateau_skipped_for_its_missing_metric_leaves_the_schedulers_after_it_stepped() -> None:
+    """``step_schedulers=True``: a non-strict ``ReduceLROnPlateau`` whose metric is never logged is skipped with a
+    warning at each epoch's end; the plateau listed after it, whose metric is logged, still steps once an epoch."""
+    model = _PlateauMissingItsMetricFirst(schedule=2, step_schedulers=True)
+    with pytest.warns(RuntimeWarning, match="never_logged.*the step is skipped"):
+        trainer(max_epochs=2).fit(model, loader(TokenData(16), 4))
+    assert (model.missing.last_epoch, model.watching.last_epoch) == (0, 2)

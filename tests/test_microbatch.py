@@ -187,3 +187,47 @@ def test_sample_count_where_none_is_found_names_what_needs_it(batch: Any, held: 
     need = r"Ramp\(1\) needs each micro-batch's number of samples \(dim 0 of its first tensor that has one\)"
     with pytest.raises(ValueError, match=rf"{need}, but a batch of type `\w+` {held}"):
         sample_count(batch, needed_by="Ramp(1)")
+
+
+@pytest.mark.parametrize(
+    ("leaf", "answer", "cut"),
+    [
+        (torch.zeros(3), True, True),
+        (torch.zeros(3), False, False),
+        (torch.tensor(2.0), False, False),
+        (7, False, False),
+        (torch.tensor(2.0), True, TypeError),
+        (7, True, TypeError),
+    ],
+)
+def test_a_split_rule_may_cut_only_what_has_a_dim_0(leaf: Any, answer: bool, cut: bool | type) -> None:
+    """A ``split`` rule's answer is taken for a tensor of at least one dim; for a 0-d tensor or a number only
+    ``False`` (every piece gets it whole) is, and ``True`` is refused naming what it is."""
+    from lightning_accum._core.microbatch import _cuts
+
+    if cut is TypeError:
+        with pytest.raises(TypeError, match=r"`split` returned True for `.*`, a (0-d tensor|int), which has no dim 0"):
+            _cuts(lambda path, x: answer, ("w",), leaf)
+    else:
+        assert _cuts(lambda path, x: answer, ("w",), leaf) is cut
+
+
+@pytest.mark.parametrize(("mine", "other", "agreed"), [(None, 500, 500), (None, None, None), (200, 300, 200)])
+def test_auto_sizes_agree_on_the_smallest_over_ranks_that_found_one(
+    mine: int | None, other: int | None, agreed: int | None
+) -> None:
+    """At a window's close on 2 ranks (faked), the auto-sized micro-batch is the smallest any rank found; a rank that
+    found none (no out-of-memory yet) takes the others', and none found stays none (sizes above 124 too)."""
+    from types import SimpleNamespace
+
+    from lightning_accum._core.microbatch import AutoSize
+
+    def reduce(size: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        assert reduce_op == "min"
+        return torch.minimum(size, torch.tensor(2**62 if other is None else other))
+
+    auto = AutoSize()
+    auto.size = mine
+    auto.remember((0,), {"x": torch.zeros(4)}, None)
+    auto.window_closed((0,), SimpleNamespace(root_device=torch.device("cpu"), reduce=reduce), world=2)
+    assert auto.size == agreed

@@ -271,3 +271,52 @@ def test_run_time_errors(make: Any, match: str) -> None:
 def test_configuration_errors(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         ManualTokenModel(**kwargs)
+
+
+@pytest.mark.parametrize("shared", [1, 5, 6, 7])
+def test_windows_that_would_share_parameters_are_refused_naming_the_first_five(shared: int) -> None:
+    """Two optimizers' windows sharing ``shared`` parameters: refused, naming them, the first 5 and then ``...``
+    where there are more."""
+    import re
+    from types import SimpleNamespace
+
+    from lightning_accum._trainer.windows import MixinWindows
+
+    module = nn.Module()
+    for i in range(8):
+        module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(1)))
+    params = list(module.parameters())
+    first, second = torch.optim.SGD(params[:shared], lr=0.1), torch.optim.SGD(params[:shared] + params[7:], lr=0.1)
+    module.optimizers = lambda: [SimpleNamespace(optimizer=first), SimpleNamespace(optimizer=second)]  # type: ignore[method-assign,assignment]
+    windows = MixinWindows(module)
+    windows.engine((0,))
+    names = ", ".join(f"p{i}" for i in range(min(shared, 5))) + (", ..." if shared > 5 else "")
+    with pytest.raises(ValueError, match=rf"optimizers \[1\] and \[0\] would share parameters \({re.escape(names)}\)"):
+        windows.check_disjoint((1,))
+
+
+class _Timed(ManualTokenModel):
+    def on_window_end(self, window: Any) -> None:
+        self.seconds.append(window.seconds)
+
+
+def test_a_second_fits_first_window_is_timed_from_that_fits_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``WindowReport.seconds`` of a fit's first window runs from the fit's start, on a model fit before too (its
+    windows' engines kept): on a host clock faked to tick 1 s a reading, and 1000 s between the fits."""
+    import time
+
+    clock = [0.0]
+
+    def tick() -> float:
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr(time, "perf_counter", tick)
+    model = _Timed(schedule=3)
+    model.seconds = []
+    trainer(max_epochs=1).fit(model, ResumableLoader(TokenData(24), 4))
+    clock[0] += 1000.0
+    first = len(model.seconds)
+    trainer(max_epochs=1).fit(model, ResumableLoader(TokenData(24), 4))
+    assert first == 2 and len(model.seconds) == 4
+    assert all(s is not None and 0 < s < 1000 for s in model.seconds), model.seconds

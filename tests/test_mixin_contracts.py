@@ -23,6 +23,7 @@ from lightning_accum import AccumulationMixin, AccumulationScheduler, Constant, 
 
 from helpers import (
     Batch,
+    ManualTokenModel,
     Reference,
     ResumableLoader,
     TokenData,
@@ -191,6 +192,7 @@ def test_a_fit_stopped_inside_a_window_leaves_nothing_to_the_next(how: str) -> N
 def test_an_epoch_cut_short_drops_its_open_window_and_the_next_epoch_trains() -> None:
     """`on_train_batch_start` returning -1 ends the epoch before its last batch: Lightning's automatic loop
     drops the open window (its next zero_grad); before, the mixin carried it into the next epoch."""
+
     class ZeroesAtEpochStart(Model):
         def on_train_epoch_start(self) -> None:
             self.zero_grad()  # (no window is open: the model's to make, after a batch start that returned -1 too)
@@ -544,3 +546,90 @@ def test_an_unknown_scheduler_key_is_refused_with_the_fix(step_schedulers: bool)
 
     with pytest.raises(ValueError, match=r"unsupported keys in the lr scheduler dict: \['frequncy'\]: remove them"):
         trainer().fit(Unknown(step_schedulers=step_schedulers), loader(DATA, 4))
+
+
+class _SaveInside(pl.Callback):
+    def __init__(self, path: Any) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if args[-1] == 1:  # (inside the window of batches 0-2)
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_window_saved_on_two_ranks_is_refused_on_one_before_anything_is_restored(tmp_path: Any) -> None:
+    """(The fast check of ``tests/distributed/test_faults_ddp.py``'s mixin case.) A checkpoint written inside a
+    window on 2 ranks (here one written on 1, its window's state edited to say 2 ranks, each with its part) is
+    refused as it loads into a fit on 1, naming both numbers: nothing of it is restored (the model's progress is
+    a new model's, and a fit afresh counts as a new model's)."""
+    from lightning_accum import Progress
+
+    path, edited = tmp_path / "one.ckpt", tmp_path / "two.ckpt"
+    make_trainer(callbacks=[_SaveInside(path)], max_epochs=1).fit(
+        ManualTokenModel(schedule=3), ResumableLoader(TokenData(24), 4)
+    )
+    checkpoint = torch.load(path, weights_only=False)
+    (key,) = [k for k, state in checkpoint["callbacks"].items() if isinstance(state, dict) and "grads" in state]
+    state = checkpoint["callbacks"][key]
+    state["world_size"], state["ranks"] = 2, [([2.0, 8.0, 8.0], state["grads"])] * 2
+    torch.save(checkpoint, edited)
+    model = ManualTokenModel(schedule=3)
+    with pytest.raises(ValueError, match=r"two.ckpt' was saved inside an accumulation window on 2 rank\(s\).*on 1"):
+        make_trainer(max_epochs=1).fit(model, ResumableLoader(TokenData(24), 4), ckpt_path=edited)
+    assert model.accumulation_progress == Progress()
+    make_trainer(max_epochs=1).fit(model, ResumableLoader(TokenData(24), 4))  # (used again, afresh)
+    fresh = ManualTokenModel(schedule=3)
+    make_trainer(max_epochs=1).fit(fresh, ResumableLoader(TokenData(24), 4))
+    assert model.accumulation_progress == fresh.accumulation_progress
+
+
+@pytest.mark.parametrize("decay_when", ["saved", "resumed"])
+def test_a_checkpoint_resumes_with_a_gradient_decay_added_or_taken_away(tmp_path: Any, decay_when: str) -> None:
+    """A checkpoint written without ``reset=GradientDecay(...)`` resumes under one (its state starts afresh), and
+    one written with it resumes without: the fit goes on to the uninterrupted fit's steps and micro-batches."""
+    from lightning_accum import GradientDecay
+
+    from helpers import ManualTokenModel
+
+    def model(decay: bool) -> ManualTokenModel:
+        return ManualTokenModel(schedule=3, **({"reset": GradientDecay(0.5)} if decay else {}))
+
+    path = tmp_path / "inside.ckpt"
+    full = model(decay_when == "saved")
+    make_trainer(callbacks=[_SaveInside(path)], max_epochs=2).fit(full, ResumableLoader(TokenData(24), 4))
+    resumed = model(decay_when == "resumed")
+    make_trainer(max_epochs=2).fit(resumed, ResumableLoader(TokenData(24), 4), ckpt_path=path)
+    done = resumed.accumulation_progress
+    assert (done.step, done.microbatches) == (full.accumulation_progress.step, full.accumulation_progress.microbatches)
+
+
+class _ZeroesAt(ZeroesToo):
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        self.started.append(batch_idx)
+        super().training_step(batch, batch_idx)
+
+
+def test_a_zero_grad_in_training_step_is_refused_at_the_first_batch_with_no_window_open_yet() -> None:
+    """Inside a batch ``zero_grad()`` is refused even where no window holds a gradient yet (the fit's first
+    batch): at that batch, not at the next."""
+    model = _ZeroesAt("self.optimizers()")
+    model.started = []
+    with pytest.raises(RuntimeError, match=r"`zero_grad\(\)` was called during training"):
+        trainer().fit(model, loader(DATA, 4))
+    assert model.started == [0]
+
+
+class _PassesInTheFirstEpochOnly(ManualTokenModel):
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        if self.current_epoch == 0:
+            super().training_step(batch, batch_idx)
+            return
+        with self.accumulate(batch):
+            pass  # (a block without a pass)
+
+
+def test_an_epoch_without_a_backward_pass_after_one_with_passes_is_refused_at_its_end() -> None:
+    """The count of blocks and passes starts afresh each epoch: a second epoch whose blocks make no backward pass is
+    refused at its end, after a first that trained."""
+    with pytest.raises(RuntimeError, match=r"A whole epoch of .* blocks \(6\) made no backward pass"):
+        trainer(max_epochs=2).fit(_PassesInTheFirstEpochOnly(schedule=2), loader(TokenData(24), 4))

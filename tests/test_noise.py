@@ -384,3 +384,25 @@ def test_a_rank_without_a_prefix_still_joins_the_window_s_all_reduce(monkeypatch
     assert schedule.estimator.updates == 0 and schedule.state_dict()["units"] == [0.0, 0.0]
     probe.window_end(None, 1.0, [2, 8, 10])  # (one micro-batch on each rank: no rank all-reduces)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("normalize", ["mean", "items"])
+@pytest.mark.parametrize(("divisor", "loss_scale"), [(3, 1.0), (3, 1024.0), (7, 0.25)])
+def test_a_prefix_undoes_the_window_s_divisor_and_the_amp_loss_scale(
+    normalize: str, divisor: int, loss_scale: float
+) -> None:
+    """What a prefix measures from the accumulated gradient (the sum of the losses' gradients, divided by the
+    window's divisor and multiplied by AMP's loss scale): the squared norm of that sum, against float64 by hand
+    (an fp16 loss scale of 1024 with a divisor of 3 is no whole number)."""
+    from types import SimpleNamespace
+
+    from lightning_accum._core.probe import NoiseProbe
+
+    total = [torch.tensor([1.5, -2.0, 0.5], dtype=torch.float64), torch.tensor([[3.0]], dtype=torch.float64)]
+    grads = [g / divisor * loss_scale for g in total]
+    window = SimpleNamespace(divisor=divisor, samples=6, microbatches=2, items=5, pending_items=[])
+    probe = NoiseProbe(NoiseScale(2, 8), normalize)
+    probe.prefix(grads, window, loss_scale)
+    sq, batch = (float(v) for v in probe.pending())
+    expected = (1.5**2 + 2.0**2 + 0.5**2 + 3.0**2) * ((6 / 2) ** 2 if normalize == "mean" else 1.0)
+    assert sq == pytest.approx(expected, rel=1e-12) and batch == (6 if normalize == "mean" else 5)

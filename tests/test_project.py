@@ -111,3 +111,75 @@ def test_the_examples_install_runs_every_example_and_readme_snippet() -> None:
         name: re.findall(r"about (\d+) minutes", (ROOT / name).read_text()) for name in ("README.md", "CONTRIBUTING.md")
     }
     assert stated == {"README.md": ["4"], "CONTRIBUTING.md": ["4"]}, stated
+
+
+def mutation_tool() -> Any:
+    """``tools/mutation.py`` (not a package: loaded from its path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_tool", ROOT / "tools" / "mutation.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("total", "n"), [(0, 5), (1, 0), (1, 5), (7, 3), (7, 7), (7, 9), (40, 5)])
+def test_the_mutation_tools_sample_draws_n_distinct_mutants_whatever_their_order(total: int, n: int) -> None:
+    import random
+
+    tool = mutation_tool()
+    keys = [("m.py", (line, 0), "op", 0) for line in range(total)]
+    shuffled = random.Random(1).sample(keys, len(keys))
+    drawn = tool.sample(keys, n, seed=0)
+    assert len(drawn) == len(set(drawn)) == min(n, total) and set(drawn) <= set(keys)
+    assert tool.sample(shuffled, n, seed=0) == drawn  # (the draw names mutants, not their order in the session)
+    assert tool.sample(keys, n + 2, seed=0)[:n] == drawn  # (a larger sample with the same seed holds the smaller)
+
+
+def test_the_mutation_tools_sample_gives_every_mutant_the_same_chance() -> None:
+    """Over 400 seeds, 2 of 10 mutants each: each is drawn 80 times in expectation (binomial, sd 8)."""
+    tool = mutation_tool()
+    keys = [(line,) for line in range(10)]
+    drawn = [key for seed in range(400) for key in tool.sample(keys, 2, seed=seed)]
+    assert all(50 <= drawn.count(key) <= 110 for key in keys), [drawn.count(key) for key in keys]
+
+
+def test_the_mutation_tools_sample_skips_the_others_and_grows_with_n(tmp_path: Path) -> None:
+    """In a Cosmic Ray session: a filtered mutant stays out, the rest not drawn are skipped as not sampled, a
+    larger sample runs the smaller one's and more, and a mutant already run stays counted."""
+    pytest.importorskip("cosmic_ray")
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import MutationSpec, TestOutcome, WorkerOutcome, WorkItem, WorkResult
+
+    tool, db = mutation_tool(), tmp_path / "session.sqlite"
+    with use_db(str(db), WorkDB.Mode.create) as work_db:
+        work_db.add_work_items(
+            [WorkItem.single(f"job{i}", MutationSpec("m.py", "core/Op", 0, (i + 1, 0), (i + 1, 1))) for i in range(9)]
+        )
+        work_db.set_result("job8", WorkResult(output="filtered", worker_outcome=WorkerOutcome.SKIPPED))
+
+    def pending() -> set[str]:
+        with use_db(str(db), WorkDB.Mode.open) as work_db:
+            return {item.job_id for item in work_db.pending_work_items}
+
+    tool.apply_sample(db, 3, 0)
+    first = pending()
+    counts = tool.summary(db)["counts"]
+    assert len(first) == counts["pending"] == 3 and "job8" not in first
+    assert counts["not sampled"] == 5 and counts["skipped"] == 1
+    with use_db(str(db), WorkDB.Mode.open) as work_db:
+        ran = sorted(first)[0]
+        work_db.set_result(ran, WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome.KILLED))
+    tool.apply_sample(db, 5, 0)
+    assert first - {ran} <= pending() and len(pending()) == 4 and ran not in pending()
+    tool.apply_sample(db, 1, 7)  # (another, smaller draw: what ran stays counted)
+    counts = tool.summary(db)["counts"]
+    assert counts["killed"] == 1 and counts["pending"] + counts["killed"] <= 2 and counts["not sampled"] >= 6
+
+
+def test_the_mutation_tools_doctests_pass() -> None:
+    import doctest
+
+    result = doctest.testmod(mutation_tool())
+    assert result.attempted > 0 and result.failed == 0

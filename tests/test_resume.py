@@ -130,3 +130,75 @@ def test_a_window_resumed_under_other_normalize_or_reduction_is_refused(tmp_path
     other, recorder = AccumulationScheduler(2), KRecorder()
     trainer(callbacks=[other, recorder], max_epochs=1).fit(TokenModel(), ResumableLoader(data, 4), ckpt_path=path)
     assert recorder.windows == [1, 2, 2, 2]  # the open window (k = 3) ends at batch 5, then k = 2
+
+
+class _TwoSameRanks:
+    """Two ranks, the other one's gather the same as this one's."""
+
+    world_size = 2
+    root_device = torch.device("cpu")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack([tensor, tensor])
+
+
+@pytest.mark.parametrize("widened", [False, True])
+def test_a_checkpoint_inside_a_window_on_two_ranks_keeps_each_ranks_partial_in_its_accumulation_dtype(
+    widened: bool,
+) -> None:
+    """On several ranks every rank's partial gradient is gathered into the checkpoint, in the dtype the window
+    keeps it in: ``grad_accum_dtype``'s float32 sum of a bfloat16 parameter stays float32 (1 + 2^-10 is no
+    bfloat16), the others their own dtype; against the sums by hand."""
+    from lightning_accum._core.checkpoint import save_partial
+    from lightning_accum._core.wide import WideSums
+
+    narrow = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    plain = torch.nn.Parameter(torch.zeros(2))
+    sums = WideSums(torch.float32) if widened else None
+    if sums is not None:
+        sums.attach([narrow, plain])
+    passes = [torch.tensor([1.0, 2.0**-10]), torch.tensor([2.0**-10, 3.0])]
+    for weight in passes:
+        ((narrow * weight.bfloat16()).sum() + (plain * weight).sum()).backward()
+    state = save_partial(_TwoSameRanks(), [4.0, 2.0], [narrow, plain], wide=sums)
+    expected_narrow = sum(w.bfloat16().float() for w in passes) if widened else sum(w.bfloat16() for w in passes)
+    assert state["world_size"] == 2 and len(state["ranks"]) == 2
+    for numbers, (g_narrow, g_plain) in state["ranks"]:
+        assert numbers == [4.0, 2.0]
+        assert g_narrow.dtype == (torch.float32 if widened else torch.bfloat16)
+        assert torch.equal(g_narrow, expected_narrow) and torch.equal(g_plain, passes[0] + passes[1])
+
+
+def test_a_partial_gradient_restored_into_more_parameters_leaves_the_new_ones_without() -> None:
+    """A param group added since the checkpoint (``BaseFinetuning``'s, at the batch the fit resumed at) comes after
+    the saved parameters: they get their saved gradients back, exactly, and the new ones none."""
+    from lightning_accum._core.checkpoint import restore_partial
+
+    params = [
+        torch.nn.Parameter(torch.zeros(2)),
+        torch.nn.Parameter(torch.zeros(3)),
+        torch.nn.Parameter(torch.zeros(1)),
+    ]
+    saved = [torch.tensor([1.0, -2.0])]
+    restore_partial(params, saved)
+    assert torch.equal(params[0].grad, saved[0]) and params[0].grad is not saved[0]
+    assert params[1].grad is None and params[2].grad is None
+
+
+def test_a_forgotten_partial_window_leaves_nothing_waiting() -> None:
+    """``pending`` (read before every backward pass: the hooks' short path needs it ``False``) is ``False`` before any
+    partial gradient was loaded, once it is put back, and once the window it waited for is forgotten."""
+    from lightning_accum._core.checkpoint import PartialWindow
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    assert PartialWindow().pending is False
+    for put_back in (True, False):
+        partial = PartialWindow()
+        partial.load({"grads": [torch.tensor([1.0, 2.0])], "world_size": 1})
+        assert partial.numbers(strategy=None, rank=0) is None and partial.pending
+        if put_back:
+            assert partial.put_back([param]) is not None
+        else:
+            partial.forget()
+            assert partial.put_back([param]) is None
+        assert not partial.pending

@@ -182,3 +182,39 @@ def test_restored_gradients_are_copies_of_the_checkpoints() -> None:
     w.grad.add_(1.0)
     assert torch.equal(saved[0], torch.tensor([1.0, 2.0]))  # type: ignore[arg-type]
     assert torch.equal(w.grad, torch.tensor([2.0, 3.0]))
+
+
+@pytest.mark.parametrize("undo", ["unreach", "remove"])
+def test_a_budget_windows_micro_batch_taken_back_leaves_the_window_as_before_it(undo: str) -> None:
+    """Under a ``Budget``: a micro-batch ``reach`` counted and then taken back (``unreach``: it never went in;
+    ``remove``: its backward never ran) leaves every counter as before it, ``asked`` and ``ends`` included, after
+    a first micro-batch and after one that would have closed the window."""
+    import copy
+    import dataclasses
+
+    window = Window(k=4, budget=10)
+    for seen in (3, 8):  # (3: the window goes on; 8: 3 + 8 reaches the budget)
+        before = copy.deepcopy(window)
+        assert window.reach(seen) == (seen == 8)
+        if undo == "remove":
+            window.add(seen, seen)
+            window.remove(seen, seen)
+        else:
+            window.unreach()
+        assert window.seen_last == 0  # (nothing left to take back)
+        assert dataclasses.replace(window, seen_last=before.seen_last) == before
+        window.reach(seen)  # (again, and in: the next micro-batch follows it)
+        window.add(seen, seen)
+        window.keep_reach()
+
+
+def test_the_wide_divisor_is_the_power_of_two_at_or_above_k() -> None:
+    """``wide_divisor(k)`` for k = 1 to 1025, against the smallest power of two >= k found by doubling (the module's
+    doctest showed it alone before)."""
+    from lightning_accum._core.window import wide_divisor
+
+    for k in range(1, 1026):
+        power = 1
+        while power < k:
+            power *= 2
+        assert wide_divisor(k) == power, k

@@ -117,3 +117,25 @@ def test_logged_at_the_loggers_cadence(tmp_path: Path) -> None:
     t.fit(TokenModel(), loader(DATA, 4))
     # every 4th step (the first step's values are logged for the progress bar, not written by the logger)
     assert len(logged(tmp_path, "accum/loss")) == callback.progress.step // 4 == 3
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [(2.0, 0.5), (3.0, 2.0)],  # (numbers only)
+        [(torch.tensor(2.0), 0.5), (torch.tensor([3.0]), 0.5)],  # (tensors of one factor)
+        [(torch.tensor(2.0), 0.5), (torch.tensor(3.0), 0.25), (1.5, 4.0)],  # (factors differ, a number beside)
+        [(torch.tensor(2.0, dtype=torch.bfloat16), 3.0), (0.75, 0.5)],
+    ],
+)
+def test_the_windows_loss_sum_is_each_loss_times_its_factor(entries: list[tuple[Any, float]]) -> None:
+    """``_sum`` (the window's loss): the float64 sum of each loss times its factor, whether the losses are numbers
+    or tensors, of one factor or several; against ``fractions`` (every number here is a short binary fraction)."""
+    from fractions import Fraction
+
+    from lightning_accum._core.metrics import _sum
+
+    expected = sum(Fraction(float(v)) * Fraction(f) for v, f in entries)
+    total = _sum(entries)
+    assert float(total) == float(expected)
+    assert not isinstance(total, torch.Tensor) or total.dtype == torch.float64

@@ -476,3 +476,32 @@ def test_accum_lr_names_follow_learning_rate_monitor_with_names_and_orders(tmp_p
     t.fit(Configured(configure), loader(DATA, 4))
     assert set(seen.reports[-1].lr) == set(monitor.lrs)
     assert {f"accum/{name}" for name in monitor.lrs} <= set(t.logged_metrics)
+
+
+class _BatchEndReader(pl.Callback):
+    def on_train_batch_end(self, *args: Any) -> None:
+        pass
+
+
+class _EpochEndOnly(pl.Callback):
+    def on_train_epoch_end(self, *args: Any) -> None:
+        pass
+
+
+def test_which_callbacks_listed_before_may_read_the_windows_metrics_at_a_batch_end() -> None:
+    """``readers_before``: a callback listed before the scheduler with an ``on_train_batch_end`` of its own (a
+    class's, or one set on the instance as ``LambdaCallback`` does), not Lightning's or this package's own, nor one
+    without that hook; none listed after it."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import LambdaCallback, TQDMProgressBar
+
+    from lightning_accum._trainer.reporting import readers_before
+
+    own = AccumulationScheduler(2)
+    before = [
+        pl.Callback(), ModelCheckpoint(), TQDMProgressBar(), _EpochEndOnly(), LambdaCallback(on_train_epoch_end=print),
+        _BatchEndReader(), LambdaCallback(on_train_batch_end=print),
+    ]  # fmt: skip
+    found = readers_before(SimpleNamespace(callbacks=[*before, own, _BatchEndReader()]), own)
+    assert found == ["_BatchEndReader", "LambdaCallback"]

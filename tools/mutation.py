@@ -11,8 +11,11 @@ where the first stopped. Run it niced; it uses one core::
     python tools/mutation.py --report                         # the scores of the sessions so far
     python tools/mutation.py --check                          # every mapped path exists
     nice -n 19 python tools/mutation.py --retest MODULE       # its survivors again, against the tests as they are
+    nice -n 19 python tools/mutation.py --sample 5 --seed 0   # 5 mutants of each module, drawn at random
 
-A module's score is killed / (killed + survived); survivors are printed with their diff. See docs/testing.md.
+A module's score is killed / (killed + survived); survivors are printed with their diff. With ``--sample N``, all
+but N of a module's runnable mutants (a seeded draw) are marked skipped, "Not sampled": an estimate in a fraction of
+the time. See docs/testing.md.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import argparse
 import ast
 import json
 import os
+import random
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -35,6 +40,7 @@ except ModuleNotFoundError:  # (Python 3.10: Cosmic Ray's own dependency reads i
 
 ROOT = Path(__file__).resolve().parent.parent
 MAP = ROOT / "tools" / "mutation.toml"
+NOT_SAMPLED = "Not sampled"
 COPIED = ("src", "tests", "pyproject.toml", "README.md", "docs", "examples", "benchmarks", "mkdocs.yml")
 
 
@@ -121,6 +127,48 @@ def skip_inert(db: Path, module: Path) -> None:
                 work_db.set_result(item.job_id, skipped)
 
 
+def sample(keys: list[tuple[object, ...]], n: int, seed: int) -> list[tuple[object, ...]]:
+    """The first ``n`` of the keys (sorted, then shuffled by ``seed``): the same draw whatever order they come in,
+    and a larger ``n`` with the same seed draws the smaller one's and more.
+
+    >>> sample([(3,), (1,), (2,)], 2, seed=0) == sample([(1,), (2,), (3,)], 2, seed=0)
+    True
+    """
+    order = sorted(keys)  # type: ignore[type-var]
+    random.Random(seed).shuffle(order)
+    return order[:n]
+
+
+def mutant_key(item: object) -> tuple[object, ...]:
+    """What names a mutant across sessions (Cosmic Ray's job ids are drawn anew at each ``init``)."""
+    m = item.mutations[0]  # type: ignore[attr-defined]
+    return (str(m.module_path), tuple(m.start_pos), tuple(m.end_pos), m.operator_name, m.occurrence)
+
+
+def apply_sample(db: Path, n: int, seed: int) -> None:
+    """Mark all but ``sample``'s ``n`` of the runnable mutants (those not skipped for another reason) skipped as
+    not sampled; one not sampled before and drawn now (a larger ``n``) is pending again. A mutant already run
+    stays counted."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    with use_db(str(db), WorkDB.Mode.open) as work_db:
+        results = dict(work_db.results)
+        runnable = {
+            mutant_key(item): item.job_id
+            for item in work_db.work_items
+            if item.job_id not in results
+            or results[item.job_id].worker_outcome != WorkerOutcome.SKIPPED
+            or results[item.job_id].output == NOT_SAMPLED
+        }
+        drawn = {runnable[key] for key in sample(list(runnable), n, seed)}
+        left = [job for job in runnable.values() if job not in drawn and job not in results]
+        work_db.set_multiple_results(left, WorkResult(output=NOT_SAMPLED, worker_outcome=WorkerOutcome.SKIPPED))
+    again = [job for job in drawn if job in results and results[job].output == NOT_SAMPLED]
+    with sqlite3.connect(db) as con:  # (Cosmic Ray has no call that clears a result)
+        con.executemany("DELETE FROM work_results WHERE job_id = ?", [(job,) for job in again])
+
+
 def retest(
     module: str, tests: list[str], tree: Path, workdir: Path, timeout: float | None, lines: tuple[int, int] | None
 ) -> None:
@@ -153,9 +201,16 @@ def retest(
 
 
 def run_module(
-    module: str, tests: list[str], tree: Path, workdir: Path, timeout: float | None, exclude: list[str]
+    module: str,
+    tests: list[str],
+    tree: Path,
+    workdir: Path,
+    timeout: float | None,
+    exclude: list[str],
+    drawn: tuple[int, int] | None = None,
 ) -> bool:
-    """One module's session, after a baseline run of its tests on the unmutated tree (False if that fails)."""
+    """One module's session, after a baseline run of its tests on the unmutated tree (False if that fails); with
+    ``drawn`` (n, seed), only a sample of its mutants."""
     name = session_name(module)
     cfg, db = workdir / f"{name}.toml", workdir / f"{name}.sqlite"
     env = {**os.environ, "PYTHONPATH": "src", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -169,6 +224,8 @@ def run_module(
         cr("cosmic-ray", "init", str(cfg), str(db))
         cr("cr-filter-operators", str(db), str(cfg))
         skip_inert(db, tree / module)
+    if drawn is not None:
+        apply_sample(db, *drawn)
     if not summary(db)["counts"]["pending"]:  # (done, or nothing to mutate: no baseline run)
         return True
     began = time.monotonic()
@@ -189,14 +246,14 @@ def summary(db: Path) -> dict[str, object]:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
-    counts = {"killed": 0, "timeout": 0, "survived": 0, "incompetent": 0, "skipped": 0, "pending": 0}
+    counts = {"killed": 0, "timeout": 0, "survived": 0, "incompetent": 0, "skipped": 0, "not sampled": 0, "pending": 0}
     survivors, doctest_only = [], []
     with use_db(str(db), WorkDB.Mode.open) as work_db:
         done = set()
         for item, result in work_db.completed_work_items:
             done.add(item.job_id)
             if result.worker_outcome == WorkerOutcome.SKIPPED:
-                counts["skipped"] += 1
+                counts["not sampled" if result.output == NOT_SAMPLED else "skipped"] += 1
             elif result.test_outcome == TestOutcome.SURVIVED:
                 counts["survived"] += 1
                 m = item.mutations[0]
@@ -232,10 +289,12 @@ def report(workdir: Path, modules: list[str], diffs: bool) -> None:
         if not db.exists():
             continue
         s = summary(db)
-        c = s["counts"]
+        c: dict[str, int] = s["counts"]  # type: ignore[assignment]
+        runnable = sum(c.values()) - c["skipped"]
+        drawn = f", sampled {runnable - c['not sampled']} of {runnable}" if c["not sampled"] else ""
         print(
             f"{module}: score {s['score']:.1%}  killed {c['killed']} timeout {c['timeout']} survived {c['survived']}"
-            f" incompetent {c['incompetent']} pending {c['pending']} (filtered out: {c['skipped']})"
+            f" incompetent {c['incompetent']} pending {c['pending']} (filtered out: {c['skipped']}{drawn})"
         )
         if s["doctest_only"]:
             print(f"  killed only by the module's doctests: {len(s['doctest_only'])}")
@@ -261,6 +320,8 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if a mapped path does not exist")
     parser.add_argument("--retest", action="store_true", help="run the survivors again against the tests as they are")
     parser.add_argument("--tests", nargs="+", default=None, help="with --retest: these test files instead of the map's")
+    parser.add_argument("--sample", type=int, default=None, help="run only N mutants of each module, drawn at random")
+    parser.add_argument("--seed", type=int, default=0, help="with --sample: the draw's seed")
     parser.add_argument("--lines", default=None, help="with --retest: only the survivors on lines A-B")
     args = parser.parse_args()
 
@@ -276,6 +337,7 @@ def main() -> int:
         parser.error(f"not in tools/mutation.toml: {unknown}")
     modules = args.modules or sorted(mapping, key=lambda m: (ROOT / m).stat().st_size)
     modules = modules[: args.smallest] if args.smallest is not None else modules
+    args.workdir = args.workdir.resolve()  # (a retest runs in the scratch copy)
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.retest:
         for module in modules:
@@ -287,7 +349,8 @@ def main() -> int:
     elif not args.report:
         for module in modules:  # (a fresh copy each: the tests as they are now)
             tree = scratch_copy(args.workdir)
-            if run_module(module, mapping[module], tree, args.workdir, args.timeout, exclude):
+            drawn = (args.sample, args.seed) if args.sample is not None else None
+            if run_module(module, mapping[module], tree, args.workdir, args.timeout, exclude, drawn):
                 report(args.workdir, [module], diffs=False)
     report(args.workdir, modules, diffs=args.diffs)
     return 0
