@@ -438,3 +438,89 @@ def test_mixin_a_count_of_more_than_one_number_is_refused_as_without_reading_ahe
         trainer().fit(mixin(count=count, read_ahead=True), loader(DATA, BATCH))
     with pytest.raises(ValueError, match="one number"):
         trainer().fit(mixin(count=lambda b: b["mask"].sum(1), read_ahead=True), loader(DATA, BATCH))
+
+
+# ---------------------------------------------------------------------- found by the adversary (issue 52)
+def test_fabric_a_loop_over_one_iterator_broken_out_of_and_read_on_trains_every_batch(reads_ahead: list[int]) -> None:
+    """Breaking out of a loop over an iterator that yields each batch once, then a new ``read_ahead`` over the same
+    iterator: the batches the first loop held are yielded first (they were silently lost before), and the stop is
+    warned, since reading the iterator itself would skip them."""
+    with default_dtype(torch.float64):
+        acc, model, net = fabric_acc()
+        source = iter(batches_of())
+        with pytest.warns(UserWarning, match=r"stopped with \d+ batch\(es\) it had read ahead"):
+            for i, batch in enumerate(acc.read_ahead(source)):
+                train(acc, model, batch)
+                if i == 1:
+                    break
+        for batch in acc.read_ahead(source):
+            train(acc, model, batch)
+        acc.flush()
+    expected, sizes = plain_sgd(epochs_of(1))
+    assert max_diff([p.detach() for p in net.parameters()], expected) < 1e-12
+    assert acc.progress.step == len(sizes)
+
+
+def test_fabric_a_loader_error_is_raised_where_the_loop_reaches_it(reads_ahead: list[int]) -> None:
+    """A loader that raises at batch 6: batches 0-5 train first, as without reading ahead (the error came out before
+    batch 0 was trained)."""
+    data, trained = batches_of(), []
+
+    def failing() -> Iterator[Batch]:
+        for i, batch in enumerate(data):
+            if i == 6:
+                raise OSError("the loader failed at batch 6")
+            yield batch
+
+    with default_dtype(torch.float64):
+        acc, model, _ = fabric_acc()
+        with pytest.raises(OSError, match="at batch 6"):
+            for i, batch in enumerate(acc.read_ahead(failing())):
+                train(acc, model, batch)
+                trained.append(i)
+    assert trained == [0, 1, 2, 3, 4, 5]
+
+
+class RetriedBlock(ManualTokenModel):
+    """Batch 3's first block raises before its backward; the step runs a block on it again."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> None:
+        if batch_idx == 3 and not getattr(self, "raised", False):
+            self.raised = True
+            with pytest.raises(KeyError), self.accumulate(batch):
+                raise KeyError("hiccup")
+        super().training_step(batch, batch_idx)
+
+
+def test_mixin_a_block_that_raised_may_run_again_in_its_step(reads_ahead: list[int]) -> None:
+    """Under ``read_ahead=True`` a block that raised is not the step's one block (refused as a second before)."""
+    model = mixin(RetriedBlock, read_ahead=True)
+    trainer().fit(model, loader(DATA, BATCH))
+    plain = mixin(RetriedBlock)
+    trainer().fit(plain, loader(DATA, BATCH))
+    assert max_diff(params_of(model), params_of(plain)) == 0
+    assert model.accumulation_progress.step == plain.accumulation_progress.step
+
+
+def test_mixin_a_changed_count_is_refused_naming_the_option(reads_ahead: list[int]) -> None:
+    with pytest.raises(ValueError, match=r"Give `self.accumulate` the batch `training_step` got .* or leave "
+                                         r"`read_ahead` out"):  # fmt: skip
+        trainer().fit(mixin(OtherBatch, read_ahead=True), loader(DATA, BATCH))
+
+
+class IteratorStep(ManualTokenModel):
+    """A ``training_step`` of the ``dataloader_iter`` (Lightning then hands ``on_train_batch_start`` no batch)."""
+
+    def training_step(self, dataloader_iter: Any) -> None:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        super().training_step(batch, batch_idx)
+
+
+def test_mixin_a_training_step_of_the_dataloader_iter_with_a_count() -> None:
+    """``count`` is not called on the ``None`` Lightning gives ``on_train_batch_start`` there (it raised in the
+    user's ``count`` before): each block counts its own batch."""
+    model = mixin(IteratorStep, schedule=2)
+    trainer(max_epochs=1).fit(model, loader(DATA, BATCH))
+    plain = mixin(schedule=2)
+    trainer(max_epochs=1).fit(plain, loader(DATA, BATCH))
+    assert max_diff(params_of(model), params_of(plain)) == 0

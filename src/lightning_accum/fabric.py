@@ -272,7 +272,10 @@ class FabricAccumulator:
         at different batches are refused, on every rank, at the first batch one of them lacks. Without a budget, or on
         one process, it only iterates (the contract is still checked). ``flush()``, ``last=True``, ``epoch=`` and
         checkpoints work as without it; a stateful loader's own state (saved by the loop) is up to 7 batches ahead
-        of the one trained.
+        of the one trained. The loader must yield a batch that stays as it is until its block (not one object
+        refilled); an error it raises comes out where the loop reaches it. Broken out of, a loop over a one-shot
+        iterator keeps what it read ahead for a new ``read_ahead`` over the same iterator (warned: reading the
+        iterator itself would skip it).
 
         Example:
 

@@ -11,6 +11,7 @@ loop) takes its count over ranks from ``_core.ahead.ReadAhead``, the protocol th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,12 +46,18 @@ def check_loader(loader: object) -> Iterator[Any]:
 
 class ReaderLoop:
     """One ``read_ahead`` loop: the loader's batches, those after the one yielded last held (``peek``), and which
-    batch the next block must run on."""
+    batch the next block must run on. An error the loader raises while read ahead is raised where the loop reaches
+    it, as without reading ahead. ``held_over``: a loop over the same iterator that stopped before its end, whose
+    held batches this one yields first."""
 
-    def __init__(self, batches: Iterator[Any]) -> None:
-        self._batches = batches
-        self._held: list[Any] = []  # batches read ahead, not yielded yet
+    def __init__(self, batches: Iterator[Any], held_over: ReaderLoop | None = None) -> None:
+        self.batches = batches
+        self.held: list[Any] = []  # batches read ahead, not yielded yet
         self._ended = False  # the loader has no more batches
+        self._error: Exception | None = None  # what the loader raised where it ended, raised when reached
+        if held_over is not None:
+            self.held, self._ended, self._error = held_over.held, held_over._ended, held_over._error
+            held_over.held = []
         self.position = -1  # the index of the batch yielded last
         self.current: Any = _NOTHING  # the batch yielded last
         self.used = False  # whether a block ran on it
@@ -58,19 +65,29 @@ class ReaderLoop:
 
     def peek(self, ahead: int) -> Any:
         """The ``ahead``-th batch after the one yielded last (``ahead >= 1``); ``ENDED`` past the loader's end."""
-        while len(self._held) < ahead and not self._ended:
+        while len(self.held) < ahead and not self._ended:
             try:
-                self._held.append(next(self._batches))
+                self.held.append(next(self.batches))
             except StopIteration:
                 self._ended = True
-        return self._held[ahead - 1] if ahead <= len(self._held) else ENDED
+            except Exception as error:  # (raised where the loop reaches it: `take`)
+                self._ended, self._error = True, error
+        return self.held[ahead - 1] if ahead <= len(self.held) else ENDED
 
     def take(self) -> Any:
-        """The next batch (``ENDED`` past the loader's end)."""
+        """The next batch (``ENDED`` past the loader's end; the loader's error, where it raised one there)."""
         batch = self.peek(1)
         if batch is not ENDED:
-            self._held.pop(0)
+            self.held.pop(0)
+        elif self._error is not None:
+            error, self._error = self._error, None
+            raise error
         return batch
+
+    def one_shot(self) -> bool:
+        """Whether the loop reads an iterator that yields each batch once (a generator, ``iter(...)``), so that
+        batches it read ahead and did not yield are gone from it."""
+        return iter(self.batches) is self.batches
 
 
 class FabricAhead:
@@ -87,9 +104,11 @@ class FabricAhead:
 
     def start(self, loader: object, strategy: Any, in_block: Callable[[], bool]) -> Iterator[Any]:
         """A new loop over ``loader`` (the one before it, if any, ends: its next batch is refused)."""
-        loop = ReaderLoop(check_loader(loader))
-        if self.loop is not None:
-            self.loop.finished = True
+        batches, before = check_loader(loader), self.loop
+        same = before is not None and before.batches is batches and before.one_shot()
+        loop = ReaderLoop(batches, held_over=before if same else None)
+        if before is not None:
+            before.finished = True
         self.loop = loop
         self.counts.forget()
         return self._run(loop, strategy, in_block)
@@ -118,6 +137,14 @@ class FabricAhead:
                 yield batch
         finally:
             loop.finished = True
+            if loop.held and loop.one_shot():
+                warnings.warn(
+                    f"A `read_ahead` loop stopped with {len(loop.held)} batch(es) it had read ahead from its iterator "
+                    "and not yielded: a new `acc.read_ahead(it)` over the same iterator yields them first, but reading "
+                    "the iterator itself skips them. Go on through `acc.read_ahead(it)`, or give `read_ahead` a "
+                    "loader that can be iterated again (a `DataLoader`, a list).",
+                    stacklevel=2,
+                )
 
     def position(self, batch: Any) -> int | None:
         """Where the block on ``batch`` stands in the loop under way (its position; marked used), or ``None`` where

@@ -38,12 +38,13 @@ class BudgetAhead:
     needs no sum), positions being the loop's batch indices: the callback's, and the mixin's under
     ``configure_accumulation(read_ahead=True)``.
 
-    ``owner``: who reads ahead, for the warning where the loop cannot be read ahead."""
+    ``owner``: who reads ahead, for the warning where the loop cannot be read ahead; ``fix``: what to do about a
+    count that differs from the one read ahead."""
 
-    def __init__(self, owner: str = "A `Budget`") -> None:
+    def __init__(self, owner: str = "A `Budget`", fix: str = _FIX) -> None:
         self._owner = owner
         self._ahead = ReadAhead(
-            "the training loader yields it (before `on_before_batch_transfer` and the move to the device)", _FIX
+            "the training loader yields it (before `on_before_batch_transfer` and the move to the device)", fix
         )
         self._upcoming: _seam.Upcoming | None = None
         self._epoch: int | None = None

@@ -57,7 +57,12 @@ class MixinDriver(Callback):
         self._restored = False  # whether this fit's checkpoint restored the windows
         self._fitting: pl.Trainer | None = None  # the fit being set up, till train start (its checkpoint checked)
         # `read_ahead=True`: a budget's counts read ahead from the loader, and the blocks of this `training_step`
-        self.ahead = BudgetAhead("`configure_accumulation(read_ahead=True)`")
+        self.ahead = BudgetAhead(
+            "`configure_accumulation(read_ahead=True)`",
+            "Give `self.accumulate` the batch `training_step` got (count what the loader yields, e.g. in the collate "
+            "function; change a batch there, not in `training_step` or the batch transfer hooks), or leave "
+            "`read_ahead` out.",
+        )
         self._blocks_in_step = 0
 
     @property
@@ -201,7 +206,7 @@ class MixinDriver(Callback):
             _seam.keep_progress_consistent(trainer)
         self.guards.batch_start()
         self._early, self._blocks_in_step = None, 0
-        if self.config.count is not None:
+        if self.config.count is not None and batch is not None:  # (`None`: a `training_step` of the `dataloader_iter`)
             self._early = (batch, sample_count(batch, self.windows.samples_needed_by()), self.config.count(batch))
 
     def begin(self, trainer: Any, optimizer: Any, batch: Any) -> Block:
@@ -286,6 +291,7 @@ class MixinDriver(Callback):
         self.guards.block_exited()
         if not finished:
             block.engine.microbatch_over()
+            self._blocks_in_step = 0  # (`read_ahead=True`: its micro-batch went in nowhere: it may run again)
 
     def finish(self, trainer: Any, block: Block) -> None:
         """The block exited: count its micro-batch, and step the window at its last."""
