@@ -17,6 +17,7 @@ import faulthandler
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,24 @@ def _one_thread_in_the_child() -> None:
 
 
 os.register_at_fork(after_in_child=_one_thread_in_the_child)
+
+
+@pytest.fixture
+def reads_ahead(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A ``Budget``'s counts read ahead on one process too (the test switch ``_core.ahead.ON_ONE_PROCESS``: each
+    adapter reads ahead as on several ranks, nothing summed); the positions of the chunks issued are listed."""
+    from lightning_accum._core import ahead
+
+    monkeypatch.setattr(ahead, "ON_ONE_PROCESS", True)
+    issued: list[int] = []
+    original = ahead.CountsAhead._issue
+
+    def noting(self: ahead.CountsAhead, start: int, strategy: Any, local: Any) -> None:
+        issued.append(start)
+        original(self, start, strategy, local)
+
+    monkeypatch.setattr(ahead.CountsAhead, "_issue", noting)
+    return issued
 
 
 @pytest.fixture(autouse=True)

@@ -114,21 +114,6 @@ def test_one_process_reads_its_own_counts_as_they_are() -> None:
 
 
 # ------------------------------------------------------------------ the callback, reading ahead on one process
-@pytest.fixture
-def reads_ahead(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The callback reads ahead on one process; the positions its all-reduces were issued for are listed."""
-    monkeypatch.setattr(core_ahead, "ON_ONE_PROCESS", True)
-    issued: list[int] = []
-    original = CountsAhead._issue
-
-    def noting(self: CountsAhead, start: int, strategy: Any, local: Any) -> None:
-        issued.append(start)
-        original(self, start, strategy, local)
-
-    monkeypatch.setattr(CountsAhead, "_issue", noting)
-    return issued
-
-
 fails_and_resumes = test_budget.test_an_exception_inside_a_window_resumes_bit_identically
 
 

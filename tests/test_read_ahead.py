@@ -17,8 +17,6 @@ from lightning.fabric import Fabric
 from test_budget import BATCH, DATA, epochs_of, reference, tokens_of
 
 from lightning_accum import Budget, FabricAccumulator
-from lightning_accum._core import ahead as core_ahead
-from lightning_accum._core.ahead import CountsAhead
 
 from helpers import (
     Batch,
@@ -32,21 +30,6 @@ from helpers import (
     token_losses,
     trainer,
 )
-
-
-@pytest.fixture
-def reads_ahead(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One process reads ahead (the test switch); the positions of the chunks issued are listed."""
-    monkeypatch.setattr(core_ahead, "ON_ONE_PROCESS", True)
-    issued: list[int] = []
-    original = CountsAhead._issue
-
-    def noting(self: CountsAhead, start: int, strategy: Any, local: Any) -> None:
-        issued.append(start)
-        original(self, start, strategy, local)
-
-    monkeypatch.setattr(CountsAhead, "_issue", noting)
-    return issued
 
 
 def batches_of(epoch: int = 0) -> list[Batch]:
