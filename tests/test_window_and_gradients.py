@@ -260,3 +260,23 @@ def test_sum_tensors_all_reduces_each_dtypes_flat_concatenation(monkeypatch: pyt
     for summed, t in zip(out, tensors, strict=True):
         assert summed.dtype == t.dtype and torch.equal(summed, 2 * t)
     assert torch.equal(tensors[1], torch.ones(4))  # (new tensors: the inputs are left as they were)
+
+
+class TwoSameRanks(TwoRanks):
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:  # (the other rank holds what this one does)
+        return torch.stack([tensor, tensor])
+
+
+def test_gather_partial_gives_every_ranks_numbers_and_gradients() -> None:
+    from lightning_accum._core import collectives
+
+    params = [torch.zeros(2, 3), torch.zeros(4, dtype=torch.float64), torch.zeros(2, dtype=torch.float16)]
+    grads = [torch.arange(6.0).view(2, 3), None, torch.tensor([0.5, -1.5], dtype=torch.float16)]
+    ranks = collectives.gather_partial(TwoSameRanks(), [3.0, 0.25], params, grads)
+    assert len(ranks) == 2
+    for numbers, got in ranks:
+        assert numbers == [3.0, 0.25] and got[1] is None
+        for g, want in ((got[0], grads[0]), (got[2], grads[2])):
+            assert g is not None and want is not None and g.dtype == want.dtype and torch.equal(g, want)
+    wide = collectives.gather_partial(TwoSameRanks(), [], params, grads, [torch.float64] * 3)[1][1]
+    assert [None if g is None else g.dtype for g in wide] == [torch.float64, None, torch.float64]
