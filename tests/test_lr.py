@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_accum as la
 from lightning_accum import AccumulationScheduler, NoiseScale, Piecewise, Progress, Ramp, Schedule
@@ -89,6 +90,27 @@ def test_onecycle_sized_with_it_ends_at_the_last_step(name: str, limits: dict[st
     assert scheduler.last_epoch == model.total  # OneCycle ran its whole course, to its last step
     if "max_steps" not in limits:
         assert model.lightning_total > model.total  # what Lightning's own estimate would have stretched it to
+
+
+class Unsized(IterableDataset[Any]):
+    """A loader's data without a length: DATA's 13 batches of 4 (the last of 2), once."""
+
+    def __iter__(self) -> Any:
+        return iter([DATA.batch(slice(i, i + 4)) for i in range(0, len(DATA), 4)])
+
+
+class Counted(TokenModel):
+    def configure_optimizers(self) -> Any:
+        self.total = la.estimated_stepping_batches(self.trainer)
+        return super().configure_optimizers()
+
+
+def test_a_loader_without_a_length_counts_max_steps_or_is_refused() -> None:
+    model = Counted()
+    trainer(callbacks=[AccumulationScheduler(3)], max_epochs=1, max_steps=4).fit(model, DataLoader(Unsized(), None))
+    assert model.total == 4  # (max_steps bounds it: ceil(13 / 3) = 5 windows would reach it)
+    with pytest.raises(ValueError, match="The training loader has no length"):
+        trainer(callbacks=[AccumulationScheduler(3)], max_epochs=1).fit(Counted(), DataLoader(Unsized(), None))
 
 
 def test_mixin_counts_its_steps_too() -> None:

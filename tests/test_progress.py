@@ -310,6 +310,28 @@ def test_resume_inside_a_window(tmp_path: Path, bar_in_checkpoint: bool) -> None
     assert seen.fit[0] == (2, 12) and seen.fit[-1] == (12, 12)
 
 
+class SaveAtEpochEnd(pl.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def test_resume_at_an_epochs_end_without_the_bars_state(tmp_path: Path) -> None:
+    """A fit resumed at epoch 1 from a checkpoint without the bar's state counts that epoch from its own start:
+    ceil(16 / 3) = 6 windows, none of epoch 0's."""
+    path = tmp_path / "end.ckpt"
+    t = trainer(callbacks=[AccumulationScheduler(3), SaveAtEpochEnd(path)], max_epochs=1, enable_progress_bar=False)
+    t.fit(TokenModel(), ResumableLoader(DATA, 2))
+    bar = StepProgressBar()
+    seen = Seen(bar)
+    t = trainer(callbacks=[AccumulationScheduler(3), bar, seen], enable_progress_bar=True, max_epochs=2)
+    t.fit(TokenModel(), ResumableLoader(DATA, 2), ckpt_path=path)
+    assert [(e["epoch"], e["first_total"], e["last"]) for e in seen.epochs] == [(1, 6, (6, 6))]
+    assert seen.fit[-1] == (12, 12)
+
+
 class SaveAtStart(pl.Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -639,6 +661,18 @@ def test_fit_windows_past_the_budget(monkeypatch: Any) -> None:
     assert steps.fit_windows(ramp, 17, None, 8, 60) is None and steps.fit_windows(ramp, 17, None, 8, 49) == 49
     assert steps.fit_windows(Constant(2), 17, None, 10**9, -1) == 9 * 10**9  # (counted, not walked)
     assert steps.fit_windows(Piecewise({0: 2, 2: 5}, unit="epoch"), 17, None, 40, -1) == 9 * 2 + 4 * 38  # (per epoch)
+
+
+def test_an_epoch_keyed_walk_counts_at_most_the_budget_in_epochs(monkeypatch: Any) -> None:
+    """A schedule keyed on epochs is counted an epoch at a time, each epoch against the budget: ``WALK_BUDGET``
+    epochs are counted, one more is past it."""
+    from lightning_accum._trainer import steps
+
+    monkeypatch.setattr(steps, "WALK_BUDGET", 40)
+    epochs = Piecewise({0: 2, 2: 5}, unit="epoch")  # ceil(17 / 2) = 9 windows in epochs 0 and 1, ceil(17 / 5) = 4 after
+    assert steps.fit_windows(epochs, 17, None, 40, -1) == 9 * 2 + 4 * 38
+    assert steps.fit_windows(epochs, 17, None, 41, -1) is None
+    assert steps.fit_windows(epochs, 17, None, -1, 9 * 2 + 4 * 38) == 9 * 2 + 4 * 38  # (stops at max_steps first)
 
 
 def test_a_checkpoint_of_the_bar_without_known_is_read_as_known() -> None:

@@ -110,6 +110,22 @@ def test_plan_per_mode(family_model: Any, expected: tuple[bool, bool, bool]) -> 
     assert tuple(sync.plan(strategy, mode).skip for mode in ("auto", "skip", "every")) == expected  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("loop_skips", [False, True])
+def test_callback_plan_where_lightnings_loop_skips_fsdps_sync(loop_skips: bool) -> None:
+    """``loop_plan``: where Lightning's loop enters FSDP's ``no_sync()`` itself, ``"auto"`` and ``"skip"`` are that
+    skip and ``"every"`` is refused; where it does not, the plan is ``plan``'s (auto, skip, every: no, yes, no)."""
+    strategy = Strategy(FakeFSDP(nn.Linear(2, 2)))
+    skips = {mode: sync.loop_plan(strategy, mode, loop_skips) for mode in ("auto", "skip")}  # type: ignore[arg-type]
+    assert skips == {"auto": sync.SyncPlan("fsdp", loop_skips), "skip": sync.SyncPlan("fsdp", True)}
+    if loop_skips:
+        with pytest.raises(ValueError, match=r"sync='every'\)` cannot hold under `FSDPStrategy`"):
+            sync.loop_plan(strategy, "every", loop_skips)
+    else:
+        assert sync.loop_plan(strategy, "every", loop_skips) == sync.SyncPlan("fsdp", False)
+    ddp = Strategy(FakeDDP(nn.Linear(2, 2)))  # not FSDP: the loop's skip changes nothing
+    assert sync.loop_plan(ddp, "every", loop_skips) == sync.SyncPlan("ddp", True)
+
+
 def test_bad_sync_mode_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="`sync` must be 'auto', 'skip' or 'every'; got 'never'"):
         AccumulationScheduler(2, sync="never")  # type: ignore[arg-type]
@@ -273,6 +289,18 @@ def test_mixin_refuses_skip_when_fsdp_wraps_the_whole_module() -> None:
     FakeTrainer.strategy = Strategy(nn.Sequential(FakeFSDP(model.net)))  # submodules wrapped: fine
     model._accumulation.on_fit_start(FakeTrainer(), model)  # type: ignore[arg-type]
     assert model._accumulation.plan == sync.SyncPlan("fsdp", skip=True)
+
+
+def test_fsdp_root_holding_parameters_itself_is_refused_without_skip() -> None:
+    """``refuse_fsdp_root`` with the sync kept: a root whose parameters all sit in nested FSDP instances is let
+    through; one holding a parameter outside them (the whole net, or one layer of two unwrapped) is refused."""
+    kept = sync.SyncPlan("fsdp", skip=False)
+    for root in (FakeFSDP(nn.Linear(2, 2)), FakeFSDP(nn.Sequential(FakeFSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))):
+        with pytest.raises(ValueError, match="holds parameters itself"):
+            sync.refuse_fsdp_root(kept, root)
+    wrapped = FakeFSDP(nn.Sequential(FakeFSDP(nn.Linear(2, 2)), nn.ReLU(), FakeFSDP(nn.Linear(2, 2))))
+    sync.refuse_fsdp_root(kept, wrapped)  # every parameter in a nested instance: fine
+    sync.refuse_fsdp_root(kept, nn.Sequential(FakeFSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))  # the root is not FSDP
 
 
 def test_noise_scale_is_refused_under_fsdp_before_any_step() -> None:

@@ -199,3 +199,22 @@ def test_parameters_toggled_off_between_their_passes_stay_summed_in_float32() ->
         (got,) = model.seen[i]
         once = relative(want.to(torch.bfloat16).double(), want)
         assert relative(got, want) <= 1.1 * once, (i, relative(got, want) / once)
+
+
+def test_wide_sums_keep_a_held_sum_when_a_parameter_joins_and_a_slot_lands() -> None:
+    """``WideSums`` directly: a narrow parameter joining mid-window keeps the sums held so far (they land), and a
+    sum no gradient reached that a collective was handed (``slot``, zeros) lands too, as what the collective put
+    there."""
+    from lightning_accum._core.wide import WideSums
+
+    a = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    b = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    sums = WideSums(torch.float32)
+    sums.attach([a])
+    (a * 0.5).sum().backward()  # a's sum: 0.5 each
+    sums.attach([a, b])  # b joins the window under way
+    assert [s.tolist() for s in sums.sums()] == [[0.5, 0.5]]
+    sums.slot(b).add_(2.0)  # (what an all-reduce of the other ranks' sums would put in b's zeroed sum)
+    landed = sums.land(2.0)
+    assert [g.tolist() for g in landed] == [[1.0, 1.0], [4.0, 4.0, 4.0]]
+    assert a.grad is not None and b.grad is not None and b.grad.dtype == torch.bfloat16

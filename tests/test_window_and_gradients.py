@@ -218,3 +218,65 @@ def test_the_wide_divisor_is_the_power_of_two_at_or_above_k() -> None:
         while power < k:
             power *= 2
         assert wide_divisor(k) == power, k
+
+
+class TwoRanks:
+    """A fake 2-rank strategy whose other rank holds twice what this one does: a sum over ranks is 3 times this
+    rank's."""
+
+    world_size, root_device, global_rank = 2, "cpu", 0
+
+    def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        assert reduce_op == "sum"
+        return tensor * 3
+
+
+def test_sum_over_ranks_adds_every_ranks_values() -> None:
+    from lightning_accum._core import collectives
+
+    values = [1.5, [torch.tensor(2.0), 0.25], torch.tensor([1.0, 2.0])]  # a number, parts, a tensor of parts
+    totals, local = collectives.sum_over_ranks(TwoRanks(), values, [torch.tensor(4.0)])
+    assert totals == [4.5, 6.75, 9.0] and local == [4.0]  # (3 times 1.5, 2.25 and 3.0; the local one as it is)
+    assert collectives.sum_over_ranks(object(), values) == ([1.5, 2.25, 3.0], [])  # one device: no collective
+
+
+def test_sum_tensors_all_reduces_each_dtypes_flat_concatenation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_accum._core import collectives
+
+    calls: list[tuple[torch.dtype, int]] = []
+
+    def twice(flat: torch.Tensor) -> None:  # (a second rank holding the same)
+        calls.append((flat.dtype, flat.numel()))
+        flat.mul_(2)
+
+    monkeypatch.setattr(collectives, "_all_reduce_sum", twice)
+    tensors = [
+        torch.arange(6.0, dtype=torch.float64).view(2, 3),
+        torch.ones(4),
+        torch.tensor([0.5], dtype=torch.float64),
+    ]
+    out = collectives.sum_tensors(tensors)
+    assert calls == [(torch.float64, 7), (torch.float32, 4)]
+    for summed, t in zip(out, tensors, strict=True):
+        assert summed.dtype == t.dtype and torch.equal(summed, 2 * t)
+    assert torch.equal(tensors[1], torch.ones(4))  # (new tensors: the inputs are left as they were)
+
+
+class TwoSameRanks(TwoRanks):
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:  # (the other rank holds what this one does)
+        return torch.stack([tensor, tensor])
+
+
+def test_gather_partial_gives_every_ranks_numbers_and_gradients() -> None:
+    from lightning_accum._core import collectives
+
+    params = [torch.zeros(2, 3), torch.zeros(4, dtype=torch.float64), torch.zeros(2, dtype=torch.float16)]
+    grads = [torch.arange(6.0).view(2, 3), None, torch.tensor([0.5, -1.5], dtype=torch.float16)]
+    ranks = collectives.gather_partial(TwoSameRanks(), [3.0, 0.25], params, grads)
+    assert len(ranks) == 2
+    for numbers, got in ranks:
+        assert numbers == [3.0, 0.25] and got[1] is None
+        for g, want in ((got[0], grads[0]), (got[2], grads[2])):
+            assert g is not None and want is not None and g.dtype == want.dtype and torch.equal(g, want)
+    wide = collectives.gather_partial(TwoSameRanks(), [], params, grads, [torch.float64] * 3)[1][1]
+    assert [None if g is None else g.dtype for g in wide] == [torch.float64, None, torch.float64]
