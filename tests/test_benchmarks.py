@@ -1,7 +1,7 @@
 """Every benchmark runs (``run_all.py --quick``: tiny budgets, its figures not asserted; speed is
 never a test's business), so that a change of the package's internals cannot leave one broken
 until the next full run (two were, once). That run (``-m bench``, about 80 s on 2 quiet cores, a
-quarter of the whole) is not in the default ``python -m pytest -q``: CI runs it as a step of its own."""
+fifth of the whole) is not in the default ``python -m pytest -q``: CI runs it as a step of its own."""
 
 from __future__ import annotations
 
