@@ -406,3 +406,26 @@ def test_a_prefix_undoes_the_window_s_divisor_and_the_amp_loss_scale(
     sq, batch = (float(v) for v in probe.pending())
     expected = (1.5**2 + 2.0**2 + 0.5**2 + 3.0**2) * ((6 / 2) ** 2 if normalize == "mean" else 1.0)
     assert sq == pytest.approx(expected, rel=1e-12) and batch == (6 if normalize == "mean" else 5)
+
+
+@pytest.mark.parametrize(("normalize", "per_microbatch"), [("mean", 2.0), ("items", 5.0)])
+def test_the_probe_fits_a_window_in_samples_or_items_and_records_its_micro_batches(
+    normalize: str, per_microbatch: float
+) -> None:
+    """A window of 4 micro-batches, 8 samples and 20 items (one process), its prefix and final gradient drawn from
+    |G_B|^2 = |G|^2 + tr(S)/B with |G|^2 = 1, tr(S) = 4, B in the probe's unit (samples under ``"mean"``, items
+    under ``"items"``): the fit gives them back, weighted by the 4 micro-batches, and a micro-batch step adds 8/4
+    samples or 20/4 items. (Two fresh-draw mutants survived: the unit swapped under ``"mean"``, and the weight taken
+    from the last count.)"""
+    from lightning_accum._core.probe import NoiseProbe
+
+    probe = NoiseProbe(NoiseScale(2, 8), normalize)
+    recorded: list[tuple[float, ...]] = []
+    probe.target.record = lambda *args: recorded.append(args)  # type: ignore[method-assign,union-attr]
+    units = 8 if normalize == "mean" else 20
+    prefix = units / 4  # (after the first micro-batch of 4)
+    probe.settle([prefix**2 * (1.0 + 4.0 / prefix), prefix])
+    probe.window_end(None, 1.0 + 4.0 / units, (4, 8, 20))
+    [(grad_sq, trace, weight, step)] = recorded
+    assert (grad_sq, trace) == (pytest.approx(1.0, rel=1e-12), pytest.approx(4.0, rel=1e-12))
+    assert (weight, step) == (4, per_microbatch)
