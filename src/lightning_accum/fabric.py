@@ -47,7 +47,7 @@ from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.sync import SyncMode
 from lightning_accum._core.wide import check_grad_accum_dtype, inert_note, refuse_under
-from lightning_accum._core.window import Normalize, Window, check_count, microbatch_items, pass_items
+from lightning_accum._core.window import Normalize, Window, batch_counts, check_count, microbatch_items, pass_items
 from lightning_accum._fabric.ahead import FabricAhead
 from lightning_accum._fabric.guards import WindowGuard, check_same_owner, check_set_up, sync_plan
 from lightning_accum._fabric.unflushed import UnflushedWatch
@@ -398,7 +398,7 @@ class FabricAccumulator:
                 self._ranks,
                 lambda: engine.budget_count(samples, items, warn=False),
                 loop.peek,
-                lambda b: engine.budget_count(*self._count_of(b)),
+                lambda b: engine.budget_count(*batch_counts(b, engine.samples_needed_by, self.count)),
             )
             counts.check(position, samples, items, getattr(engine.schedule, "unit", None) == "samples",
                          "the `accumulate` block")  # fmt: skip
@@ -406,11 +406,6 @@ class FabricAccumulator:
             self._ahead.give_back(batch)
             raise
         return total
-
-    def _count_of(self, batch: Any) -> tuple[int, int | Tensor]:
-        """A batch's samples and items, as its block will count it (read ahead)."""
-        samples = sample_count(batch, self._engine.samples_needed_by)
-        return samples, samples if self.count is None else check_count(self.count(batch))
 
     @contextlib.contextmanager
     def _backward_sync(self, step: FabricStep) -> Iterator[None]:

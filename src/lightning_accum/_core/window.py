@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from lightning_accum._core.samples import sample_count
 
 Normalize = Literal["mean", "items"]
 """How a window's gradient is normalised: ``"mean"`` (the mean of its micro-batches' gradients over all
@@ -183,6 +185,24 @@ class Window:
             window.budget, window.seen = int(state["budget"]), int(state["seen"])
             window.ends, window.asked = bool(state.get("ends", False)), int(state.get("asked", window.microbatches))
         return window
+
+
+def batch_counts(
+    batch: Any, needed_by: str | None, count: Callable[[Any], Any] | None, samples: int | None = None
+) -> tuple[int, int | Tensor]:
+    """A batch's samples (dim 0 of its first tensor, ``sample_count``, unless given) and items (``count(batch)``,
+    checked by ``check_count``; its samples without a ``count``), as a micro-batch of it is counted: as it goes in,
+    or read ahead from the loader.
+
+    Example:
+
+        >>> import torch
+        >>> batch = {"ids": torch.zeros(4, 9), "mask": torch.ones(4, 9)}
+        >>> batch_counts(batch, None, None), batch_counts(batch, None, lambda b: int(b["mask"].sum()))
+        ((4, 4), (4, 36))
+    """
+    samples = sample_count(batch, needed_by) if samples is None else samples
+    return samples, samples if count is None else check_count(count(batch))
 
 
 def check_count(value: object, what: str = "`count(batch)`") -> int | Tensor:

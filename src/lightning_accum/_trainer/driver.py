@@ -25,7 +25,7 @@ from lightning_accum._core.options import AccumulationConfig
 from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.wide import inert_note, refuse_under
-from lightning_accum._core.window import check_count
+from lightning_accum._core.window import batch_counts, check_count
 from lightning_accum._lightning import Callback, loss_scale, pl, rank_zero_warn
 from lightning_accum._trainer import fit_checks, recovery, schedulers, steps, window_step
 from lightning_accum._trainer.ahead import BudgetAhead
@@ -244,7 +244,7 @@ class MixinDriver(Callback):
                 trainer,
                 batch_idx,
                 lambda: engine.budget_count(counts[0], items, warn=False),
-                lambda batch: engine.budget_count(*self._count_of(batch, engine)),
+                lambda batch: engine.budget_count(*batch_counts(batch, engine.samples_needed_by, self.config.count)),
             )
             self.ahead.check(batch_idx, counts[0], items, getattr(engine.schedule, "unit", None) == "samples")
         elif not redoing:
@@ -275,12 +275,6 @@ class MixinDriver(Callback):
                 "batch with `acc.backward_microbatches` inside it), or leave `read_ahead` out."
             )
         self._blocks_in_step += 1
-
-    def _count_of(self, batch: Any, engine: Any) -> tuple[int, int | Tensor]:
-        """A loader batch's samples and items, as the block would count it (read ahead)."""
-        samples = sample_count(batch, engine.samples_needed_by)
-        count = self.config.count
-        return samples, samples if count is None else check_count(count(batch))
 
     def _parameter_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.module.named_parameters()}

@@ -34,7 +34,7 @@ from lightning_accum._core.probe import check_noise_under
 from lightning_accum._core.samples import sample_count
 from lightning_accum._core.sync import SyncMode, SyncPlan
 from lightning_accum._core.wide import check_grad_accum_dtype, inert_note, refuse_under
-from lightning_accum._core.window import Normalize, check_count, lightning_divisor
+from lightning_accum._core.window import Normalize, batch_counts, lightning_divisor
 from lightning_accum._lightning import Callback, grad_scaler, loss_scale, pl, rank_zero_warn
 from lightning_accum._seam import set_divisor, zero_grad_like_lightning
 from lightning_accum._trainer import fit_checks, recovery, reporting, steps
@@ -525,11 +525,8 @@ class AccumulationScheduler(Callback):
     def _count(self, batch: Any) -> tuple[int, int | Tensor]:
         """A batch's samples and items (a count that is no one number is refused now, before any forward: a tensor's
         shape needs no host read)."""
-        if self.split is not None and self._split is not None:  # (the samples are the rows of what is cut)
-            samples = self._split.length(batch)
-        else:
-            samples = sample_count(batch, self._engine.samples_needed_by)
-        return samples, samples if self.count is None else check_count(self.count(batch))
+        cut = self._split.length(batch) if self.split is not None and self._split is not None else None
+        return batch_counts(batch, self._engine.samples_needed_by, self.count, cut)  # (cut: the rows of what is cut)
 
     def _steer_budget(self, trainer: pl.Trainer, batch_idx: int) -> None:
         """Under a ``Budget``: whether this batch closes the window (its count summed over ranks, against the budget
