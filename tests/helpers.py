@@ -24,6 +24,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_accum import AccumulationMixin, Progress, Schedule
@@ -40,6 +41,18 @@ HOST_READS = {  # the Tensor methods that read a value to the host (a device syn
     torch.Tensor.__index__,
     torch.Tensor.numpy,
 }
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the reads of tensor values into Python (``HOST_READS``) while entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func in HOST_READS
+        return func(*args, **(kwargs or {}))
 
 
 class TokenData(Dataset[Batch]):

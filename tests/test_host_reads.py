@@ -15,26 +15,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from torch.overrides import TorchFunctionMode
 
 from lightning_accum import AccumulationScheduler, GradientDecay, NoiseScale
 from lightning_accum.progress import StepProgressBar
 
-from helpers import HOST_READS, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
+from helpers import HostReads, ManualTokenModel, TokenData, TokenModel, count_tokens, loader, trainer
 
 DATA = TokenData(64, seed=3)  # 64 micro-batches of 1: 16 windows of k = 4
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the reads of tensor values into Python."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func in HOST_READS
-        return func(*args, **(kwargs or {}))
 
 
 class CountReads(pl.Callback):

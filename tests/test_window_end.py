@@ -8,14 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from lightning_accum import Constant
 from lightning_accum._core.engine import Closing, WindowEngine
 from lightning_accum._core.metrics import window_losses
 from lightning_accum._core.window import lr_factor
 
-from helpers import HOST_READS
+from helpers import HostReads
 
 # ------------------------------------------------------------------ the LR factor: (lr_scaling, unit, counts, first)
 LR_FACTORS = [
@@ -86,16 +85,6 @@ class Twin:
         return tensor * 2
 
 
-class Reads(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func in HOST_READS
-        return func(*args, **(kwargs or {}))
-
-
 def closed(normalize: str, tensor_counts: bool, strategy: Any, read: bool = True) -> tuple[Closing, int]:
     """A window of 3 micro-batches (4 samples; 2, 3 and 4 items, as ints or tensors; losses 1, 2.5 and 4) closed
     under ``strategy`` with its gradient's norm and two extra integers; and the host reads the close made."""
@@ -107,7 +96,7 @@ def closed(normalize: str, tensor_counts: bool, strategy: Any, read: bool = True
         engine.metrics.add_loss(torch.tensor(loss, dtype=torch.float64))
         engine.backward_done()
     grads = [torch.tensor([3.0, 4.0]), torch.tensor([12.0])]  # (norms 5 and 12: the gradient's is 13)
-    with Reads() as reads:
+    with HostReads() as reads:
         closing = engine.close(strategy, extra=[1, 0], grads=grads, losses=read, norm=read)
     return closing, reads.count
 
