@@ -389,19 +389,16 @@ class FabricAccumulator:
         position = self._ahead.position(batch)
         if position is None or not self._ahead.sums():
             return None
-        engine, counts = self._engine, self._ahead.counts
-        loop = self._ahead.loop
-        assert loop is not None
+        engine = self._engine
         try:
-            total = counts.total(
+            total = self._ahead.total(
                 position,
                 self._ranks,
                 lambda: engine.budget_count(samples, items, warn=False),
-                loop.peek,
                 lambda b: engine.budget_count(*batch_counts(b, engine.samples_needed_by, self.count)),
             )
-            counts.check(position, samples, items, getattr(engine.schedule, "unit", None) == "samples",
-                         "the `accumulate` block")  # fmt: skip
+            self._ahead.counts.check(position, samples, items, getattr(engine.schedule, "unit", None) == "samples",
+                                     "the `accumulate` block")  # fmt: skip
         except BaseException:
             self._ahead.give_back(batch)
             raise

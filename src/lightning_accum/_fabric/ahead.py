@@ -174,6 +174,12 @@ class FabricAhead:
         loop.used = True
         return loop.position
 
+    def total(self, position: int, strategy: Any, current: Callable[[], int], count_of: Callable[[Any], int]) -> int:
+        """The count over ranks of the batch at ``position`` in the loop under way (``ReadAhead.total``, the batches
+        after it read from the loop), whose own count is ``current()``; ``count_of(batch)``: a batch's count."""
+        assert self.loop is not None
+        return self.counts.total(position, strategy, current, self.loop.peek, count_of)
+
     def give_back(self, batch: Any) -> None:
         """The block on ``batch`` raised before its micro-batch was counted: a block may run on it again."""
         loop = self.loop
