@@ -7,6 +7,7 @@ of, a resume inside a window); the contracts and their refusals. The same on 2 g
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,10 @@ def mixin(model_class: type = ManualTokenModel, **options: Any) -> ManualTokenMo
         (lambda: mixin(read_ahead="yes"), TypeError, r"`read_ahead` must be True or False; got 'yes'"),
         (lambda: mixin(read_ahead=None), TypeError, r"`read_ahead` must be True or False; got None"),
         (lambda: mixin(read_ahead=1), TypeError, r"`read_ahead` must be True or False; got 1"),
+        (lambda: mixin(read_ahead=0), TypeError, r"`read_ahead` must be True or False; got 0"),
+        (lambda: mixin(read_ahead=-1), TypeError, r"`read_ahead` must be True or False; got -1"),
+        (lambda: mixin(read_ahead=math.nan), TypeError, r"`read_ahead` must be True or False; got nan"),
+        (lambda: mixin(read_ahead="True"), TypeError, r"`read_ahead` must be True or False; got 'True'"),
     ],
 )
 def test_mixin_read_ahead_misuse_is_refused_naming_the_argument(
@@ -329,6 +334,9 @@ def _raised_ahead(acc: FabricAccumulator, model: Any) -> None:
         (lambda acc, m: acc.read_ahead(3), TypeError, r"got int, which is not iterable"),
         (lambda acc, m: acc.read_ahead("batches"), TypeError, r"needs the loader .* got 'batches'"),
         (lambda acc, m: acc.read_ahead(1.5), TypeError, r"got float, which is not iterable"),
+        (lambda acc, m: acc.read_ahead(0), TypeError, r"got int, which is not iterable"),
+        (lambda acc, m: acc.read_ahead(-1), TypeError, r"got int, which is not iterable"),
+        (lambda acc, m: acc.read_ahead(math.nan), TypeError, r"got float, which is not iterable"),
         (_another, RuntimeError, r"got a batch other than the one it yielded last inside an `acc.read_ahead"),
         (_a_copy, RuntimeError, r"other than the one it yielded last .* \(checked by identity\)"),
         (_twice, RuntimeError, r"ran a second block on one batch of an `acc.read_ahead\(loader\)` loop"),
@@ -350,6 +358,9 @@ def _raised_ahead(acc: FabricAccumulator, model: Any) -> None:
         "int",
         "str",
         "float",
+        "zero",
+        "negative",
+        "nan",
         "another batch",
         "a copy",
         "twice",
