@@ -12,24 +12,33 @@ where the first stopped. Run it niced; it uses one core::
     python tools/mutation.py --check                          # every mapped path exists
     nice -n 19 python tools/mutation.py --retest MODULE       # its survivors again, against the tests as they are
     nice -n 19 python tools/mutation.py --sample 5 --seed 0   # 5 mutants of each module, drawn at random
+    nice -n 19 python tools/mutation.py --collect .mutation/cov          # which tests run each line (the suite, once)
+    nice -n 19 python tools/mutation.py --covered .mutation/cov MODULE   # each mutant against the tests that run it
 
 A module's score is killed / (killed + survived); survivors are printed with their diff. With ``--sample N``, all
 but N of a module's runnable mutants (a seeded draw) are marked skipped, "Not sampled": an estimate in a fraction of
-the time. See docs/testing.md.
+the time. With ``--covered DIR`` (after ``--collect DIR``: the default suite run once under coverage, recording
+which tests ran each line), each mutant runs first the tests of the whole default suite that ran its lines, fastest
+first, then the module's mapped files: a kill by any test of the suite is found, and most are found in seconds. See
+docs/testing.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import os
 import random
+import re
+import shlex
 import shutil
 import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 try:
@@ -181,23 +190,114 @@ def retest(
     db = workdir / f"{session_name(module)}.sqlite"
     skip_inert(db, tree / module)
     command = " ".join(test_command(module, tests))
+    with inside(tree), use_db(str(db), WorkDB.Mode.open) as work_db:
+        survivors = [i for i, r in work_db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
+        if lines is not None:
+            survivors = [i for i in survivors if lines[0] <= i.mutations[0].start_pos[0] <= lines[1]]
+        for item in survivors:
+            result = mutate_and_test(item.mutations, command, timeout or 600)
+            print(f"{module}: line {item.mutations[0].start_pos[0]} {item.mutations[0].operator_name}: "
+                  f"{result.test_outcome}", flush=True)  # fmt: skip
+            work_db.set_result(item.job_id, result)
+
+
+@contextlib.contextmanager
+def inside(tree: Path) -> Iterator[None]:
+    """Run in the scratch copy, importing its ``src``."""
     here, env = Path.cwd(), dict(os.environ)
     os.chdir(tree)
     os.environ.update(PYTHONPATH="src", PYTHONDONTWRITEBYTECODE="1")
     try:
-        with use_db(str(db), WorkDB.Mode.open) as work_db:
-            survivors = [i for i, r in work_db.completed_work_items if r.test_outcome == TestOutcome.SURVIVED]
-            if lines is not None:
-                survivors = [i for i in survivors if lines[0] <= i.mutations[0].start_pos[0] <= lines[1]]
-            for item in survivors:
-                result = mutate_and_test(item.mutations, command, timeout or 600)
-                print(f"{module}: line {item.mutations[0].start_pos[0]} {item.mutations[0].operator_name}: "
-                      f"{result.test_outcome}", flush=True)  # fmt: skip
-                work_db.set_result(item.job_id, result)
+        yield
     finally:
         os.chdir(here)
         os.environ.clear()
         os.environ.update(env)
+
+
+def collect(directory: Path) -> int:
+    """Run the default suite once under coverage with each test as its context (which tests ran each line) and
+    ``--durations=0`` (what each costs), into ``directory``."""
+    directory = directory.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    rc = directory / "coveragerc"
+    rc.write_text(
+        f"[run]\nsource = src/lightning_accum\nrelative_files = true\ndata_file = {directory / '.coverage'}\n"
+    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--cov", f"--cov-config={rc}"]
+    command += ["--cov-context=test", "--cov-report=", "--durations=0"]
+    with (directory / "durations.log").open("w") as log:
+        return subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def covering(directory: Path, module: str) -> dict[int, set[str]]:
+    """The tests (pytest node ids) that ran each line of ``module`` in ``collect``'s run; a line run only while the
+    tests were collected (an import) has none."""
+    from coverage import CoverageData
+
+    data = CoverageData(basename=str(directory / ".coverage"))
+    data.read()
+    data.set_query_contexts(None)
+    by_line = data.contexts_by_lineno(module)
+    return {line: {c.rsplit("|", 1)[0] for c in contexts if c} for line, contexts in by_line.items()}
+
+
+DURATION = re.compile(r"^\s*([0-9.]+)s (?:setup|call|teardown)\s+(\S.*?)\s*$")
+
+
+def durations(directory: Path) -> dict[str, float]:
+    """Each test's seconds in ``collect``'s run (its setup, call and teardown)."""
+    seconds: dict[str, float] = {}
+    for line in (directory / "durations.log").read_text().splitlines():
+        found = DURATION.match(line)
+        if found:
+            seconds[found[2]] = seconds.get(found[2], 0.0) + float(found[1])
+    return seconds
+
+
+def covered_command(
+    module: str, mapped: list[str], ids: set[str], seconds: dict[str, float]
+) -> tuple[list[str], float]:
+    """The tests one mutant runs, and their seconds in ``collect``'s run: those of ``ids`` outside the mapped files,
+    fastest first, then the mapped files and the module (as without coverage).
+
+    >>> ids, seconds = {"t_a.py::x", "t_b.py::y", "t_c.py::z"}, {"t_b.py::y": 2.0, "t_c.py::z": 1.0}
+    >>> covered_command("m.py", ["t_a.py"], ids, seconds)[0][-4:]
+    ['t_c.py::z', 't_b.py::y', 't_a.py', 'm.py']
+    >>> command, cost = covered_command("m.py", ["t_a.py::x"], {"t_a.py::w", "t_a.py::x[1]"}, {"t_a.py::x[1]": 1.0})
+    >>> command[-3:], cost
+    (['t_a.py::w', 't_a.py::x', 'm.py'], 1.0)
+    """
+
+    def in_map(i: str) -> bool:
+        return any(i.split("::")[0] in (m, module) or i == m or i.startswith(m + "[") for m in mapped)
+
+    outside = sorted((i for i in ids if not in_map(i)), key=lambda i: (seconds.get(i, 0.0), i))
+    cost = sum(t for i, t in seconds.items() if i in ids or in_map(i))
+    return test_command(module, outside + mapped), cost
+
+
+def run_covered(
+    module: str, mapped: list[str], tree: Path, workdir: Path, directory: Path, exclude: list[str],
+    drawn: tuple[int, int] | None, timeout: float | None,
+) -> None:  # fmt: skip
+    """``module``'s pending mutants, each against ``covered_command``'s tests; one that runs past 3 times its tests'
+    seconds plus 60 (or ``timeout``) is recorded as a timeout (counted killed, and listed)."""
+    from cosmic_ray.mutating import mutate_and_test
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    db = init_session(module, mapped, tree, workdir, exclude, drawn)
+    lines, seconds = covering(directory, module), durations(directory)
+    with inside(tree), use_db(str(db), WorkDB.Mode.open) as work_db:
+        done = {job for job, _ in work_db.results}
+        for item in [i for i in work_db.work_items if i.job_id not in done]:
+            m = item.mutations[0]
+            ids = set().union(*(lines.get(n, set()) for n in range(m.start_pos[0], m.end_pos[0] + 1)))
+            command, cost = covered_command(module, mapped, ids, seconds)
+            result = mutate_and_test(item.mutations, shlex.join(command), timeout or 3 * cost + 60)
+            print(f"{module}: line {m.start_pos[0]} {m.operator_name}: {result.test_outcome} "
+                  f"({len(ids)} tests run the line)", flush=True)  # fmt: skip
+            work_db.set_result(item.job_id, result)
 
 
 def run_module(
@@ -212,20 +312,9 @@ def run_module(
     """One module's session, after a baseline run of its tests on the unmutated tree (False if that fails); with
     ``drawn`` (n, seed), only a sample of its mutants."""
     name = session_name(module)
-    cfg, db = workdir / f"{name}.toml", workdir / f"{name}.sqlite"
+    cfg = workdir / f"{name}.toml"
     env = {**os.environ, "PYTHONPATH": "src", "PYTHONDONTWRITEBYTECODE": "1"}
-    bindir = Path(sys.executable).parent
-
-    def cr(*args: str) -> None:
-        subprocess.run([str(bindir / args[0]), *args[1:]], cwd=tree, env=env, check=True)
-
-    if not db.exists():
-        cfg.write_text(config_text(module, tests, 0, exclude))
-        cr("cosmic-ray", "init", str(cfg), str(db))
-        cr("cr-filter-operators", str(db), str(cfg))
-        skip_inert(db, tree / module)
-    if drawn is not None:
-        apply_sample(db, *drawn)
+    db = init_session(module, tests, tree, workdir, exclude, drawn)
     if not summary(db)["counts"]["pending"]:  # (done, or nothing to mutate: no baseline run)
         return True
     began = time.monotonic()
@@ -237,8 +326,29 @@ def run_module(
     timeout = timeout if timeout is not None else 3 * took + 15
     print(f"{module}: baseline {took:.0f} s, per-mutant timeout {timeout:.0f} s", flush=True)
     cfg.write_text(config_text(module, tests, timeout, exclude))
-    cr("cosmic-ray", "exec", str(cfg), str(db))
+    subprocess.run(
+        [str(Path(sys.executable).parent / "cosmic-ray"), "exec", str(cfg), str(db)], cwd=tree, env=env, check=True
+    )
     return True
+
+
+def init_session(
+    module: str, tests: list[str], tree: Path, workdir: Path, exclude: list[str], drawn: tuple[int, int] | None
+) -> Path:
+    """``module``'s session (made the first time: every mutant, less the excluded operators and the inert), with
+    ``drawn`` (n, seed) applied; its database."""
+    name = session_name(module)
+    cfg, db = workdir / f"{name}.toml", workdir / f"{name}.sqlite"
+    env = {**os.environ, "PYTHONPATH": "src", "PYTHONDONTWRITEBYTECODE": "1"}
+    bindir = Path(sys.executable).parent
+    if not db.exists():
+        cfg.write_text(config_text(module, tests, 0, exclude))
+        for args in (["cosmic-ray", "init", str(cfg), str(db)], ["cr-filter-operators", str(db), str(cfg)]):
+            subprocess.run([str(bindir / args[0]), *args[1:]], cwd=tree, env=env, check=True)
+        skip_inert(db, tree / module)
+    if drawn is not None:
+        apply_sample(db, *drawn)
+    return db
 
 
 def summary(db: Path) -> dict[str, object]:
@@ -323,11 +433,15 @@ def main() -> int:
     parser.add_argument("--sample", type=int, default=None, help="run only N mutants of each module, drawn at random")
     parser.add_argument("--seed", type=int, default=0, help="with --sample: the draw's seed")
     parser.add_argument("--lines", default=None, help="with --retest: only the survivors on lines A-B")
+    parser.add_argument("--collect", type=Path, default=None, help="run the suite once under coverage into DIR")
+    parser.add_argument("--covered", type=Path, default=None, help="each mutant against the tests that ran it (DIR)")
     args = parser.parse_args()
 
     config = load_map()
     mapping: dict[str, list[str]] = config["modules"]  # type: ignore[assignment]
     exclude: list[str] = config["operators"]["exclude"]  # type: ignore[index]
+    if args.collect is not None:
+        return collect(args.collect)
     if args.check:
         missing = check(mapping)
         print("\n".join(missing) or "every mapped path exists")
@@ -350,7 +464,12 @@ def main() -> int:
         for module in modules:  # (a fresh copy each: the tests as they are now)
             tree = scratch_copy(args.workdir)
             drawn = (args.sample, args.seed) if args.sample is not None else None
-            if run_module(module, mapping[module], tree, args.workdir, args.timeout, exclude, drawn):
+            if args.covered is not None:
+                run_covered(
+                    module, mapping[module], tree, args.workdir, args.covered.resolve(), exclude, drawn, args.timeout
+                )
+                report(args.workdir, [module], diffs=False)
+            elif run_module(module, mapping[module], tree, args.workdir, args.timeout, exclude, drawn):
                 report(args.workdir, [module], diffs=False)
     report(args.workdir, modules, diffs=args.diffs)
     return 0
