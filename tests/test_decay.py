@@ -289,3 +289,20 @@ def test_a_factor_function_returning_one_in_ema_mode_is_refused_at_that_step(ret
             decay.factor_at(3)
     else:
         assert decay.factor_at(3) == returned
+
+
+def test_each_combined_gradient_lands_in_its_parameters_grad() -> None:
+    """``_into_grad``: a parameter without a combined gradient (none in the window, no residual) keeps its
+    ``.grad`` (``None`` stays ``None``); one whose combined gradient is its ``.grad`` already keeps that tensor; a
+    narrow parameter's gradient, formed in a wider dtype, lands rounded once to the parameter's dtype."""
+    from lightning_accum._core.decay import _into_grad
+
+    unused, same, narrow = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    narrow.data = narrow.data.bfloat16()
+    same.grad = torch.ones(2)
+    wide = torch.tensor([1.0 + 2**-10, 3.0], dtype=torch.float32)  # (1 + 2^-10 rounds to 1 in bf16)
+    _into_grad([unused, same, narrow], [None, same.grad, wide])
+    kept = same.grad
+    assert unused.grad is None and same.grad is kept
+    assert narrow.grad is not None and narrow.grad.dtype == torch.bfloat16
+    assert narrow.grad.tolist() == [1.0, 3.0]

@@ -633,3 +633,51 @@ def test_an_epoch_without_a_backward_pass_after_one_with_passes_is_refused_at_it
     refused at its end, after a first that trained."""
     with pytest.raises(RuntimeError, match=r"A whole epoch of .* blocks \(6\) made no backward pass"):
         trainer(max_epochs=2).fit(_PassesInTheFirstEpochOnly(schedule=2), loader(TokenData(24), 4))
+
+
+class _Named(nn.Module):
+    """A module the guards name in their refusals."""
+
+
+@pytest.mark.parametrize(
+    ("outputs", "named"),
+    [
+        ({"loss": torch.tensor(1.0)}, r"returned a loss but ran no"),
+        (torch.tensor(1.0), r"returned a Tensor but ran no"),
+        ({"loss": torch.tensor(1.0), "log": 1}, r"returned keys \['loss', 'log'\] but ran no"),
+        ({"out": 1}, r"returned keys \['out'\] but ran no"),
+        (3.0, r"returned a float but ran no"),
+    ],
+)
+def test_a_step_returning_something_without_a_block_is_refused_naming_what_it_returned(
+    outputs: Any, named: str
+) -> None:
+    """``MixinGuards.batch_end``: a ``training_step`` that returned anything but ``None`` (or Lightning's ``{}``
+    for it) and ran no block in a model whose blocks never ran is refused, saying what it returned."""
+    from lightning_accum._trainer.guards import MixinGuards
+
+    with pytest.raises(RuntimeError, match=r"^`_Named.training_step` " + named):
+        MixinGuards().batch_end(_Named(), outputs, blocks_ran=False)
+
+
+@pytest.mark.parametrize(
+    ("outputs", "blocks_ran", "block_this_batch"),
+    [
+        (None, False, False),  # skipped on purpose
+        ({}, False, False),  # what Lightning hands the hook for a `None`
+        ({"loss": torch.tensor(1.0)}, True, False),  # the model's blocks ran before: a skipped batch
+        ({"loss": torch.tensor(1.0)}, False, True),  # a block ran in this batch
+    ],
+)
+def test_a_step_without_a_block_is_let_through_where_lightning_would_skip_it(
+    outputs: Any, blocks_ran: bool, block_this_batch: bool
+) -> None:
+    from lightning_accum._trainer.guards import MixinGuards
+
+    guards = MixinGuards()
+    guards.batch_start()
+    if block_this_batch:
+        guards.block_opened((0,), list, [], dict)
+    guards.batch_end(_Named(), outputs, blocks_ran=blocks_ran)  # (no refusal)
+    with pytest.raises(RuntimeError, match="returned a loss"):  # the next batch, without a block, is refused
+        guards.batch_end(_Named(), {"loss": torch.tensor(1.0)}, blocks_ran=False)

@@ -27,6 +27,29 @@ def test_gradient_scale_is_the_exact_rational(divisor: int, world: int, micro: i
     assert tokens == float(Fraction(divisor * world, items))
 
 
+@pytest.mark.parametrize(
+    ("normalize", "micro", "global_micro", "global_items", "world", "expected"),
+    [
+        ("mean", 3, 0, 0, 1, 2 / 3),  # one device: this rank's micro-batches
+        ("mean", 3, 0, 0, 2, 2 / 3),  # ... taken as every rank's where the global count is not given
+        ("mean", 3, 5, 0, 2, 4 / 5),  # the global count of micro-batches over the ranks
+        ("mean", 0, 0, 0, 1, 1.0),  # a window nothing went into: left as it is
+        ("items", 3, 0, 8, 2, 4 / 8),
+        ("items", 3, 0, 0, 1, 0.0),  # no items anywhere: the gradient (of losses over no item) is zeroed
+    ],
+)
+def test_the_gradient_scale_at_its_edges(
+    normalize: str, micro: int, global_micro: int, global_items: int, world: int, expected: float
+) -> None:
+    window = Window(k=4, divisor=2)
+    for _ in range(micro):
+        window.add(1, 1)
+    scale = window.gradient_scale(
+        normalize, world_size=world, global_microbatches=global_micro, global_items=global_items
+    )
+    assert scale == expected
+
+
 def test_window_counts_python_and_device_items() -> None:
     window = Window(k=3)
     window.add(4, 10)
