@@ -282,7 +282,8 @@ def run_covered(
     drawn: tuple[int, int] | None, timeout: float | None,
 ) -> None:  # fmt: skip
     """``module``'s pending mutants, each against ``covered_command``'s tests; one that runs past 3 times its tests'
-    seconds plus 60 (or ``timeout``) is recorded as a timeout (counted killed, and listed)."""
+    seconds plus 300 (or ``timeout``; the seconds leave out pytest's start and collection, which a busy machine
+    stretches) is recorded as a timeout (counted killed, and listed)."""
     from cosmic_ray.mutating import mutate_and_test
     from cosmic_ray.work_db import WorkDB, use_db
 
@@ -294,8 +295,9 @@ def run_covered(
             m = item.mutations[0]
             ids = set().union(*(lines.get(n, set()) for n in range(m.start_pos[0], m.end_pos[0] + 1)))
             command, cost = covered_command(module, mapped, ids, seconds)
-            result = mutate_and_test(item.mutations, shlex.join(command), timeout or 3 * cost + 60)
-            print(f"{module}: line {m.start_pos[0]} {m.operator_name}: {result.test_outcome} "
+            result = mutate_and_test(item.mutations, shlex.join(command), timeout or 3 * cost + 300)
+            outcome = "timeout" if result.output == "timeout" else result.test_outcome
+            print(f"{module}: line {m.start_pos[0]} {m.operator_name}: {outcome} "
                   f"({len(ids)} tests run the line)", flush=True)  # fmt: skip
             work_db.set_result(item.job_id, result)
 
