@@ -183,3 +183,16 @@ def test_the_mutation_tools_doctests_pass() -> None:
 
     result = doctest.testmod(mutation_tool())
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_mutation_map_names_every_module_in_its_scope() -> None:
+    """``tools/mutation.toml`` maps every module of ``_core/`` and ``_trainer/``, ``schedules.py``, ``lr.py`` and
+    ``count.py`` (issue 53's scope) to its tests, and only paths that exist (``--check``)."""
+    tool = mutation_tool()
+    mapped = set(tool.load_map()["modules"])
+    package = ROOT / "src" / "lightning_accum"
+    scope = [*package.glob("_core/*.py"), *package.glob("_trainer/*.py")]
+    scope += [package / name for name in ("schedules.py", "lr.py", "count.py")]
+    wanted = {p.relative_to(ROOT).as_posix() for p in scope if p.name != "__init__.py"}
+    assert wanted - mapped == set()
+    assert tool.check(tool.load_map()["modules"]) == []
