@@ -279,15 +279,19 @@ def covered_command(
 
 def run_covered(
     module: str, mapped: list[str], tree: Path, workdir: Path, directory: Path, exclude: list[str],
-    drawn: tuple[int, int] | None, timeout: float | None,
+    drawn: tuple[int, int] | None, timeout: float | None, again: bool = False,
 ) -> None:  # fmt: skip
     """``module``'s pending mutants, each against ``covered_command``'s tests; one that runs past 3 times its tests'
     seconds plus 300 (or ``timeout``; the seconds leave out pytest's start and collection, which a busy machine
-    stretches) is recorded as a timeout (counted killed, and listed)."""
+    stretches) is recorded as a timeout (counted killed, and listed); ``again``: the timeouts of earlier runs run
+    again first."""
     from cosmic_ray.mutating import mutate_and_test
     from cosmic_ray.work_db import WorkDB, use_db
 
     db = init_session(module, mapped, tree, workdir, exclude, drawn)
+    if again:  # (Cosmic Ray has no call that clears a result)
+        with sqlite3.connect(db) as con:
+            con.execute("DELETE FROM work_results WHERE output = 'timeout'")
     lines, seconds = covering(directory, module), durations(directory)
     with inside(tree), use_db(str(db), WorkDB.Mode.open) as work_db:
         done = {job for job, _ in work_db.results}
@@ -437,6 +441,7 @@ def main() -> int:
     parser.add_argument("--lines", default=None, help="with --retest: only the survivors on lines A-B")
     parser.add_argument("--collect", type=Path, default=None, help="run the suite once under coverage into DIR")
     parser.add_argument("--covered", type=Path, default=None, help="each mutant against the tests that ran it (DIR)")
+    parser.add_argument("--timeouts-again", action="store_true", help="with --covered: run the timeouts again")
     args = parser.parse_args()
 
     config = load_map()
@@ -468,7 +473,15 @@ def main() -> int:
             drawn = (args.sample, args.seed) if args.sample is not None else None
             if args.covered is not None:
                 run_covered(
-                    module, mapping[module], tree, args.workdir, args.covered.resolve(), exclude, drawn, args.timeout
+                    module,
+                    mapping[module],
+                    tree,
+                    args.workdir,
+                    args.covered.resolve(),
+                    exclude,
+                    drawn,
+                    args.timeout,
+                    args.timeouts_again,
                 )
                 report(args.workdir, [module], diffs=False)
             elif run_module(module, mapping[module], tree, args.workdir, args.timeout, exclude, drawn):
