@@ -392,6 +392,40 @@ def summary(db: Path) -> dict[str, object]:
     }
 
 
+def first_failures(db: Path) -> dict[str, int]:
+    """The test that failed first for each killed mutant of a session (not a timeout), and how many it killed."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    tests: dict[str, int] = {}
+    with use_db(str(db), WorkDB.Mode.open) as work_db:
+        for _, result in work_db.completed_work_items:
+            if result.test_outcome == TestOutcome.KILLED and result.output != "timeout":
+                failed = [
+                    line.split()[1]
+                    for line in (result.output or "").splitlines()
+                    if line.startswith(("FAILED ", "ERROR "))
+                ]
+                if failed:
+                    tests[failed[0]] = tests.get(failed[0], 0) + 1
+    return tests
+
+
+def check_kills(workdir: Path, modules: list[str]) -> int:
+    """Run the tests that killed the sessions' mutants once on the working tree, without a mutant: a kill by a test
+    that fails there (a flaky test, one that needs another's state) is no kill. 0 where they all pass."""
+    tests: dict[str, int] = {}
+    for module in modules:
+        db = workdir / f"{session_name(module)}.sqlite"
+        for test, n in (first_failures(db) if db.exists() else {}).items():
+            tests[test] = tests.get(test, 0) + n
+    print(f"{len(tests)} tests killed {sum(tests.values())} mutants; running them without a mutant", flush=True)
+    if not tests:
+        return 0
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *sorted(tests)]
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": "src"}).returncode
+
+
 def _failed_in_doctest(output: str, module: str) -> bool:
     """Whether the first failure was the module's own doctest: the test files run first (``-x``), so they all
     passed and only the doctest caught the mutant."""
@@ -442,6 +476,7 @@ def main() -> int:
     parser.add_argument("--collect", type=Path, default=None, help="run the suite once under coverage into DIR")
     parser.add_argument("--covered", type=Path, default=None, help="each mutant against the tests that ran it (DIR)")
     parser.add_argument("--timeouts-again", action="store_true", help="with --covered: run the timeouts again")
+    parser.add_argument("--check-kills", action="store_true", help="run the killing tests without a mutant")
     args = parser.parse_args()
 
     config = load_map()
@@ -460,6 +495,8 @@ def main() -> int:
     modules = modules[: args.smallest] if args.smallest is not None else modules
     args.workdir = args.workdir.resolve()  # (a retest runs in the scratch copy)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.check_kills:
+        return check_kills(args.workdir, modules)
     if args.retest:
         for module in modules:
             if (args.workdir / f"{session_name(module)}.sqlite").exists():
