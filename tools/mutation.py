@@ -255,6 +255,15 @@ def durations(directory: Path) -> dict[str, float]:
     return seconds
 
 
+def in_map(test: str, module: str, mapped: list[str]) -> bool:
+    """Whether a test (a node id) runs in ``module``'s mapped files or its doctests.
+
+    >>> [in_map(t, "m.py", ["t_a.py", "t_b.py::x"]) for t in ("t_a.py::y", "t_b.py::x[1]", "t_b.py::z", "m.py::f")]
+    [True, True, False, True]
+    """
+    return any(test.split("::")[0] in (m, module) or test == m or test.startswith(m + "[") for m in mapped)
+
+
 def covered_command(
     module: str, mapped: list[str], ids: set[str], seconds: dict[str, float]
 ) -> tuple[list[str], float]:
@@ -268,12 +277,8 @@ def covered_command(
     >>> command[-3:], cost
     (['t_a.py::w', 't_a.py::x', 'm.py'], 1.0)
     """
-
-    def in_map(i: str) -> bool:
-        return any(i.split("::")[0] in (m, module) or i == m or i.startswith(m + "[") for m in mapped)
-
-    outside = sorted((i for i in ids if not in_map(i)), key=lambda i: (seconds.get(i, 0.0), i))
-    cost = sum(t for i, t in seconds.items() if i in ids or in_map(i))
+    outside = sorted((i for i in ids if not in_map(i, module, mapped)), key=lambda i: (seconds.get(i, 0.0), i))
+    cost = sum(t for i, t in seconds.items() if i in ids or in_map(i, module, mapped))
     return test_command(module, outside + mapped), cost
 
 
