@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_accum import AccumulationScheduler, Budget, Constant, Lambda, Piecewise, Ramp
+from lightning_accum import AccumulationScheduler, Budget, Constant, Lambda, Piecewise, Ramp, SchedulerHorizonWarning
 from lightning_accum._trainer import steps
 from lightning_accum.noise import NoiseScale
 from lightning_accum.schedules import Progress, Schedule
-from lightning_accum import SchedulerHorizonWarning
 
 SIZES = [2] * 16 + [1]  # 33 samples in batches of 2: 17 batches, the last of 1
 
@@ -56,7 +55,8 @@ SCHEDULES = [
     Ramp(1, 5, over=40, unit="step"), Piecewise({0: 1, 3: 4, 7: 2}, unit="step"),
     Ramp(1, 5, over=60, unit="samples"), Piecewise({0: 2, 9: 3, 30: 16}, unit="samples"),
     Lambda(lambda p: 1 + (p.microbatches % 3)), Lambda(lambda p: 1 + p.items % 4),
-    Budget(5, unit="samples"), Budget(4, unit="samples", max_k=3), Budget(Ramp(1, 9, over=30, unit="samples"), "samples"),
+    Budget(5, unit="samples"), Budget(4, unit="samples", max_k=3),
+    Budget(Ramp(1, 9, over=30, unit="samples"), "samples"),
 ]  # fmt: skip
 FITS = [(1, -1), (2, -1), (3, -1), (0, -1), (3, 1), (3, 7), (3, 9), (3, 10), (2, 1000), (-1, 23), (-1, 1)]
 
@@ -174,9 +174,10 @@ def test_walk_is_exact(schedule: Schedule, sized: bool, unsized: bool) -> None:
 
 @pytest.mark.parametrize(
     "schedule, batches, max_epochs, max_steps, want",
-    [(Constant(3), 17, 2, -1, 12), (Constant(3), 17, 0, -1, 6), (Constant(3), 17, 2, 5, 5), (Constant(3), 17, 2, 12, 12),
-     (Constant(3), 17, 2, 13, 12), (Constant(3), 17, -1, 5, 5), (Constant(3), 0, 2, -1, 0), (Constant(3), 17, 2, 0, 0),
-     (Constant(1), 1, 1, -1, 1), (Constant(20), 17, 3, -1, 3), (Constant(17), 17, 3, -1, 3), (Constant(16), 17, 3, -1, 6),
+    [(Constant(3), 17, 2, -1, 12), (Constant(3), 17, 0, -1, 6), (Constant(3), 17, 2, 5, 5),
+     (Constant(3), 17, 2, 12, 12), (Constant(3), 17, 2, 13, 12), (Constant(3), 17, -1, 5, 5),
+     (Constant(3), 0, 2, -1, 0), (Constant(3), 17, 2, 0, 0), (Constant(1), 1, 1, -1, 1), (Constant(20), 17, 3, -1, 3),
+     (Constant(17), 17, 3, -1, 3), (Constant(16), 17, 3, -1, 6),
      (Piecewise({1: 4}, unit="epoch"), 17, 3, -1, 17 + 5 + 5), (Piecewise({1: 4}, unit="epoch"), 17, 0, -1, 17),
      (Piecewise({1: 4}, unit="epoch"), 17, 3, 20, 20), (Piecewise({1: 4}, unit="epoch"), 17, -1, 20, 20),
      (Piecewise({1: 4}, unit="epoch"), 17, 3, 22, 22), (Piecewise({1: 4}, unit="epoch"), 17, 3, 27, 27),
@@ -245,7 +246,8 @@ def stand_in(schedule: Schedule | None = None, **fields: Any) -> Any:
     loader already set up (``_seam.set_up_training_loader`` leaves it)."""
     base: dict[str, Any] = dict(
         lightning_module=object(), max_steps=-1, max_epochs=2, limit_train_batches=1.0, num_training_batches=17,
-        callbacks=[] if schedule is None else [callback(schedule)], train_dataloader=DataLoader(range(33), batch_size=2),
+        callbacks=[] if schedule is None else [callback(schedule)],
+        train_dataloader=DataLoader(range(33), batch_size=2),
         world_size=1, fit_loop=SimpleNamespace(_combined_loader=object()), ckpt_path=None, lr_scheduler_configs=[],
         estimated_stepping_batches=1234.0,
     )  # fmt: skip
@@ -259,7 +261,8 @@ def stand_in(schedule: Schedule | None = None, **fields: Any) -> Any:
      ({"max_steps": 12}, 12), ({"max_steps": 13}, 12), ({"max_epochs": -1, "max_steps": 5}, 5),
      ({"max_epochs": -1, "max_steps": 100}, 100), ({"max_steps": 0}, 0), ({"limit_train_batches": 0}, 0),
      ({"limit_train_batches": 0.0}, 0), ({"num_training_batches": 4}, 4), ({"num_training_batches": 3.0}, 2),
-     ({"max_epochs": -1, "max_steps": -1}, math.inf), ({"max_epochs": -1, "max_steps": -1, "limit_train_batches": 0}, 0),
+     ({"max_epochs": -1, "max_steps": -1}, math.inf),
+     ({"max_epochs": -1, "max_steps": -1, "limit_train_batches": 0}, 0),
      ({"num_training_batches": math.inf, "max_steps": 9}, 9),
      ({"num_training_batches": math.inf, "max_steps": 9, "max_epochs": -1}, 9),
      ({"train_dataloader": None}, 12), ({"world_size": 4}, 12)],
@@ -291,7 +294,8 @@ def test_estimate_is_the_batch_by_batch_fit(schedule: Schedule, world: int, drop
                      max_epochs=max_epochs, max_steps=max_steps)  # fmt: skip
         want, _ = reference(schedule, batches, sizes, max_epochs, max_steps)
         assert steps.estimated_stepping_batches(t) == want
-        assert steps.estimated_stepping_batches(t, optimizers=2) == min(want, -(-max_steps // 2) if max_steps > 0 else want)
+        each = min(want, -(-max_steps // 2)) if max_steps > 0 else want  # (max_steps: 2 steps a window)
+        assert steps.estimated_stepping_batches(t, optimizers=2) == each
 
 
 def test_estimate_with_a_limit_of_batches() -> None:
@@ -346,7 +350,7 @@ def test_estimate_refusals() -> None:
 def test_estimate_with_a_count_refuses_a_function_of_the_items() -> None:
     reads_items = Lambda(lambda p: 1 + p.items % 4)
     t = stand_in(callbacks=[callback(reads_items, count=len)])
-    with pytest.raises(ValueError, match="reads `Progress.items`"):
+    with pytest.raises(ValueError, match=r"reads `Progress\.items`"):
         steps.estimated_stepping_batches(t)
     t = stand_in(callbacks=[callback(Ramp(1, 4, over=20, unit="samples"), count=len)])
     assert steps.estimated_stepping_batches(t) == want_of(Ramp(1, 4, over=20, unit="samples"), 17, SIZES, 2, -1)
@@ -354,9 +358,11 @@ def test_estimate_with_a_count_refuses_a_function_of_the_items() -> None:
 
 @pytest.mark.parametrize(
     "schedule, says",
-    [(Budget(5, unit="items"), "hold, so"), (Budget(Ramp(1, 9, over=5, unit="items"), "samples"), "its `n` follows them"),
-     (Piecewise({0: 2}, unit="items"), "the items \\(tokens\\) the data will hold"),
-     (Piecewise({0: 2}, unit="scaled_steps"), "measured gradient noise"), (NoiseScale(2, 8), "measured gradient noise")],
+    [(Budget(5, unit="items"), "hold, so"),
+     (Budget(Ramp(1, 9, over=5, unit="items"), "samples"), "its `n` follows them"),
+     (Piecewise({0: 2}, unit="items"), r"the items \(tokens\) the data will hold"),
+     (Piecewise({0: 2}, unit="scaled_steps"), "measured gradient noise"),
+     (NoiseScale(2, 8), "measured gradient noise")],
 )  # fmt: skip
 def test_steps_not_known_in_advance_are_refused(schedule: Schedule, says: str) -> None:
     with pytest.raises(ValueError, match=says):
@@ -407,8 +413,8 @@ def test_samples_per_batch_not_said(loader: Any) -> None:
     assert steps._samples_per_batch(stand_in(train_dataloader=loader), 4, needed=False) is None
     with pytest.raises(ValueError, match="does not say how many each batch holds"):
         steps._samples_per_batch(stand_in(train_dataloader=loader), 4, needed=True)
-    sampler = SimpleNamespace(batch_size=2, sampler=range(8))
-    assert steps._samples_per_batch(stand_in(train_dataloader=SimpleNamespace(batch_sampler=sampler)), 4, True) == [2] * 4
+    said = SimpleNamespace(batch_sampler=SimpleNamespace(batch_size=2, sampler=range(8)))
+    assert steps._samples_per_batch(stand_in(train_dataloader=said), 4, True) == [2] * 4
 
 
 def test_accumulating_reads_the_callback_or_the_mixin() -> None:
@@ -418,7 +424,8 @@ def test_accumulating_reads_the_callback_or_the_mixin() -> None:
     assert found is not None and (found.schedule, found.counted, found.normalize) == (Constant(3), True, "mean")
     cb.progress = Progress(step=4)
     assert found.progress() == Progress(step=4)
-    found = steps.accumulating(stand_in(callbacks=[SimpleNamespace(schedule="not one", count=None), callback(Constant(2))]))
+    not_one = SimpleNamespace(schedule="not one", count=None)
+    found = steps.accumulating(stand_in(callbacks=[not_one, callback(Constant(2))]))
     assert found is not None and (found.schedule, found.counted) == (Constant(2), False)
     config = SimpleNamespace(schedule=Constant(5), count=None, normalize="items")
     module = SimpleNamespace(_accumulation=SimpleNamespace(config=config), accumulation_progress=Progress(step=1))
