@@ -411,3 +411,57 @@ def test_unit_refused(unit: Any, error: type, hint: str | None) -> None:
 
 def test_unit_taken() -> None:
     assert check_unit("steps", "Bar") == "steps" and check_unit("batches", "Bar") == "batches"
+
+
+def test_an_endless_loaders_total_under_a_samples_schedule() -> None:
+    """An iterable loader under a schedule keyed on samples (no sizes asked of it): the walk bounded by ``max_steps``
+    (k 1 at first: 3 steps in batches), or estimated from the next k past the walk."""
+    ramp = Ramp(1, 4, over=30, unit="samples")
+    for unit, want in (("steps", 3), ("batches", 3)):
+        trainer = stand_in(ramp, math.inf, max_steps=3)
+        count = BarCount(unit)  # type: ignore[arg-type]
+        count.start_fit(trainer, "Bar")
+        count.start_epoch(trainer)
+        assert count.total == want
+        trainer.max_steps = -1
+        count.start_epoch(trainer)
+        assert count.total == math.inf
+
+
+def test_resumed_at_the_second_batch_without_the_bars_state() -> None:
+    """Resumed at batch 1 (one window of 1 closed): the first batch's start is a resume too."""
+    fit = Fit("steps", Constant(1))
+    fit.trainer.callbacks[0].progress = Progress(step=1, samples=2, items=2, microbatches=1)
+    fit.trainer.global_step = 1
+    seen = totals_of(fit, 0, first=1)
+    assert seen[0] == math.inf and seen[1:] == [16] * (len(seen) - 1)  # (the steps since the resume: 16)
+    assert fit.count.steps == 16
+
+
+def test_max_steps_reached_leaves_nothing() -> None:
+    for unit in ("steps", "batches"):
+        for max_steps, global_step in ((0, 0), (4, 4)):
+            trainer = stand_in(Lambda(lambda p: 2), max_steps=max_steps, global_step=global_step)
+            count = BarCount(unit)  # type: ignore[arg-type]
+            count.start_fit(trainer, "Bar")
+            count.start_epoch(trainer)
+            assert count.total == 0
+
+
+def test_a_walked_schedule_reading_the_items_a_count_gives_is_estimated() -> None:
+    """A ``Lambda`` keyed on steps (walked) that reads ``items``: with a ``count`` the walk does not know them, so the
+    total is estimated from the next window's k, asked with the fit's ``Progress``; without one it is walked."""
+    reads_items = Lambda(lambda p: 2 if p.items < 100 else 5, unit="step")
+    for counted in (False, True):
+        trainer = stand_in(reads_items)
+        trainer.callbacks[0].count = len if counted else None
+        trainer.callbacks[0].progress = Progress(step=3, samples=12, items=200 if counted else 12, microbatches=6)
+        count = BarCount("steps")
+        count.start_fit(trainer, "Bar")
+        count.start_epoch(trainer)
+        assert count.total == (math.ceil(17 / 5) if counted else math.ceil(17 / 2))
+        if counted:  # (estimated from then on: each window's end works the total out again)
+            for batch in range(5):
+                count.batch_start(trainer, batch)
+            count.window_end(trainer, WindowReport(4, 0, 5, 5, 10, 300, None, Progress(4, 4, 22, 300, 11)))
+            assert count.total == 1 + math.ceil(12 / 5)
