@@ -4,6 +4,7 @@ reference (a plain batch-by-batch loop over the fit, or counts worked out by han
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -227,6 +228,12 @@ def test_optimizers_refused(optimizers: Any, error: type) -> None:
         steps._check_optimizers(optimizers)
 
 
+def test_optimizers_is_keyword_only() -> None:
+    with pytest.raises(TypeError, match="positional"):
+        steps.estimated_stepping_batches(stand_in(Constant(3)), 2)  # type: ignore[misc]
+    assert steps.estimated_stepping_batches(stand_in(Constant(3), max_steps=7), optimizers=2) == 4
+
+
 def test_optimizers_taken() -> None:
     import numpy as np
 
@@ -441,6 +448,8 @@ def test_accumulating_reads_the_callback_or_the_mixin() -> None:
     assert steps.accumulating(stand_in()) is None
     assert steps.accumulating(stand_in(lightning_module=None)) is None
     assert steps.accumulating(stand_in(lightning_module=SimpleNamespace(_accumulation=None))) is None
+    with pytest.raises(dataclasses.FrozenInstanceError):  # (read, never changed, by its readers)
+        found.schedule = Constant(1)  # type: ignore[misc]
     real = AccumulationScheduler(Constant(4))
     found = steps.accumulating(stand_in(callbacks=[real]))
     assert found is not None and found.schedule == Constant(4) and not found.counted
