@@ -43,6 +43,7 @@ class Fit:
         self.count = BarCount(unit)  # type: ignore[arg-type]
         self.count.start_fit(self.trainer, "Bar")
         self.windows: list[int] = []  # the micro-batches of each window of the epoch under way
+        self.changed: list[tuple[str, int, bool]] = []  # what `batch_start` and `window_end` said: the total changed
 
     @property
     def progress(self) -> Progress:
@@ -62,7 +63,10 @@ class Fit:
         for b in range(first, batches):
             if not self.count.started:
                 self.count.start_epoch(self.trainer)
-            self.count.batch_start(self.trainer, b)
+            before = self.count.total
+            said = self.count.batch_start(self.trainer, b)
+            assert said is (self.count.total != before)
+            self.changed.append(("batch", b, said))
             if check:
                 check(self.count)
             if not open_:
@@ -82,7 +86,10 @@ class Fit:
                 report = WindowReport(step=after.step, epoch=epoch, k=taken if n is not None else k,
                                       microbatches=taken * self.world, samples=seen, items=seen, loss=None,
                                       progress=after, seconds=None)  # fmt: skip
-                self.count.window_end(self.trainer, report)
+                before = self.count.total
+                said = self.count.window_end(self.trainer, report)
+                assert said is (self.count.total != before)
+                self.changed.append(("window", after.step, said))
                 if check:
                     check(self.count)
                 if after.step == self.trainer.max_steps:
@@ -144,6 +151,7 @@ def test_an_exact_total_is_the_epochs_windows(schedule: Schedule, unit: str, max
 
             stopped = fit.epoch(epoch, check=check)
             assert fit.windows == windows
+            assert not any(said for _, _, said in fit.changed)  # (walked once, at the epoch's start)
             assert fit.count.steps == len(windows)
             if stopped:
                 break
@@ -171,6 +179,8 @@ def test_an_estimated_total_follows_the_next_windows_k() -> None:
     start, ends = at_window_ends(fit)  # (windows ending at batches 1, 5, 7, 11, 13, 16)
     assert start == 9
     assert ends == [1 + 4, 2 + 6, 3 + 3, 4 + 3, 5 + 1, 6]  # (15 left / 4, 11 / 2, 9 / 4, 5 / 2, 3 / 4, none)
+    assert [said for what, _, said in fit.changed if what == "window"] == [True, True, True, True, True, False]
+    assert not any(said for what, _, said in fit.changed if what == "batch")
     assert fit.count.steps == 6 == fit.count.total
 
 
@@ -352,6 +362,7 @@ def test_resumed_without_the_bars_state() -> None:
     fit.trainer.global_step = 2
     seen = totals_of(fit, 0, first=6)
     assert seen[:3] == [math.inf] * 3  # (batches 6, 7, 8; the window ends at 8)
+    assert fit.changed[:4] == [("batch", 6, True), ("batch", 7, False), ("batch", 8, False), ("window", 3, True)]
     assert seen[3:] == [1 + 3] * (len(seen) - 3)  # (8 batches left: 3 windows)
     assert fit.count.steps == 4 == fit.count.total
     assert fit.count.state_dict() == {"epoch": 0, "first_step": 2, "first_microbatches": 6, "known": False}
@@ -362,6 +373,7 @@ def test_resumed_without_the_bars_state() -> None:
     batches.trainer.callbacks[0].progress = Progress(step=2, samples=12, items=12, microbatches=6)
     seen = totals_of(batches, 0, first=6)
     assert seen == [17] * len(seen)  # (6 + 11 batches left)
+    assert batches.changed[0] == ("batch", 6, False)  # (17 at the epoch's start too)
 
 
 def test_resumed_from_a_resume_without_the_bars_state() -> None:
