@@ -477,3 +477,18 @@ def test_a_walked_schedule_reading_the_items_a_count_gives_is_estimated() -> Non
                 count.batch_start(trainer, batch)
             count.window_end(trainer, WindowReport(4, 0, 5, 5, 10, 300, None, Progress(4, 4, 22, 300, 11)))
             assert count.total == 1 + math.ceil(12 / 5)
+
+
+def test_a_second_fit_of_the_bar_starts_afresh() -> None:
+    """The same bar in a second fit (no checkpoint), whose epoch 0 is the last fit's too: its start taken anew."""
+    fit = Fit("steps", Constant(3))
+    fit.epoch(0)
+    assert fit.count.state_dict() == {"epoch": 0, "first_step": 0, "first_microbatches": 0, "known": True}
+    fit.trainer.callbacks[0].progress = Progress()  # (a new fit: its own Progress)
+    fit.trainer.global_step = 0
+    fit.count.start_fit(fit.trainer, "Bar")
+    fit.trainer.callbacks[0].progress = Progress(step=6, samples=33, items=33, microbatches=17)
+    fit.trainer.current_epoch = 0
+    fit.count.start_epoch(fit.trainer)  # (Progress moved on, e.g. a fit that restored its loop but not the bar)
+    assert fit.count.state_dict() == {"epoch": 0, "first_step": 6, "first_microbatches": 17, "known": True}
+    assert fit.count.steps == 0
