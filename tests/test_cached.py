@@ -4,6 +4,7 @@ windows of k cached batches, against a plain PyTorch loop."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -1496,3 +1497,53 @@ def test_gathered_representations_one_rank_of_two(rank: int, block: int | None) 
 def test_the_loss_in_blocks_with_gather_needs_a_sum_over_ranks() -> None:
     with pytest.raises(ValueError, match=r"^`loss_chunk_size` with `gather` needs `reduce` \(a sum over ranks\)\.$"):
         _cached.run([], info_nce_rows, plain_backward, reps_backward, gather=lambda t: (list(t), 0), loss_chunk_size=2)
+
+
+def test_only_the_graph_free_pass_of_a_replayed_tower_is_uncounted() -> None:
+    """``uncounted()`` wraps each chunk of a replayed tower's graph-free pass, not a frozen tower's (its one
+    pass counts) nor the replay; the chunks of each pass in order."""
+    net, guide = tower(), tower(seed=2).requires_grad_(False)
+    state = {"uncounted": False}
+    calls: list[tuple[str, int, bool, bool]] = []
+
+    @contextlib.contextmanager
+    def uncounted() -> Any:
+        assert not state["uncounted"]
+        state["uncounted"] = True
+        yield
+        state["uncounted"] = False
+
+    def encoder(name: str, module: nn.Module) -> Callable[[Tensor], Tensor]:
+        def encode(x: Tensor) -> Tensor:
+            calls.append((name, len(x), state["uncounted"], torch.is_grad_enabled()))
+            return module(x)
+
+        return encode
+
+    q, d = data(5)
+    towers = _cached.plan([encoder("q", net), guide, encoder("g", guide)], [q, d, q], lambda a, b, c: info_nce(a, b), 3)
+    assert [t.frozen for t in towers] == [False, True, False]
+    towers[2].frozen = True  # (as `no_grad=` plans it)
+    _cached.run(towers, lambda a, b, c: info_nce(a, b), plain_backward, reps_backward, uncounted=uncounted)
+    assert calls == [("q", 3, True, False), ("q", 2, True, False), ("g", 3, False, False), ("g", 2, False, False),
+                     ("q", 3, False, True), ("q", 2, False, True)]  # fmt: skip
+    assert all(p.grad is not None for p in net.parameters()) and all(p.grad is None for p in guide.parameters())
+
+
+@pytest.mark.parametrize("order", ["guide first", "guide between"])
+def test_buffers_move_once_per_sample_whatever_the_towers_order(order: str) -> None:
+    """A frozen tower's one pass writes its BatchNorm statistics (kept), a replayed tower's graph-free pass
+    writes none (its replay does): each module's statistics as one forward of each chunk, in order."""
+    net, guide = tower(norm=True), tower(norm=True, seed=2).requires_grad_(False)
+    ref_net, ref_guide = tower(norm=True), tower(norm=True, seed=2)
+    q, d = data(6)
+    if order == "guide first":
+        encoders, inputs = [guide, net, guide], [q, d, d]
+        chunked(ref_guide, q, 4), chunked(ref_guide, d, 4), chunked(ref_net, d, 4)
+    else:
+        encoders, inputs = [net, guide, net], [q, d, d]
+        chunked(ref_guide, d, 4), chunked(ref_net, q, 4), chunked(ref_net, d, 4)
+    backward_cached(encoders, inputs, lambda a, b, c: info_nce(a + b, c), 4, plain_backward, reps_backward,
+                    modules=[net, guide])  # fmt: skip
+    for got, want in ((net, ref_net), (guide, ref_guide)):
+        assert all(torch.equal(a, b) for a, b in zip(got.buffers(), want.buffers(), strict=True))
