@@ -1547,3 +1547,24 @@ def test_buffers_move_once_per_sample_whatever_the_towers_order(order: str) -> N
                     modules=[net, guide])  # fmt: skip
     for got, want in ((net, ref_net), (guide, ref_guide)):
         assert all(torch.equal(a, b) for a, b in zip(got.buffers(), want.buffers(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("output", "get_rep", "rows"),
+    [
+        (torch.ones(2, 3), None, [[1.0] * 3] * 2),
+        ({"sentence_embedding": torch.zeros(2, 1), "token_embeddings": torch.ones(2, 3)}, None, [[0.0]] * 2),
+        ({"sentence_embedding": torch.zeros(2, 1), "cls": torch.ones(2, 1)}, lambda out: out["cls"], [[1.0]] * 2),
+        (Output(torch.full((2, 1), 5.0)), lambda out: out.last_hidden_state, [[5.0]] * 2),
+    ],
+)  # fmt: skip
+def test_the_representation_picked_from_an_output(output: Any, get_rep: Any, rows: list[list[float]]) -> None:
+    (tower_,) = _cached.plan([lambda x: output], [torch.zeros(2, 1)], info_nce, 2, get_rep=get_rep)
+    (rep,) = tower_.encode(tower_.part(0))
+    assert rep.tolist() == rows
+
+
+def test_an_output_mapping_without_a_sentence_embedding_is_named() -> None:
+    (tower_,) = _cached.plan([lambda x: {"cls": x}], [torch.zeros(2, 1)], info_nce, 2)
+    with pytest.raises(ValueError, match=r"^encoder 0 returned dict; it must return a tensor or a tuple of tensors"):
+        tower_.encode(tower_.part(0))
