@@ -1568,3 +1568,37 @@ def test_an_output_mapping_without_a_sentence_embedding_is_named() -> None:
     (tower_,) = _cached.plan([lambda x: {"cls": x}], [torch.zeros(2, 1)], info_nce, 2)
     with pytest.raises(ValueError, match=r"^encoder 0 returned dict; it must return a tensor or a tuple of tensors"):
         tower_.encode(tower_.part(0))
+
+
+@pytest.mark.parametrize("other", ["none", "some"])
+def test_the_sum_over_ranks_of_the_cached_gradients(other: str) -> None:
+    """One collective: each gradient (zeros where this rank has none) and, last, which ranks have each and the
+    losses; a gradient no rank has stays None; the loss returned is the ranks' sum, in the loss's dtype. The
+    other rank here sends ``theirs``."""
+    a, b = torch.ones(2, 1).requires_grad_(), torch.ones(3, 2).requires_grad_()
+    c = torch.ones(3)  # (no gradient: not sent)
+    grads: list[list[Tensor | None]] = [[torch.tensor([[1.0], [2.0]])], [None, None]]
+    total = torch.tensor(0.25, dtype=torch.float64)
+    theirs = [torch.tensor([[10.0], [20.0]]), torch.full((3, 2), 3.0) if other == "some" else torch.zeros(3, 2)]
+    flags = [1.0, 1.0 if other == "some" else 0.0, 0.5]
+    sent: list[list[Tensor]] = []
+
+    def reduce(tensors: Any) -> list[Tensor]:
+        sent.append([t.clone() for t in tensors])
+        return [t + u for t, u in zip(tensors, [*theirs, torch.tensor(flags)], strict=True)]
+
+    got = _cached._sum_over_ranks([(a,), (b, c)], grads, total, reduce)
+    mine = sent[0]
+    assert [t.tolist() for t in mine] == [[[1.0], [2.0]], [[0.0, 0.0]] * 3, [1.0, 0.0, 0.25]]
+    assert mine[2].dtype == torch.float32
+    assert got.dtype == torch.float64 and got.item() == 0.75
+    assert grads[0][0].tolist() == [[11.0], [22.0]]  # type: ignore[union-attr]
+    assert grads[1][1] is None
+    assert grads[1][0] is None if other == "none" else grads[1][0].tolist() == [[3.0, 3.0]] * 3  # type: ignore[union-attr]
+
+
+def test_the_sum_over_ranks_of_one_gradient() -> None:
+    leaf = torch.ones(2, dtype=torch.float64).requires_grad_()
+    grads: list[list[Tensor | None]] = [[torch.tensor([1.0, 2.0], dtype=torch.float64)]]
+    got = _cached._sum_over_ranks([(leaf,)], grads, torch.tensor(3.0), lambda ts: [t * 2 for t in ts])
+    assert got.dtype == torch.float32 and got.item() == 6.0 and grads[0][0].tolist() == [2.0, 4.0]  # type: ignore[union-attr]
