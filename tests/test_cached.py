@@ -1602,3 +1602,31 @@ def test_the_sum_over_ranks_of_one_gradient() -> None:
     grads: list[list[Tensor | None]] = [[torch.tensor([1.0, 2.0], dtype=torch.float64)]]
     got = _cached._sum_over_ranks([(leaf,)], grads, torch.tensor(3.0), lambda ts: [t * 2 for t in ts])
     assert got.dtype == torch.float32 and got.item() == 6.0 and grads[0][0].tolist() == [2.0, 4.0]  # type: ignore[union-attr]
+
+
+def test_the_replay_backpropagates_only_what_has_a_gradient_and_a_graph() -> None:
+    """Each chunk's ``reps_backward`` gets the outputs that need a gradient (not one computed from the input
+    alone, not a tower without parameters), each with its rows of the loss's gradient in the output's dtype."""
+    net = tower()
+    q, d = data(5)
+    d = d[:, :REP]
+
+    def encode(x: Tensor) -> tuple[Tensor, Tensor]:
+        return net(x).to(torch.bfloat16), x[:, :REP].to(torch.bfloat16)  # (the second: no graph)
+
+    def loss_fn(a: tuple[Tensor, Tensor], b: Tensor) -> Tensor:
+        return info_nce((a[0] + a[1]).double(), b)
+
+    leaves = [encode(q)[0].detach().float().requires_grad_(), encode(q)[1].float().requires_grad_()]  # (as cached)
+    loss_fn((leaves[0], leaves[1]), d).backward()  # (the whole loss's gradient of the representations)
+    calls: list[tuple[list[tuple[int, ...]], list[Tensor]]] = []
+
+    def record(reps: Any, grads_: Any) -> None:
+        calls.append(([tuple(r.shape) for r in reps], list(grads_)))
+        assert all(r.requires_grad for r in reps)
+
+    backward_cached([encode, nn.Identity()], [q, d], loss_fn, 3, plain_backward, record)
+    assert [shapes for shapes, _ in calls] == [[(3, REP)], [(2, REP)]]
+    assert all(g.dtype == torch.bfloat16 for _, gs in calls for g in gs)
+    got = torch.cat([gs[0] for _, gs in calls])
+    assert torch.equal(got, leaves[0].grad.to(torch.bfloat16))  # type: ignore[union-attr]
