@@ -1487,7 +1487,11 @@ def test_gathered_representations_one_rank_of_two(rank: int, block: int | None) 
         r = d_net(x)
         return r, r[:, :1]
 
-    got_loss = backward_cached([q_net, encode_d], own, loss_fn, 3, plain_backward, reps_backward, gather=gather,
+    def replay_backward(reps: Any, grads_: Any) -> None:  # (the other rank's rows were let go before the replay)
+        assert all(g.untyped_storage().nbytes() <= rows * g.shape[1] * g.element_size() for g in grads_)
+        reps_backward(reps, grads_)
+
+    got_loss = backward_cached([q_net, encode_d], own, loss_fn, 3, plain_backward, replay_backward, gather=gather,
                                reduce=reduce if block else None, world=world, loss_chunk_size=block)  # fmt: skip
     got = [*grads(q_net, d_net), temperature.grad]
     assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-13  # type: ignore[operator]
