@@ -4,6 +4,8 @@ windows of k cached batches, against a plain PyTorch loop."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_accum import AccumulationMixin, Piecewise, Schedule
+from lightning_accum._core import cached as _cached
 from lightning_accum._core.cached import backward_cached
 from lightning_accum.multitask import measure_graph_memory
 
@@ -980,3 +983,654 @@ def test_the_new_arguments_are_refused_through_the_mixin_before_anything_changes
         trainer(max_epochs=1).fit(model, DataLoader(Pairs(12), batch_size=6))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), start, strict=True))
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+# ------------------------------------------------------------------- the rules, one function at a time
+
+
+def mask_of(rows: list[list[int]]) -> dict[str, Tensor]:
+    mask = torch.tensor(rows, dtype=torch.long).reshape(len(rows), -1)
+    return {"input_ids": torch.arange(mask.numel()).reshape(mask.shape), "attention_mask": mask}
+
+
+def lengths_mask(lengths: list[int], width: int) -> dict[str, Tensor]:
+    return mask_of([[1] * n + [0] * (width - n) for n in lengths])
+
+
+@pytest.mark.parametrize(
+    ("x", "budget", "size", "chunks", "widths"),
+    [
+        # 8 tokens: 3 + 5 = 8 fits exactly, 8 + 2 does not; widths the chunk's longest row, 7 is the full width
+        (lengths_mask(LENGTHS, 7), 8, None, [(0, 2), (2, 4), (4, 6), (6, 8)], [5, 6, 4, 6]),
+        (lengths_mask(LENGTHS, 7), 7, None, [(0, 1), (1, 3), (3, 5), (5, 6), (6, 7), (7, 8)], [3, 5, 6, 4, 6, 2]),
+        # rows of 2 tokens, 6 a chunk: 3 rows; at most 2 rows: 2 rows, then the last alone
+        (lengths_mask([2] * 5, 4), 6, None, [(0, 3), (3, 5)], [2, 2]),
+        (lengths_mask([2] * 5, 4), 6, 2, [(0, 2), (2, 4), (4, 5)], [2, 2, 2]),
+        (lengths_mask([2] * 5, 4), 100, 1, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)], [2, 2, 2, 2, 2]),
+        (lengths_mask([2] * 5, 4), 100, 5, [(0, 5)], [2]),
+        # a row longer than the budget alone, then at most 3 rows
+        (lengths_mask([9, 1, 1, 1, 1, 2], 10), 4, 3, [(0, 1), (1, 4), (4, 6)], [9, 1, 2]),
+        # a chunk that reaches the full width keeps it (None: nothing to trim)
+        (lengths_mask([4, 1], 4), 10, None, [(0, 2)], [None]),
+        (lengths_mask([1, 4], 4), 1, None, [(0, 1), (1, 2)], [1, None]),
+        # a chunk of padding only keeps its width; it costs no token
+        (lengths_mask([0, 0, 3], 3), 2, None, [(0, 2), (2, 3)], [None, None]),
+        # tokens are counted (holes too), the width runs to the last one; any non-zero mask value is a token
+        (mask_of([[1, 0, 1, 0, 0], [2, 2, 0, 0, 0]]), 3, None, [(0, 1), (1, 2)], [3, 2]),
+        (mask_of([[1, 0, 1, 0, 0], [2, 2, 0, 0, 0]]), 4, None, [(0, 2)], [3]),
+        (mask_of([[0, 0, 0, 0, 1], [1, 0, 0, 0, 0]]), 2, None, [(0, 2)], [None]),
+        # no columns at all
+        (mask_of([[], [], []]), 1, None, [(0, 3)], [None]),
+    ],
+)  # fmt: skip
+def test_token_packing_table(
+    x: dict[str, Tensor], budget: int, size: int | None, chunks: list[tuple[int, int]], widths: list[int | None]
+) -> None:
+    assert _cached._pack(x, 0, budget, size) == (chunks, widths)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [torch.ones(3, 4), {"input_ids": torch.ones(3, 4)}, {"attention_mask": torch.ones(3)},
+     {"attention_mask": torch.ones(3, 4, 2)}, {"attention_mask": [[1, 1], [1, 0]]}],
+)  # fmt: skip
+def test_token_packing_needs_a_2d_attention_mask(x: Any) -> None:
+    with pytest.raises(ValueError, match=r"counts the tokens of `inputs\[3\]` by its `attention_mask` \(a 2-d tensor"):
+        _cached._pack(x, 3, 4, None)
+
+
+@pytest.mark.parametrize(
+    ("rows", "size", "chunks"),
+    [
+        (10, 4, [(0, 4), (4, 8), (8, 10)]),
+        (10, 5, [(0, 5), (5, 10)]),
+        (10, 9, [(0, 9), (9, 10)]),
+        (10, 10, [(0, 10)]),
+        (10, 11, [(0, 10)]),
+        (3, 1, [(0, 1), (1, 2), (2, 3)]),
+        (1, 1, [(0, 1)]),
+    ],
+)
+def test_row_chunks_table(rows: int, size: int | None, chunks: list[tuple[int, int]]) -> None:
+    def encode(x: Tensor) -> Tensor:
+        return x
+
+    towers = _cached.plan([encode, encode], [torch.zeros(rows, 2), torch.zeros(2, 2)], info_nce, [size, 1])
+    first, second = towers
+    assert (first.index, first.rows, first.chunks, first.widths) == (0, rows, chunks, [None] * len(chunks))
+    assert (second.index, second.rows, second.chunks, second.widths) == (1, 2, [(0, 1), (1, 2)], [None, None])
+    assert first.style == second.style == "positional" and not first.frozen and not first.trimmed
+    assert first.encoder is encode and first.get_rep is None
+
+
+def test_a_tower_by_tokens_is_trimmed_and_cut_when_it_runs() -> None:
+    def encode(input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return input_ids
+
+    x = lengths_mask([1, 2, 4, 1], 4)
+    (tower_,) = _cached.plan([encode], [x], info_nce, None, chunk_tokens=3)
+    assert tower_.chunks == [(0, 2), (2, 3), (3, 4)] and tower_.widths == [2, None, 1] and tower_.trimmed
+    assert tower_.style == "keywords"
+    assert torch.equal(tower_.part(0)["input_ids"], x["input_ids"][0:2, :2])
+    assert torch.equal(tower_.part(1)["attention_mask"], x["attention_mask"][2:3])
+    assert torch.equal(tower_.part(2)["input_ids"], x["input_ids"][3:4, :1])
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "result"),
+    [
+        ("chunk_size", 1, 1), ("chunk_size", 7, 7), ("chunk_size", np.int64(3), 3), ("chunk_tokens", np.uint8(2), 2),
+        ("chunk_size", None, None), ("loss_chunk_size", 1, 1),
+    ],
+)  # fmt: skip
+def test_counts_table(name: str, value: object, result: int | None) -> None:
+    got = _cached._count(name, value, value, "things")
+    assert got == result and type(got) is type(result)
+
+
+@pytest.mark.parametrize("value", [0, -1, -5, True, False, 2.0, 1.5, math.nan, "2", np.float32(2)])
+@pytest.mark.parametrize("name", ["chunk_size", "loss_chunk_size"])
+def test_counts_refused_table(name: str, value: object) -> None:
+    per = "" if name == "loss_chunk_size" else ", or one per encoder"
+    message = f"`{name}` must be an int >= 1 (things){per}; got [[4]]."
+    with pytest.raises(ValueError) as error:
+        _cached._count(name, value, [[4]], "things")
+    assert str(error.value) == message
+
+
+def test_per_tower_values() -> None:
+    assert _cached._per_tower("x", [1, None], 2) == [1, None]
+    assert _cached._per_tower("x", (3,), 1) == [3]
+    assert _cached._per_tower("x", 5, 3) == [5, 5, 5]
+    assert _cached._per_tower("x", None, 2) == [None, None]
+    assert _cached._per_tower("x", "ab", 2) == ["ab", "ab"]
+    for wrong in ([1], (1, 2, 3), []):
+        with pytest.raises(ValueError, match=rf"^`x` has {len(wrong)} entries for 2 encoders; give one, or one per"):
+            _cached._per_tower("x", wrong, 2)
+
+
+@pytest.mark.parametrize(
+    ("encoders", "inputs", "error", "match"),
+    [
+        (nn.Linear(2, 2), [torch.ones(2)], TypeError, r"`encoders` must be a list, .* got Linear\."),
+        ([nn.Linear(2, 2)], torch.ones(2, 2), TypeError, r"`inputs` must be a list, .* got Tensor\."),
+        ([info_nce], "ab", TypeError, r"`inputs` must be a list, .* got str\."),
+        ([info_nce], {"x": torch.ones(2)}, TypeError, r"`inputs` must be a list, .* got dict\."),
+        (info_nce, [torch.ones(2)], TypeError, r"`encoders` must be a list, .* got function\."),
+        ({info_nce}, [torch.ones(2)], TypeError, r"`encoders` must be a list, .* got set\."),
+        ([], [], ValueError, r"`encoders` has 0 entries and `inputs` 0; give one encoder per input"),
+        ([info_nce], [], ValueError, r"`encoders` has 1 entries and `inputs` 0"),
+        ([info_nce], [torch.ones(2), torch.ones(2)], ValueError, r"`encoders` has 1 entries and `inputs` 2"),
+    ],
+)  # fmt: skip
+def test_towers_table(encoders: Any, inputs: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        _cached._check_towers(encoders, inputs)
+
+
+def test_towers_accepted() -> None:
+    for encoders, inputs in (([info_nce], [torch.ones(2)]), ((info_nce, info_nce), (1, 2)), ([1, 2], [3, 4])):
+        assert _cached._check_towers(encoders, inputs) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(get_rep=3), TypeError, r"`get_rep` must be a callable on an encoder's output .* got 3\."),
+        (dict(get_rep=[None, "x"]), TypeError, r"`get_rep` must be a callable .* got \[None, 'x'\]\."),
+        (dict(get_rep=[None]), ValueError, "`get_rep` has 1 entries for 2 encoders"),
+        (dict(no_grad=[True, 1]), TypeError, r"`no_grad` must be True or False, or one per encoder; got \[True, 1\]"),
+        (dict(no_grad=None), TypeError, "`no_grad` must be True or False"),
+        (dict(encoders=[info_nce, 3]), TypeError, r"`encoders\[1\]` is a int; each encoder must be callable"),
+        (dict(chunk_size=[None, 2]), ValueError, r"or `chunk_tokens` \(tokens per chunk\) for encoder 0: one for"),
+        (dict(chunk_size=[2, None], chunk_tokens=[None, 0]), ValueError, r"`chunk_tokens` must be an int >= 1"),
+        (dict(inputs=[torch.ones(2, 1), torch.ones(0, 1)]), ValueError, r"`inputs\[1\]` holds no samples \(dim 0"),
+        (dict(inputs=[torch.ones(2, 1), {"a": torch.ones(2), "b": torch.ones(3)}]), ValueError,
+         r"^`inputs\[1\]`: The batch's tensors differ in size"),
+        (dict(inputs=[torch.ones(2, 1), {"a": "text"}]), ValueError, r"^`inputs\[1\]`: The batch holds no tensor"),
+        (dict(loss_chunk_size=2), TypeError, r"Add a `rows` argument"),
+        (dict(loss_chunk_size=0, loss_fn=info_nce_rows), ValueError, r"^`loss_chunk_size` must be an int >= 1 \(rows "
+         r"of the first input per block of the loss\); got 0\.$"),
+    ],
+)  # fmt: skip
+def test_plan_refusals_table(kwargs: dict[str, Any], error: type, match: str) -> None:
+    args: dict[str, Any] = {"encoders": [info_nce, info_nce], "inputs": [torch.ones(2, 1), torch.ones(2, 1)],
+                            "loss_fn": info_nce, "chunk_size": 2, **kwargs}  # fmt: skip
+    with pytest.raises(error, match=match):
+        _cached.plan(args.pop("encoders"), args.pop("inputs"), args.pop("loss_fn"), args.pop("chunk_size"), **args)
+
+
+def test_plan_per_tower_pickers_flags_and_loss_signatures() -> None:
+    def pick(out: Any) -> Tensor:
+        return out
+
+    def loss_kw(*reps: Tensor, **kwargs: Any) -> Tensor:
+        return reps[0].sum()
+
+    frozen = nn.Linear(1, 1).requires_grad_(False)
+    towers = _cached.plan([info_nce, frozen, info_nce], [torch.ones(2, 1)] * 3, loss_kw, 2,
+                          get_rep=[pick, None, pick], no_grad=[False, False, True], loss_chunk_size=1)  # fmt: skip
+    assert [t.get_rep for t in towers] == [pick, None, pick]
+    assert [t.frozen for t in towers] == [False, True, True]
+    for loss_fn in (info_nce_rows, max, loss_kw):  # `rows`, no signature to read, `**kwargs`
+        assert len(_cached.plan([info_nce], [torch.ones(2, 1)], loss_fn, 2, loss_chunk_size=3)) == 1
+
+
+@dataclasses.dataclass
+class Pair:
+    a: Any
+    b: Any
+
+
+@pytest.mark.parametrize(
+    ("value", "holds"),
+    [
+        (torch.ones(()), True), ("text", False), (None, False), (3, False), ([], False), ({}, False),
+        ({"a": "x", "b": torch.ones(1)}, True), ({"a": {"b": [1, (2, torch.ones(1))]}}, True), ({"a": [1, "x"]}, False),
+        ((1, 2), False), ([1, torch.ones(1)], True), (Pair(1, "x"), False), (Pair(1, [torch.ones(1)]), True),
+        (Pair, False),
+    ],
+)  # fmt: skip
+def test_holds_a_tensor_table(value: Any, holds: bool) -> None:
+    assert _cached._holds_tensor(value) is holds
+
+
+class Encoding(dict):  # type: ignore[type-arg]
+    """A Mapping type of its own (as transformers' ``BatchEncoding``), which a cut must keep."""
+
+
+def test_a_mapping_chunk_is_cut_and_trimmed() -> None:
+    x = Encoding(
+        ids=torch.arange(20).reshape(4, 5), mask=torch.ones(4, 5), cube=torch.arange(40).reshape(4, 5, 2),
+        pos=torch.arange(12).reshape(4, 3), w=torch.arange(4), nested=[torch.arange(4), "tag"], modality="text",
+    )  # fmt: skip
+    got = _cached._take(x, 1, 3, 2, 5)
+    assert type(got) is Encoding and list(got) == list(x)
+    assert torch.equal(got["ids"], torch.tensor([[5, 6], [10, 11]]))
+    assert torch.equal(got["mask"], torch.ones(2, 2))
+    assert torch.equal(got["cube"], x["cube"][1:3, :2])
+    assert torch.equal(got["pos"], x["pos"][1:3])  # (another width: not a token column)
+    assert torch.equal(got["w"], torch.tensor([1, 2]))
+    assert torch.equal(got["nested"][0], torch.tensor([1, 2])) and got["nested"][1] == "tag"
+    assert got["modality"] == "text"
+    whole = _cached._take(x, 0, 4, None, 5)
+    assert all(torch.equal(whole[k], x[k]) for k in ("ids", "mask", "cube", "pos", "w"))
+    assert torch.equal(_cached._take(torch.arange(6), 2, 5, None, 0), torch.tensor([2, 3, 4]))
+    assert [t.tolist() for t in _cached._take((torch.arange(3), torch.arange(3) * 2), 1, 2, None, 0)] == [[1], [2]]
+
+
+class Forward(nn.Module):
+    def forward(self, features: dict[str, Tensor]) -> Tensor:
+        return features["x"]
+
+
+class Compiled:
+    """What ``torch.compile`` returns: a wrapper taking anything, the module in ``_orig_mod``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._orig_mod = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod(*args, **kwargs)
+
+
+def by_keywords(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    return input_ids
+
+
+def whole(features: dict[str, Tensor]) -> Tensor:
+    return features["input_ids"]
+
+
+def anything(*args: Any, **kwargs: Any) -> Tensor:
+    return args[0] if args else kwargs["input_ids"]
+
+
+@pytest.mark.parametrize(
+    ("encoder", "part", "style"),
+    [
+        (whole, torch.ones(2), "positional"), (by_keywords, [torch.ones(2)], "positional"),
+        (by_keywords, {"input_ids": 1}, "keywords"), (by_keywords, {"input_ids": 1, "attention_mask": 1}, "keywords"),
+        (whole, {"input_ids": 1, "attention_mask": 1}, "whole"), (whole, {"features": 1}, "keywords"),
+        (anything, {"input_ids": 1}, "keywords"), (anything, {0: 1}, "whole"), (whole, {0: 1}, "whole"),
+        (Forward(), {"x": 1, "y": 1}, "whole"), (nn.Identity(), {"input": 1}, "keywords"),
+        (Compiled(Forward()), {"x": 1, "y": 1}, "whole"), (Compiled(nn.Identity()), {"input": 1}, "keywords"),
+        (max, {"input_ids": 1}, "keywords"),
+    ],
+)  # fmt: skip
+def test_call_style_table(encoder: Any, part: Any, style: str) -> None:
+    assert _cached._call_style(encoder, part, 0) == style
+
+
+def test_an_encoder_that_binds_neither_way_is_named() -> None:
+    def two(a: Tensor, b: Tensor) -> Tensor:
+        return a
+
+    with pytest.raises(TypeError, match=r"^encoder 2 takes \(a: 'Tensor', b: 'Tensor'\) -> 'Tensor', which fits nei"):
+        _cached._call_style(two, {"a": 1}, 2)
+
+
+@pytest.mark.parametrize(
+    ("encoder", "frozen"),
+    [
+        (info_nce, False), (nn.ReLU(), False), (nn.Linear(1, 1), False), (nn.Linear(1, 1).requires_grad_(False), True),
+        (nn.Sequential(nn.Linear(1, 1).requires_grad_(False), nn.Linear(1, 1)), False),
+        (nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)).requires_grad_(False), True),
+        (Compiled(nn.Linear(1, 1).requires_grad_(False)), True), (Compiled(nn.Linear(1, 1)), False),
+        (Compiled(nn.ReLU()), False),
+    ],
+)  # fmt: skip
+def test_frozen_table(encoder: Any, frozen: bool) -> None:
+    assert _cached._frozen(encoder) is frozen
+
+
+@pytest.mark.parametrize(
+    ("reps", "match"),
+    [
+        (torch.tensor(1.0), "returned a 0-d tensor"), ((torch.ones(2), torch.tensor(1.0)), "returned a 0-d tensor"),
+        ([torch.ones(2)], "returned list; it must return a tensor or a tuple"), ((), "returned tuple"),
+        ((torch.ones(2), 3), "returned tuple"), (None, "returned NoneType"), ({"a": torch.ones(2)}, "returned dict"),
+    ],
+)  # fmt: skip
+def test_representations_refused_table(reps: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=rf"^encoder 5 {match}"):
+        _cached._parts(reps, "encoder 5")
+
+
+def test_representations_accepted() -> None:
+    a, b = torch.ones(2, 3), torch.zeros(2)
+    assert _cached._parts(a, "x")[0] is a and len(_cached._parts(a, "x")) == 1
+    got = _cached._parts((a, b), "x")
+    assert got[0] is a and got[1] is b and len(got) == 2
+
+
+def planned(rows: int, size: int, widths: list[int | None] | None = None) -> Any:
+    (tower_,) = _cached.plan([info_nce], [torch.zeros(rows, 1)], info_nce, size)
+    tower_.index = 3
+    if widths is not None:
+        tower_.widths = widths
+    return tower_
+
+
+def test_the_chunks_join() -> None:
+    tower_ = planned(5, 2)  # chunks of 2, 2, 1
+    outs = [(torch.full((n, 3), float(j)), torch.full((n,), -float(j))) for j, n in enumerate((2, 2, 1))]
+    a, b = _cached._join(outs, tower_)
+    assert torch.equal(a, torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2 + [[2.0] * 3]))
+    assert torch.equal(b, torch.tensor([0.0, 0, -1, -1, -2]))
+
+
+@pytest.mark.parametrize(
+    ("outs", "widths", "match"),
+    [
+        ([(torch.ones(2),), (torch.ones(2), torch.ones(2)), (torch.ones(1),)], None,
+         r"^encoder 3 returned different numbers of tensors for different chunks"),
+        ([(torch.ones(2),), (torch.ones(3),), (torch.ones(1),)], None,
+         r"^encoder 3 returned \[3\] rows for a chunk of 2 samples"),
+        ([(torch.ones(2), torch.ones(2)), (torch.ones(2), torch.ones(2)), (torch.ones(1), torch.ones(2))], None,
+         r"^encoder 3 returned \[1, 2\] rows for a chunk of 1 samples"),
+        ([(torch.ones(2, 3),), (torch.ones(2, 3),), (torch.ones(1, 4),)], None,
+         r"^encoder 3's representations differ in shape from chunk to chunk \(\[\(3,\), \(4,\)\]\)\.$"),
+        ([(torch.ones(2, 3),), (torch.ones(2, 3),), (torch.ones(1, 4),)], [None, 2, None], r"\)\. `chunk_tokens` trim"),
+        ([(torch.ones(2, 3),), (torch.ones(2, 3),), (torch.ones(1, 4),)], [None, None, None], r"\(4,\)\]\)\.$"),
+    ],
+)  # fmt: skip
+def test_chunks_that_do_not_join_are_named(outs: Any, widths: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _cached._join(outs, planned(5, 2, widths))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_a_leaf_is_a_new_float_tensor_of_at_least_32_bits(dtype: torch.dtype) -> None:
+    rep = torch.tensor([1.5, -2.0], dtype=dtype)
+    leaf = _cached._leaf(rep)
+    assert leaf.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert leaf.requires_grad and leaf.is_leaf and not rep.requires_grad  # (the encoder's output untouched)
+    assert leaf.tolist() == [1.5, -2.0]
+    frozen = _cached._leaf(rep, grad=False)
+    assert not frozen.requires_grad and frozen.dtype == leaf.dtype and frozen.tolist() == [1.5, -2.0]
+
+
+def test_an_integer_representation_is_passed_as_it_is() -> None:
+    rep = torch.tensor([1, 2])
+    assert _cached._leaf(rep) is rep and not rep.requires_grad
+
+
+class Written(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.BatchNorm1d(2)
+        self.register_buffer("count", torch.tensor(3))
+        self.register_buffer("mean", torch.tensor([1.0, 2.0]))
+
+
+def test_buffers_are_put_back_whole() -> None:
+    module = Written()
+    count, mean, running = module.count, module.mean, module.inner.running_mean
+    saved = _cached._Buffers([module])
+    module.count += 5  # in place
+    module.mean = torch.tensor([7.0, 7.0])  # reassigned
+    module.inner.running_mean.fill_(4.0)  # a child's
+    saved.restore()
+    assert module.count is count and module.mean is mean and module.inner.running_mean is running
+    assert module.count.item() == 3 and module.mean.tolist() == [1.0, 2.0] and running.tolist() == [0.0, 0.0]
+    module.count += 1  # written after: a second restore puts nothing back
+    saved.restore()
+    assert module.count.item() == 4
+
+
+def test_an_rng_state_replays_and_the_generator_goes_on() -> None:
+    torch.manual_seed(0)
+    state = _cached._RNG()
+    first = torch.rand(3)
+    after = torch.get_rng_state()
+    with state.replay():
+        again = torch.rand(5)  # (more draws than before it)
+    assert torch.equal(again[:3], first) and torch.equal(torch.get_rng_state(), after)  # (the replay leaves no trace)
+    state.restore()
+    assert torch.equal(torch.rand(3), first)
+
+
+def test_the_blocks_of_the_loss() -> None:
+    """Blocks of ``size`` rows from ``start``, the last shorter; each part back-propagated times the factor, in
+    order; the sum of the parts (not times the factor) returned."""
+    seen: list[tuple[int, int]] = []
+    backed: list[float] = []
+
+    def loss_fn(a: Tensor, b: Tensor, rows: slice) -> Tensor:
+        assert a == 1 and b == 2
+        seen.append((rows.start, rows.stop))
+        return torch.tensor([float(rows.stop - rows.start) * 10 + rows.start])
+
+    for factor in (1, 3):
+        seen.clear(), backed.clear()  # type: ignore[func-returns-value]
+        total = _cached._loss_in_blocks(loss_fn, [1, 2], lambda t: backed.append(t.item()), 3, 5, 2, factor)
+        assert seen == [(3, 5), (5, 7), (7, 8)]
+        assert backed == [factor * 23.0, factor * 25.0, factor * 17.0]
+        assert total.shape == () and total.item() == 65.0
+    one: list[tuple[int, int]] = []
+    _cached._loss_in_blocks(lambda rows: one.append((rows.start, rows.stop)) or torch.ones(()), [], lambda t: None,
+                            0, 4, 4, 1)  # fmt: skip
+    assert one == [(0, 4)]
+
+
+def test_under_gather_the_cached_gradient_is_this_ranks_rows() -> None:
+    towers = [planned(2, 2), planned(3, 1)]
+    towers[1].index = 1
+    towers[0].index = 0
+    g0, g1 = torch.arange(12.0).reshape(6, 2), torch.arange(9.0)
+    grads: list[list[Tensor | None]] = [[g0], [None, g1]]
+    offsets = [2, 3]
+    _cached._own_rows(towers, grads, offsets)
+    assert offsets == [0, 0]
+    assert grads[0][0].tolist() == [[4.0, 5.0], [6.0, 7.0]] and grads[1][0] is None  # type: ignore[union-attr]
+    assert grads[1][1].tolist() == [3.0, 4.0, 5.0]  # type: ignore[union-attr]
+    g0.zero_(), g1.zero_()  # type: ignore[func-returns-value]
+    assert grads[0][0].sum().item() == 22.0 and grads[1][1].sum().item() == 12.0  # type: ignore[union-attr]  # (copies)
+
+
+@pytest.mark.parametrize("block", [None, 3])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gathered_representations_one_rank_of_two(rank: int, block: int | None) -> None:
+    """Rank ``rank`` of 2, the other rank's representations and its part of the sums given by a stand-in
+    ``gather`` and ``reduce`` (what the other rank sends, computed here with autograd): this rank's gradient is
+    ``world`` times the gathered loss's gradient through its own rows, so that the mean over ranks is the
+    gathered loss's; a learned temperature gets the whole loss's gradient (``world`` times its own rows' part
+    in blocks); the loss returned is the gathered loss. The passage tower's second output, unused by the loss,
+    gets no gradient on either rank."""
+    world, rows = 2, 4
+    q_net, d_net = tower(), tower(seed=1)
+    temperature = nn.Parameter(torch.tensor(0.6, dtype=torch.float64))
+    (q0, d0), (q1, d1) = data(rows, seed=3), data(rows, seed=4)
+    own, other = [q0, d0], [q_net(q1).detach(), d_net(d1).detach()]
+
+    def order(mine: Tensor, theirs: Tensor) -> Tensor:
+        return torch.cat([mine, theirs] if rank == 0 else [theirs, mine])
+
+    def loss_fn(q: Tensor, d: tuple[Tensor, Tensor], rows: slice | None = None) -> Tensor:
+        return info_nce_rows(q, d[0], rows, temperature)
+
+    # the reference: the gathered loss, the other rank's representations as constants
+    reps = [order(q_net(q0), other[0]), order(d_net(d0), other[1])]
+    loss = loss_fn(reps[0], (reps[1], reps[1][:, :1]))
+    (world * loss).backward(inputs=[*q_net.parameters(), *d_net.parameters()], retain_graph=True)
+    expected = grads(q_net, d_net)
+    if block is None:
+        loss.backward(inputs=[temperature])
+    else:  # this rank's rows' part, times world
+        mine = slice(rank * rows, (rank + 1) * rows)
+        (world * loss_fn(reps[0].detach(), (reps[1].detach(),) * 2, mine)).backward(inputs=[temperature])
+    expected.append(temperature.grad.clone())  # type: ignore[union-attr]
+    for p in (*q_net.parameters(), *d_net.parameters(), temperature):
+        p.grad = None
+
+    def gather(tensors: Any) -> tuple[list[Tensor], int]:
+        i = len(offsets)
+        offsets.append(rank * rows)
+        assert len(tensors) == 2 - (i == 0) and all(len(t) == rows for t in tensors)
+        return [order(tensors[0], other[i]), *[order(t, t) for t in tensors[1:]]], rank * rows
+
+    def reduce(tensors: Any) -> list[Tensor]:
+        """The other rank's gradients of the gathered leaves (its rows' parts, times world), its flags, its loss."""
+        q, d = reps[0].detach().requires_grad_(), reps[1].detach().requires_grad_()
+        theirs = slice((1 - rank) * rows, (2 - rank) * rows)
+        part = loss_fn(q, (d, d[:, :1]), theirs)
+        q_grad, d_grad = torch.autograd.grad(world * part, [q, d])  # (the temperature's is the other rank's own)
+        assert [tuple(t.shape) for t in tensors] == [(2 * rows, REP), (2 * rows, REP), (2 * rows, 1), (4,)]
+        assert tensors[2].abs().sum() == 0 and tensors[3][:3].tolist() == [1.0, 1.0, 0.0]
+        return [tensors[0] + q_grad, tensors[1] + d_grad, tensors[2], tensors[3] + torch.stack([*torch.tensor(
+            [1.0, 1.0, 0.0], dtype=torch.float64), part.detach()])]  # fmt: skip
+
+    offsets: list[int] = []
+
+    def encode_d(x: Tensor) -> tuple[Tensor, Tensor]:
+        r = d_net(x)
+        return r, r[:, :1]
+
+    def replay_backward(reps: Any, grads_: Any) -> None:  # (the other rank's rows were let go before the replay)
+        assert all(g.untyped_storage().nbytes() <= rows * g.shape[1] * g.element_size() for g in grads_)
+        reps_backward(reps, grads_)
+
+    got_loss = backward_cached([q_net, encode_d], own, loss_fn, 3, plain_backward, replay_backward, gather=gather,
+                               reduce=reduce if block else None, world=world, loss_chunk_size=block)  # fmt: skip
+    got = [*grads(q_net, d_net), temperature.grad]
+    assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) <= 1e-13  # type: ignore[operator]
+    assert abs(got_loss.item() - loss.item()) <= 1e-14 and offsets == [rank * rows] * 2
+
+
+def test_the_loss_in_blocks_with_gather_needs_a_sum_over_ranks() -> None:
+    with pytest.raises(ValueError, match=r"^`loss_chunk_size` with `gather` needs `reduce` \(a sum over ranks\)\.$"):
+        _cached.run([], info_nce_rows, plain_backward, reps_backward, gather=lambda t: (list(t), 0), loss_chunk_size=2)
+
+
+def test_only_the_graph_free_pass_of_a_replayed_tower_is_uncounted() -> None:
+    """``uncounted()`` wraps each chunk of a replayed tower's graph-free pass, not a frozen tower's (its one
+    pass counts) nor the replay; the chunks of each pass in order."""
+    net, guide = tower(), tower(seed=2).requires_grad_(False)
+    state = {"uncounted": False}
+    calls: list[tuple[str, int, bool, bool]] = []
+
+    @contextlib.contextmanager
+    def uncounted() -> Any:
+        assert not state["uncounted"]
+        state["uncounted"] = True
+        yield
+        state["uncounted"] = False
+
+    def encoder(name: str, module: nn.Module) -> Callable[[Tensor], Tensor]:
+        def encode(x: Tensor) -> Tensor:
+            calls.append((name, len(x), state["uncounted"], torch.is_grad_enabled()))
+            return module(x)
+
+        return encode
+
+    q, d = data(5)
+    towers = _cached.plan([encoder("q", net), guide, encoder("g", guide)], [q, d, q], lambda a, b, c: info_nce(a, b), 3)
+    assert [t.frozen for t in towers] == [False, True, False]
+    towers[2].frozen = True  # (as `no_grad=` plans it)
+    _cached.run(towers, lambda a, b, c: info_nce(a, b), plain_backward, reps_backward, uncounted=uncounted)
+    assert calls == [("q", 3, True, False), ("q", 2, True, False), ("g", 3, False, False), ("g", 2, False, False),
+                     ("q", 3, False, True), ("q", 2, False, True)]  # fmt: skip
+    assert all(p.grad is not None for p in net.parameters()) and all(p.grad is None for p in guide.parameters())
+
+
+@pytest.mark.parametrize("order", ["guide first", "guide between"])
+def test_buffers_move_once_per_sample_whatever_the_towers_order(order: str) -> None:
+    """A frozen tower's one pass writes its BatchNorm statistics (kept), a replayed tower's graph-free pass
+    writes none (its replay does): each module's statistics as one forward of each chunk, in order."""
+    net, guide = tower(norm=True), tower(norm=True, seed=2).requires_grad_(False)
+    ref_net, ref_guide = tower(norm=True), tower(norm=True, seed=2)
+    q, d = data(6)
+    if order == "guide first":
+        encoders, inputs = [guide, net, guide], [q, d, d]
+        chunked(ref_guide, q, 4), chunked(ref_guide, d, 4), chunked(ref_net, d, 4)
+    else:
+        encoders, inputs = [net, guide, net], [q, d, d]
+        chunked(ref_guide, d, 4), chunked(ref_net, q, 4), chunked(ref_net, d, 4)
+    backward_cached(encoders, inputs, lambda a, b, c: info_nce(a + b, c), 4, plain_backward, reps_backward,
+                    modules=[net, guide])  # fmt: skip
+    for got, want in ((net, ref_net), (guide, ref_guide)):
+        assert all(torch.equal(a, b) for a, b in zip(got.buffers(), want.buffers(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("output", "get_rep", "rows"),
+    [
+        (torch.ones(2, 3), None, [[1.0] * 3] * 2),
+        ({"sentence_embedding": torch.zeros(2, 1), "token_embeddings": torch.ones(2, 3)}, None, [[0.0]] * 2),
+        ({"sentence_embedding": torch.zeros(2, 1), "cls": torch.ones(2, 1)}, lambda out: out["cls"], [[1.0]] * 2),
+        (Output(torch.full((2, 1), 5.0)), lambda out: out.last_hidden_state, [[5.0]] * 2),
+    ],
+)  # fmt: skip
+def test_the_representation_picked_from_an_output(output: Any, get_rep: Any, rows: list[list[float]]) -> None:
+    (tower_,) = _cached.plan([lambda x: output], [torch.zeros(2, 1)], info_nce, 2, get_rep=get_rep)
+    (rep,) = tower_.encode(tower_.part(0))
+    assert rep.tolist() == rows
+
+
+def test_an_output_mapping_without_a_sentence_embedding_is_named() -> None:
+    (tower_,) = _cached.plan([lambda x: {"cls": x}], [torch.zeros(2, 1)], info_nce, 2)
+    with pytest.raises(ValueError, match=r"^encoder 0 returned dict; it must return a tensor or a tuple of tensors"):
+        tower_.encode(tower_.part(0))
+
+
+@pytest.mark.parametrize("other", ["none", "some"])
+def test_the_sum_over_ranks_of_the_cached_gradients(other: str) -> None:
+    """One collective: each gradient (zeros where this rank has none) and, last, which ranks have each and the
+    losses; a gradient no rank has stays None; the loss returned is the ranks' sum, in the loss's dtype. The
+    other rank here sends ``theirs``."""
+    a, b = torch.ones(2, 1).requires_grad_(), torch.ones(3, 2).requires_grad_()
+    c = torch.ones(3)  # (no gradient: not sent)
+    grads: list[list[Tensor | None]] = [[torch.tensor([[1.0], [2.0]])], [None, None]]
+    total = torch.tensor(0.25, dtype=torch.float64)
+    theirs = [torch.tensor([[10.0], [20.0]]), torch.full((3, 2), 3.0) if other == "some" else torch.zeros(3, 2)]
+    flags = [1.0, 1.0 if other == "some" else 0.0, 0.5]
+    sent: list[list[Tensor]] = []
+
+    def reduce(tensors: Any) -> list[Tensor]:
+        sent.append([t.clone() for t in tensors])
+        return [t + u for t, u in zip(tensors, [*theirs, torch.tensor(flags)], strict=True)]
+
+    got = _cached._sum_over_ranks([(a,), (b, c)], grads, total, reduce)
+    mine = sent[0]
+    assert [t.tolist() for t in mine] == [[[1.0], [2.0]], [[0.0, 0.0]] * 3, [1.0, 0.0, 0.25]]
+    assert mine[2].dtype == torch.float32
+    assert got.dtype == torch.float64 and got.item() == 0.75
+    assert grads[0][0].tolist() == [[11.0], [22.0]]  # type: ignore[union-attr]
+    assert grads[1][1] is None
+    assert grads[1][0] is None if other == "none" else grads[1][0].tolist() == [[3.0, 3.0]] * 3  # type: ignore[union-attr]
+
+
+def test_the_sum_over_ranks_of_one_gradient() -> None:
+    leaf = torch.ones(2, dtype=torch.float64).requires_grad_()
+    grads: list[list[Tensor | None]] = [[torch.tensor([1.0, 2.0], dtype=torch.float64)]]
+    got = _cached._sum_over_ranks([(leaf,)], grads, torch.tensor(3.0), lambda ts: [t * 2 for t in ts])
+    assert got.dtype == torch.float32 and got.item() == 6.0 and grads[0][0].tolist() == [2.0, 4.0]  # type: ignore[union-attr]
+
+
+def test_the_replay_backpropagates_only_what_has_a_gradient_and_a_graph() -> None:
+    """Each chunk's ``reps_backward`` gets the outputs that need a gradient (not one computed from the input
+    alone, not a tower without parameters), each with its rows of the loss's gradient in the output's dtype."""
+    net = tower()
+    q, d = data(5)
+    d = d[:, :REP]
+
+    def encode(x: Tensor) -> tuple[Tensor, Tensor]:
+        return net(x).to(torch.bfloat16), x[:, :REP].to(torch.bfloat16)  # (the second: no graph)
+
+    def loss_fn(a: tuple[Tensor, Tensor], b: Tensor) -> Tensor:
+        return info_nce((a[0] + a[1]).double(), b)
+
+    leaves = [encode(q)[0].detach().float().requires_grad_(), encode(q)[1].float().requires_grad_()]  # (as cached)
+    loss_fn((leaves[0], leaves[1]), d).backward()  # (the whole loss's gradient of the representations)
+    calls: list[tuple[list[tuple[int, ...]], list[Tensor]]] = []
+
+    def record(reps: Any, grads_: Any) -> None:
+        calls.append(([tuple(r.shape) for r in reps], list(grads_)))
+        assert all(r.requires_grad for r in reps)
+
+    backward_cached([encode, nn.Identity()], [q, d], loss_fn, 3, plain_backward, record)
+    assert [shapes for shapes, _ in calls] == [[(3, REP)], [(2, REP)]]
+    assert all(g.dtype == torch.bfloat16 for _, gs in calls for g in gs)
+    got = torch.cat([gs[0] for _, gs in calls])
+    assert torch.equal(got, leaves[0].grad.to(torch.bfloat16))  # type: ignore[union-attr]
