@@ -1402,3 +1402,109 @@ def test_the_windows_statistics_through_a_checkpoint_and_a_detach() -> None:
         owner = WindowBatchNorm()
         owner.attach(nn.Sequential(nn.BatchNorm1d(2).double()))
         owner.load_state_dict({**saved, "gone": saved["0"], "1": saved["0"]})
+
+
+class KernelSync(nn.SyncBatchNorm):
+    """A ``SyncBatchNorm`` whose forward does what its kernel does on several ranks: it normalises with the
+    statistics of ``union`` (every rank's samples of this forward, set by the test) and writes those (the mean, the
+    variance unbiased over the global count) into its running buffers by its momentum."""
+
+    union: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean, var = self.union.mean(0), self.union.var(0)
+        if self.training and self.track_running_stats:
+            assert self.num_batches_tracked is not None and self.running_mean is not None
+            assert self.running_var is not None
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - m).add_(mean * m)
+                self.running_var.mul_(1 - m).add_(var * m)
+        return (x - mean) / torch.sqrt(self.union.var(0, unbiased=False) + self.eps)
+
+
+def test_sync_batchnorm_windows_pooled_over_two_faked_ranks_and_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks (faked: each rank's owner in one process, the all-gather handing each the rows the other sent),
+    uneven micro-batch sizes. A layer synchronising over group ``g`` (2 ranks) ends the window with the statistics of
+    every sample of both ranks; a second one of ``g`` the window did not reach is left as it was; a ``SyncBatchNorm``
+    of a group of one rank (``h``) pools its own rank's. The checkpoint rank 0 writes inside the window holds the
+    whole window's; resumed on two ranks, the window goes on to the same buffers. Against float64 by hand."""
+    import torch.distributed as dist
+
+    worlds = {"g": 2, "h": 1}
+    rank = [0]
+    sent: dict[int, Tensor] = {}
+
+    def all_gather(out: list[Tensor], flat: Tensor, group: Any = None) -> None:
+        assert group == "g" and len(out) == 2
+        sent[rank[0]] = flat.clone()
+        for r in (0, 1):
+            out[r].copy_(sent.get(r, torch.zeros_like(flat)))
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: worlds[group])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank[0])
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+
+    def net() -> nn.ModuleDict:
+        return nn.ModuleDict({
+            "a": KernelSync(2, momentum=None, process_group="g"), "b": KernelSync(3, momentum=None, process_group="g"),
+            "c": nn.SyncBatchNorm(2, momentum=None, process_group="h"),
+        }).double()  # fmt: skip
+
+    g = torch.Generator().manual_seed(6)
+    sizes = ((2, 5), (4, 2), (3, 3), (2, 3))  # (rank 0's, rank 1's) of each micro-batch
+    xs = [[torch.randn(n, 2, generator=g, dtype=torch.float64) * 2 - 1 for n in pair] for pair in sizes]
+
+    def run(owners: list[WindowBatchNorm], nets: list[nn.ModuleDict], micro_batches: list[list[Tensor]]) -> None:
+        for pair in micro_batches:
+            for r in (0, 1):
+                owners[r].arm()
+                nets[r]["a"].union = torch.cat(pair)
+                nets[r]["a"](pair[r])
+                nets[r]["c"](pair[r])
+                owners[r].accept()
+
+    def gather(owners: list[WindowBatchNorm], call: str) -> list[Any]:
+        sent.clear()
+        for r in (0, 1):  # (each rank's rows first: what the all-gather carries)
+            rank[0] = r
+            owners[r].state_dict()
+        results = []
+        for r in (0, 1):
+            rank[0] = r
+            results.append(getattr(owners[r], call)())
+        return results
+
+    nets = [net(), net()]
+    owners = [WindowBatchNorm(), WindowBatchNorm()]
+    for r in (0, 1):
+        owners[r].attach(nets[r])
+        assert sorted(owners[r]._groups) == ["a", "b"]  # (`c`'s group is one rank: nothing to pool over ranks)
+    run(owners, nets, xs[:2])
+    saved, _ = gather(owners, "state_dict")
+    first = torch.cat([x for pair in xs[:2] for x in pair])
+    assert saved["a"]["count"] == len(first) == 13 and "b" not in saved
+    assert torch.allclose(saved["a"]["mean"], first.mean(0), rtol=0, atol=1e-14)
+    assert torch.allclose(saved["a"]["m2"], first.var(0) * 12, rtol=0, atol=1e-12)
+    assert saved["c"]["count"] == 2 + 4  # (rank 0's own)
+    for resumed in (False, True):  # (the window goes on; or it is resumed from the checkpoint)
+        if resumed:
+            nets, owners = [net(), net()], [WindowBatchNorm(), WindowBatchNorm()]
+            for r in (0, 1):
+                rank[0] = r
+                owners[r].attach(nets[r])
+                owners[r].load_state_dict(saved if r == 0 else {})
+        run(owners, nets, xs[2:])
+        gather(owners, "commit")
+        whole = torch.cat([x for pair in xs for x in pair])
+        for r in (0, 1):
+            a, b, c = nets[r]["a"], nets[r]["b"], nets[r]["c"]
+            assert int(a.num_batches_tracked) == 1 and int(b.num_batches_tracked) == 0
+            assert torch.allclose(a.running_mean, whole.mean(0), rtol=0, atol=1e-13), (resumed, r)
+            assert torch.allclose(a.running_var, whole.var(0), rtol=0, atol=1e-12), (resumed, r)
+            assert b.running_mean.tolist() == [0, 0, 0] and b.running_var.tolist() == [1, 1, 1]
+            # (`c` pools its rank's own samples; the checkpoint holds rank 0's: rank 1 resumed has those after it)
+            own = torch.cat([pair[r] for pair in (xs[2:] if resumed and r == 1 else xs)])
+            assert torch.allclose(c.running_mean, own.mean(0), rtol=0, atol=1e-13), (resumed, r)
+            assert torch.allclose(c.running_var, own.var(0), rtol=0, atol=1e-12), (resumed, r)
