@@ -1508,3 +1508,64 @@ def test_sync_batchnorm_windows_pooled_over_two_faked_ranks_and_resumed(monkeypa
             own = torch.cat([pair[r] for pair in (xs[2:] if resumed and r == 1 else xs)])
             assert torch.allclose(c.running_mean, own.mean(0), rtol=0, atol=1e-13), (resumed, r)
             assert torch.allclose(c.running_var, own.var(0), rtol=0, atol=1e-12), (resumed, r)
+
+
+def test_one_update_pools_its_forwards_suspended_or_not_and_keeps_the_window_aside() -> None:
+    """Suspended (SWA's BatchNorm epoch), ``one_update``'s two forwards make one update with the statistics of both
+    (not two of BatchNorm's own); one that raises adds nothing; the window open before it goes on after it, and the
+    suspension too. Against fresh float64 layers given the same samples in one forward."""
+    g = torch.Generator().manual_seed(8)
+    xs = list(torch.randn(6, 4, 2, generator=g, dtype=torch.float64) + 3)
+    layer = nn.BatchNorm1d(2, momentum=None).double()
+    ref = copy.deepcopy(layer)
+    stats = WindowBatchNorm()
+    stats.attach(layer)
+    stats.arm()
+    layer(xs[0])
+    stats.accept()  # the window: xs[0]
+    stats.suspend()
+    with stats.one_update():
+        layer(xs[1])
+        layer(xs[2][:3])
+    with pytest.raises(KeyError), stats.one_update():
+        layer(xs[3])
+        raise KeyError("after a forward")
+    with torch.no_grad():
+        ref(torch.cat([xs[1], xs[2][:3]]))
+    assert int(layer.num_batches_tracked) == 1
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-14
+    layer(xs[4])  # (still suspended: BatchNorm's own)
+    stats.resume()
+    stats.commit()  # (the window kept aside: xs[0])
+    with torch.no_grad():
+        ref(xs[4])
+        ref(xs[0])
+    assert int(layer.num_batches_tracked) == 3
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-14
+
+
+def test_a_layer_taken_over_or_tracking_nothing_is_left_to_its_owner() -> None:
+    """A window of the first owner open when a second takes its layer over: the first's commit and checkpoint hold
+    nothing of it, the second's window is its own. A layer told ``track_running_stats = False`` after it was built
+    (its buffers kept, never written by BatchNorm) is left alone."""
+    g = torch.Generator().manual_seed(12)
+    xs = list(torch.randn(3, 5, 2, generator=g, dtype=torch.float64))
+    layer = nn.BatchNorm1d(2, momentum=None).double()
+    untracked = nn.BatchNorm1d(2).double()
+    untracked.track_running_stats = False
+    net = nn.Sequential(layer, untracked)
+    ref = copy.deepcopy(layer)
+    first, second = WindowBatchNorm(), WindowBatchNorm()
+    first.attach(net)
+    run_window(first, net, xs[:2])
+    second.attach(nn.Sequential(layer))  # (the first keeps `untracked`)
+    assert list(first.state_dict()) == [] and first.attached
+    first.commit()
+    assert int(layer.num_batches_tracked) == 0
+    run_window(second, nn.Sequential(layer), xs[2:])
+    second.commit()
+    with torch.no_grad():
+        ref(xs[2])
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-14
+    assert untracked.running_mean.tolist() == [0, 0] and untracked.running_var.tolist() == [1, 1]
+    assert int(untracked.num_batches_tracked) == 0
