@@ -1050,6 +1050,13 @@ def test_rows_shared_by_the_layers_and_the_forwards_they_do_not_serve() -> None:
                 x = x if name == "wide" else x.to(dtype)
                 net[name](x)
                 seen[name].append(x.double())
+            blocks = {name: [block for _, block in forwards] for name, forwards in stats._pending.items()}
+            shared = blocks["a"][0]  # (the rows `arm` made: layer `a`'s first forward, not its second)
+            assert isinstance(shared, _Rows) and all(isinstance(b, Tensor) for b in blocks["a"][1:])
+            # (in float32, `wide` is float64 and `lazy` had no buffers when the rows were planned: blocks of their own;
+            # after `.double()`, every layer's first forward writes into the one block)
+            assert [isinstance(blocks[name][0], _Rows) for name in ("lazy", "wide")] == [dtype == torch.float64] * 2
+            assert shared.plan[0] == (["a", "lazy", "wide"] if dtype == torch.float64 else ["a"])
             stats.accept()
         stats.commit()
         for name, xs in seen.items():
