@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_accum import AccumulationMixin, AccumulationScheduler, Budget
-from lightning_accum._core.batchnorm import Moments, WindowBatchNorm
+from lightning_accum._core.batchnorm import Moments, RankMoments, WindowBatchNorm, _Rows, check_batchnorm, union
 from lightning_accum.fabric import FabricAccumulator
 
 from helpers import ResumableLoader, default_dtype, trainer
@@ -1050,6 +1050,13 @@ def test_rows_shared_by_the_layers_and_the_forwards_they_do_not_serve() -> None:
                 x = x if name == "wide" else x.to(dtype)
                 net[name](x)
                 seen[name].append(x.double())
+            blocks = {name: [block for _, block in forwards] for name, forwards in stats._pending.items()}
+            shared = blocks["a"][0]  # (the rows `arm` made: layer `a`'s first forward, not its second)
+            assert isinstance(shared, _Rows) and all(isinstance(b, Tensor) for b in blocks["a"][1:])
+            # (in float32, `wide` is float64 and `lazy` had no buffers when the rows were planned: blocks of their own;
+            # after `.double()`, every layer's first forward writes into the one block)
+            assert [isinstance(blocks[name][0], _Rows) for name in ("lazy", "wide")] == [dtype == torch.float64] * 2
+            assert shared.plan[0] == (["a", "lazy", "wide"] if dtype == torch.float64 else ["a"])
             stats.accept()
         stats.commit()
         for name, xs in seen.items():
@@ -1098,3 +1105,474 @@ def test_a_sync_batchnorm_window_resumed_on_two_ranks_gathers_one_row_length_fro
         assert torch.allclose(saved["0"]["m2"], m2, rtol=0, atol=1e-15)
     else:
         assert saved == {}
+
+
+# ---------------------------------------------------------------------- the module's rules, one by one (issue 53)
+@pytest.mark.parametrize(
+    ("value", "hint"),
+    [
+        ("Window", "window"), ("windows", "window"), (" WINDOW ", "window"), ("wind", "window"),
+        ("micro_batch", "micro-batch"), ("Micro Batch", "micro-batch"), ("microbatch", "micro-batch"),
+        ("batch", None), ("win", None), ("", None), ("per-window", "window"),
+        (None, None), (1, None), (float("nan"), None), (b"window", None), (["window"], None),
+    ],
+)  # fmt: skip
+def test_check_batchnorm_names_the_argument_and_the_nearest_mode(value: object, hint: str | None) -> None:
+    """Every mode passes as given; anything else is refused with the argument named, the value, and the nearest mode
+    where a string is a near miss (its case, ``_`` or a space for ``-``, a letter off), none where it is not."""
+    for mode in ("micro-batch", "window"):
+        assert check_batchnorm(mode) == mode
+    near = "" if hint is None else f" (did you mean {hint!r}?)"
+    with pytest.raises(ValueError) as info:
+        check_batchnorm(value)
+    assert str(info.value) == f"`batchnorm` must be 'micro-batch' or 'window'{near}; got {value!r}."
+
+
+def f64(*values: float) -> Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_moments_by_hand() -> None:
+    """Two samples [1, 2] (mean 1.5, variance 0.5, m2 0.5), then one of 4 as an m2 of 0, then [0, 2] as a variance
+    of 2: counts 2, 3, 5; means 1.5, 7/3, 9/5; m2 by hand (sum of squared deviations of all the samples)."""
+    given = torch.tensor([1.5, -2.0])  # (float32: the moments keep a float64 copy of theirs)
+    m = Moments.of(2, given, torch.tensor([0.5, 8.0]))
+    given.fill_(100.0)
+    assert m.count == 2 and m.mean.dtype == m.m2.dtype == torch.float64
+    assert m.mean.tolist() == [1.5, -2.0] and m.m2.tolist() == [0.5, 8.0]
+    m.add(1, torch.tensor([4.0, -2.0]), f64(0.0, 0.0), m2=True)
+    assert m.count == 3
+    assert torch.allclose(m.mean, f64(7 / 3, -2.0), rtol=0, atol=1e-15)
+    samples = f64(1, 2, 4)
+    assert torch.allclose(m.m2, f64(float(((samples - samples.mean()) ** 2).sum()), 8.0), rtol=0, atol=1e-14)
+    m.add(2, f64(1.0, -2.0), f64(2.0, 0.0))  # [0, 2]: its unbiased variance, 2 (m2 2 x (2 - 1))
+    samples = f64(1, 2, 4, 0, 2)
+    assert m.count == 5
+    assert torch.allclose(m.mean, f64(9 / 5, -2.0), rtol=0, atol=1e-15)
+    assert torch.allclose(m.variance(), f64(float(samples.var()), 8.0 / 4), rtol=0, atol=1e-14)
+    moved = m.to(torch.device("cpu"))
+    assert moved.count == 5 and torch.equal(moved.mean, m.mean) and torch.equal(moved.m2, m.m2)
+    fresh = torch.tensor([3.0], dtype=torch.float64)
+    assert Moments.of(4, fresh, f64(2.0), fresh=True).mean is fresh  # (a tensor of the caller's own: kept)
+    assert Moments.of(4, fresh, f64(2.0), fresh=True).m2.tolist() == [6.0]
+
+
+@pytest.mark.parametrize("m2", [False, True])
+def test_moments_pool_groups_of_any_size_as_one_batch(m2: bool) -> None:
+    """Groups of 1 to 9 samples (a group of one: variance 0), pooled one by one in either spread, against the float64
+    statistics of all of them at once."""
+    g = torch.Generator().manual_seed(7)
+    parts = [torch.randn(n, 2, generator=g, dtype=torch.float64) * 3 - 5 for n in (3, 1, 9, 2, 1, 5)]
+    pooled = Moments.of(3, parts[0].mean(0), parts[0].var(0))
+    for p in parts[1:]:
+        var = p.var(0) if len(p) > 1 else torch.zeros(2, dtype=torch.float64)
+        pooled.add(len(p), p.mean(0), var * (len(p) - 1) if m2 else var, m2=m2)
+    whole = torch.cat(parts)
+    assert pooled.count == len(whole) == 21
+    assert torch.allclose(pooled.mean, whole.mean(0), rtol=0, atol=1e-13)
+    assert torch.allclose(pooled.m2, ((whole - whole.mean(0)) ** 2).sum(0), rtol=0, atol=1e-11)
+    assert torch.allclose(pooled.variance(), whole.var(0), rtol=0, atol=1e-12)
+
+
+def test_rank_moments_and_their_union_are_the_windows_over_all_ranks() -> None:
+    """Two ranks, a window of three ``SyncBatchNorm`` forwards of uneven sizes on each: each forward's statistics
+    those of both ranks' samples (what the kernel writes on both), each rank's ``RankMoments`` weighted by its own
+    count; ``union`` of their rows is the window's count, mean and m2 over everything, against float64 by hand."""
+    g = torch.Generator().manual_seed(3)
+    sizes = ((2, 5), (4, 1), (3, 3))  # (rank 0's, rank 1's) of each forward
+    xs = [[torch.randn(n, 2, generator=g, dtype=torch.float64) * 2 + 1 for n in forward] for forward in sizes]
+    parts: list[RankMoments] = []
+    for rank in (0, 1):
+        part = None
+        for forward in xs:
+            both = torch.cat(forward)
+            count = len(forward[rank])
+            if part is None:
+                part = RankMoments.of(count, both.mean(0).float(), both.var(0).float())
+                assert part.mean.dtype == torch.float64 and part.once.dtype == torch.float64
+                assert torch.equal(part.m2, part.once * count)
+            else:
+                part.add(count, both.mean(0), both.var(0))
+        assert part is not None and part.count == sum(len(forward[rank]) for forward in xs)
+        assert torch.allclose(part.once, sum(torch.cat(f).var(0) for f in xs), rtol=0, atol=1e-6)  # type: ignore[arg-type]
+        moved = part.to(torch.device("cpu"))
+        assert isinstance(moved, RankMoments) and torch.equal(moved.once, part.once) and moved.count == part.count
+        parts.append(part)
+    with pytest.raises(TypeError, match="a mean and an unbiased variance each"):
+        parts[0].add(1, f64(0.0, 0.0), f64(0.0, 0.0), m2=True)
+    rows = torch.stack([torch.cat([f64(p.count), p.mean, p.m2]) for p in parts])
+    count, mean, m2 = union(rows, parts[0].once)
+    whole = torch.cat([x for forward in xs for x in forward])
+    assert int(count) == len(whole) == 18
+    assert torch.allclose(mean, whole.mean(0), rtol=0, atol=1e-6)
+    assert torch.allclose(m2 / (count - 1), whole.var(0), rtol=0, atol=1e-5)  # (the forwards' statistics in float32)
+
+
+def test_union_by_hand() -> None:
+    """Rank 0: 1 sample; rank 1: 3, of one forward over [1, 2, 4, 7] (mean 3.5, m2 21, variance 7): each rank's row
+    ``[count, mean, count x variance]`` from the union's statistics; the union is the count 4, the mean 3.5 and the
+    m2 21 (1 x 7 + 3 x 7 - 7 once) in each of two channels (the second the first doubled: m2 84)."""
+    rows = f64(1, 3.5, 7.0, 7, 28).reshape(1, 5).repeat(2, 1)
+    rows[1, 0], rows[1, 3:] = 3, f64(21, 84)
+    count, mean, m2 = union(rows, f64(7, 28))
+    assert float(count) == 4.0 and mean.tolist() == [3.5, 7.0] and m2.tolist() == [21.0, 84.0]
+    rows[:, 1:3] = f64(3.0, 4.0, 6.0, 7.0).reshape(2, 2)  # (means that differ: 3 and 6 weighted 1 and 3)
+    count, mean, m2 = union(rows, f64(7, 28))
+    assert mean.tolist() == [5.25, 6.25]
+    assert torch.allclose(m2, f64(21 + 1 * 2.25**2 + 3 * 0.75**2, 84 + 1 * 2.25**2 + 3 * 0.75**2), rtol=0, atol=1e-12)
+
+
+def test_rows_are_one_block_of_zeros_split_by_layer_and_pooled_as_one_copy() -> None:
+    rows = _Rows(torch.zeros(1, dtype=torch.float32), (["a", "b"], [2, 2, 3, 3], []))
+    assert rows.data.shape == (10,) and rows.data.dtype == torch.float32 and not rows.data.any()
+    free = rows.free()
+    assert list(free) == ["a", "b"]
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        mean, var, owner = free[name]
+        assert owner is rows
+        mean.fill_(value)
+        var.fill_(-value)
+    assert rows.data.tolist() == [1, 1, -1, -1, 2, 2, 2, -2, -2, -2]  # (views of the one block, in the plan's order)
+    mean_b, var_b = rows.pooled("b")
+    assert mean_b.dtype == torch.float64 and mean_b.tolist() == [2, 2, 2] and var_b.tolist() == [-2, -2, -2]
+    rows.data.zero_()  # (a copy of ours: the block may change after)
+    assert rows.pooled("a")[0].tolist() == [1, 1] and rows.pooled("a")[1].tolist() == [-1, -1]
+    assert rows.pooled("b")[0] is mean_b  # (converted once, at the first ask)
+
+
+def window_net() -> nn.ModuleDict:
+    return nn.ModuleDict({"m": nn.BatchNorm1d(2, momentum=0.25), "cum": nn.BatchNorm1d(2, momentum=None)}).double()
+
+
+def run_window(stats: WindowBatchNorm, net: nn.Module, parts: list[Tensor]) -> None:
+    for part in parts:
+        stats.arm()
+        for layer in net.children():
+            layer(part)
+        stats.accept()
+
+
+def test_commit_updates_once_per_window_with_its_momentum_or_the_cumulative_average() -> None:
+    """Three windows: a layer of momentum 0.25 (``(1 - m) old + m stat``) and one of ``None`` (the mean of the
+    windows' statistics so far), each window's statistics those of all its samples, against float64 by hand;
+    ``num_batches_tracked`` counts windows; a discarded window changes nothing and adds to no later window."""
+    g = torch.Generator().manual_seed(11)
+    net = window_net()
+    stats = WindowBatchNorm()
+    stats.attach(net)
+    assert stats.attached
+    mean, var = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    cum_mean, cum_var = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    for window in range(3):
+        x = torch.randn(9, 2, generator=g, dtype=torch.float64) * (window + 1) + window
+        run_window(stats, net, list(x.split([4, 2, 3])))
+        if window == 1:
+            stats.discard()
+            continue
+        for name in ("m", "cum"):  # (nothing changes before the window steps)
+            assert int(net[name].num_batches_tracked) == min(window, 1)
+        stats.commit()
+        mean, var = 0.75 * mean + 0.25 * x.mean(0), 0.75 * var + 0.25 * x.var(0)
+        n = min(window, 1) + 1
+        cum_mean, cum_var = cum_mean + (x.mean(0) - cum_mean) / n, cum_var + (x.var(0) - cum_var) / n
+        for name, (want_mean, want_var) in (("m", (mean, var)), ("cum", (cum_mean, cum_var))):
+            layer = net[name]
+            assert int(layer.num_batches_tracked) == n
+            assert torch.allclose(layer.running_mean, want_mean, rtol=0, atol=1e-13), (name, window)
+            assert torch.allclose(layer.running_var, want_var, rtol=0, atol=1e-12), (name, window)
+    assert net["m"].momentum == 0.25 and net["cum"].momentum is None
+    stats.commit()  # (an empty window: nothing)
+    assert int(net["m"].num_batches_tracked) == 2
+
+
+def test_what_joins_the_window_accepted_held_dropped_uncounted_and_one_update() -> None:
+    """Micro-batches accepted join the window; dropped ones do not; finished parts ``hold`` keeps join it when the
+    micro-batch is cut short (``accept_held``) or accepted; forwards ``uncounted`` add nothing; ``one_update`` is one
+    update of its forwards alone with the window kept aside. Against one forward of the samples that count, on a
+    fresh copy of the layer (``momentum=None``: after one update, the buffers are those samples' statistics)."""
+    g = torch.Generator().manual_seed(2)
+    xs = list(torch.randn(8, 3, 2, generator=g, dtype=torch.float64) * 2 + 1)
+    layer = nn.BatchNorm1d(2, momentum=None).double()
+    ref = copy.deepcopy(layer)
+    stats = WindowBatchNorm()
+    stats.attach(layer)
+    stats.arm()
+    layer(xs[0])
+    stats.accept()  # in
+    stats.arm()
+    layer(xs[1])
+    stats.drop_pending()  # out
+    stats.arm()
+    layer(xs[2])
+    stats.hold()  # a finished piece: in
+    layer(xs[3])
+    stats.accept()  # in, with the piece held
+    stats.arm()
+    layer(xs[4])
+    stats.hold()  # in (the micro-batch cut short after it)
+    layer(xs[5])  # out
+    stats.accept_held()
+    stats.drop_pending()
+    stats.arm()
+    with stats.uncounted():
+        layer(xs[6])  # out (and the buffers untouched)
+    stats.accept()
+    with stats.one_update():
+        layer(xs[7])  # an update of its own
+    with torch.no_grad():
+        ref(xs[7])
+    assert torch.allclose(layer.running_mean, ref.running_mean, rtol=0, atol=1e-14)
+    assert torch.allclose(layer.running_var, ref.running_var, rtol=0, atol=1e-13)
+    assert int(layer.num_batches_tracked) == 1
+    stats.commit()
+    with torch.no_grad():
+        ref(torch.cat([xs[i] for i in (0, 2, 3, 4)]))
+    assert int(layer.num_batches_tracked) == 2
+    assert torch.allclose(layer.running_mean, ref.running_mean, rtol=0, atol=1e-13)
+    assert torch.allclose(layer.running_var, ref.running_var, rtol=0, atol=1e-13)
+
+
+def test_a_forward_outside_a_micro_batch_or_suspended_is_batchnorms_own() -> None:
+    """Before ``arm``, after ``accept``, after ``disarm`` and while suspended, each training forward updates the
+    layer as plain BatchNorm does (an unhooked copy given the same forwards); in a micro-batch, nothing changes
+    before ``commit``."""
+    g = torch.Generator().manual_seed(4)
+    xs = list(torch.randn(6, 5, 2, generator=g, dtype=torch.float64))
+    layer = nn.BatchNorm1d(2).double()
+    ref = copy.deepcopy(layer)
+    stats = WindowBatchNorm()
+    stats.attach(layer)
+    layer(xs[0])  # (never armed)
+    stats.arm()
+    stats.suspend()
+    layer(xs[1])
+    stats.resume()
+    before = buffers(layer)
+    layer(xs[2])  # (armed: the window's)
+    assert all(torch.equal(a, b) for a, b in zip(buffers(layer).values(), before.values(), strict=True))
+    assert layer.momentum == 0.1
+    stats.accept()
+    layer(xs[3])  # (accepted: the hooks rest)
+    stats.arm()
+    stats.disarm()
+    layer(xs[4])
+    with torch.no_grad():
+        for i in (0, 1, 3, 4):
+            ref(xs[i])
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) == 0.0
+    stats.commit()
+    with torch.no_grad():
+        ref(xs[2])
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-14
+
+
+def test_the_windows_statistics_through_a_checkpoint_and_a_detach() -> None:
+    """``state_dict`` holds the open window's count, mean and m2 by layer; loaded into a fresh owner before its
+    ``attach`` or after, or kept over a ``detach`` and an ``attach`` again, the window goes on where it was (the
+    buffers as one forward of all its samples); a checkpoint naming a layer the model lacks is refused, naming it."""
+    g = torch.Generator().manual_seed(9)
+    xs = list(torch.randn(4, 3, 2, generator=g, dtype=torch.float64) * 3)
+    layer = nn.BatchNorm1d(2, momentum=None).double()
+    stats = WindowBatchNorm()
+    stats.attach(nn.Sequential(layer))
+    run_window(stats, nn.Sequential(layer), xs[:2])
+    saved = stats.state_dict()
+    whole = torch.cat(xs[:2])
+    assert list(saved) == ["0"] and saved["0"]["count"] == 6
+    assert torch.allclose(saved["0"]["mean"], whole.mean(0), rtol=0, atol=1e-14)
+    assert torch.allclose(saved["0"]["m2"], whole.var(0) * 5, rtol=0, atol=1e-12)
+    everything = torch.cat(xs)
+    for way in ("before", "after", "detach"):
+        other = nn.Sequential(nn.BatchNorm1d(2, momentum=None).double())
+        owner = WindowBatchNorm()
+        if way == "before":
+            owner.load_state_dict(saved)
+            owner.attach(other)
+        elif way == "after":
+            owner.attach(other)
+            owner.load_state_dict(saved)
+        else:
+            owner, other = stats, nn.Sequential(layer)
+            owner.detach()
+            assert not owner.attached
+            layer(xs[0])  # (detached: plain BatchNorm's update)
+            assert int(layer.num_batches_tracked) == 1
+            layer.reset_running_stats()
+            owner.attach(other)
+        run_window(owner, other, xs[2:])
+        assert owner.state_dict()["0"]["count"] == 12
+        owner.commit()
+        assert torch.allclose(other[0].running_mean, everything.mean(0), rtol=0, atol=1e-13), way
+        assert torch.allclose(other[0].running_var, everything.var(0), rtol=0, atol=1e-12), way
+        assert int(other[0].num_batches_tracked) == 1
+    with pytest.raises(ValueError, match=r"BatchNorm statistics of layers \['1', 'gone'\] that this model does not"):
+        owner = WindowBatchNorm()
+        owner.attach(nn.Sequential(nn.BatchNorm1d(2).double()))
+        owner.load_state_dict({**saved, "gone": saved["0"], "1": saved["0"]})
+
+
+class KernelSync(nn.SyncBatchNorm):
+    """A ``SyncBatchNorm`` whose forward does what its kernel does on several ranks: it normalises with the
+    statistics of ``union`` (every rank's samples of this forward, set by the test) and writes those (the mean, the
+    variance unbiased over the global count) into its running buffers by its momentum."""
+
+    union: Tensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean, var = self.union.mean(0), self.union.var(0)
+        if self.training and self.track_running_stats:
+            assert self.num_batches_tracked is not None and self.running_mean is not None
+            assert self.running_var is not None
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - m).add_(mean * m)
+                self.running_var.mul_(1 - m).add_(var * m)
+        return (x - mean) / torch.sqrt(self.union.var(0, unbiased=False) + self.eps)
+
+
+def test_sync_batchnorm_windows_pooled_over_two_faked_ranks_and_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks (faked: each rank's owner in one process, the all-gather handing each the rows the other sent),
+    uneven micro-batch sizes. A layer synchronising over group ``g`` (2 ranks) ends the window with the statistics of
+    every sample of both ranks; a second one of ``g`` the window did not reach is left as it was; a ``SyncBatchNorm``
+    of a group of one rank (``h``) pools its own rank's. The checkpoint rank 0 writes inside the window holds the
+    whole window's; resumed on two ranks, the window goes on to the same buffers. Against float64 by hand."""
+    import torch.distributed as dist
+
+    worlds = {"g": 2, "h": 1}
+    rank = [0]
+    sent: dict[int, Tensor] = {}
+
+    def all_gather(out: list[Tensor], flat: Tensor, group: Any = None) -> None:
+        assert group == "g" and len(out) == 2
+        sent[rank[0]] = flat.clone()
+        for r in (0, 1):
+            out[r].copy_(sent.get(r, torch.zeros_like(flat)))
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: worlds[group])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank[0])
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+
+    def net() -> nn.ModuleDict:
+        return nn.ModuleDict({
+            "a": KernelSync(2, momentum=None, process_group="g"), "b": KernelSync(3, momentum=None, process_group="g"),
+            "c": nn.SyncBatchNorm(2, momentum=None, process_group="h"),
+        }).double()  # fmt: skip
+
+    g = torch.Generator().manual_seed(6)
+    sizes = ((2, 5), (4, 2), (3, 3), (2, 3))  # (rank 0's, rank 1's) of each micro-batch
+    xs = [[torch.randn(n, 2, generator=g, dtype=torch.float64) * 2 - 1 for n in pair] for pair in sizes]
+
+    def run(owners: list[WindowBatchNorm], nets: list[nn.ModuleDict], micro_batches: list[list[Tensor]]) -> None:
+        for pair in micro_batches:
+            for r in (0, 1):
+                owners[r].arm()
+                nets[r]["a"].union = torch.cat(pair)
+                nets[r]["a"](pair[r])
+                nets[r]["c"](pair[r])
+                owners[r].accept()
+
+    def gather(owners: list[WindowBatchNorm], call: str) -> list[Any]:
+        sent.clear()
+        for r in (0, 1):  # (each rank's rows first: what the all-gather carries)
+            rank[0] = r
+            owners[r].state_dict()
+        results = []
+        for r in (0, 1):
+            rank[0] = r
+            results.append(getattr(owners[r], call)())
+        return results
+
+    nets = [net(), net()]
+    owners = [WindowBatchNorm(), WindowBatchNorm()]
+    for r in (0, 1):
+        owners[r].attach(nets[r])
+        assert sorted(owners[r]._groups) == ["a", "b"]  # (`c`'s group is one rank: nothing to pool over ranks)
+    run(owners, nets, xs[:2])
+    saved, _ = gather(owners, "state_dict")
+    first = torch.cat([x for pair in xs[:2] for x in pair])
+    assert saved["a"]["count"] == len(first) == 13 and "b" not in saved
+    assert torch.allclose(saved["a"]["mean"], first.mean(0), rtol=0, atol=1e-14)
+    assert torch.allclose(saved["a"]["m2"], first.var(0) * 12, rtol=0, atol=1e-12)
+    assert saved["c"]["count"] == 2 + 4  # (rank 0's own)
+    for resumed in (False, True):  # (the window goes on; or it is resumed from the checkpoint)
+        if resumed:
+            nets, owners = [net(), net()], [WindowBatchNorm(), WindowBatchNorm()]
+            for r in (0, 1):
+                rank[0] = r
+                owners[r].attach(nets[r])
+                owners[r].load_state_dict(saved if r == 0 else {})
+        run(owners, nets, xs[2:])
+        gather(owners, "commit")
+        whole = torch.cat([x for pair in xs for x in pair])
+        for r in (0, 1):
+            a, b, c = nets[r]["a"], nets[r]["b"], nets[r]["c"]
+            assert int(a.num_batches_tracked) == 1 and int(b.num_batches_tracked) == 0
+            assert torch.allclose(a.running_mean, whole.mean(0), rtol=0, atol=1e-13), (resumed, r)
+            assert torch.allclose(a.running_var, whole.var(0), rtol=0, atol=1e-12), (resumed, r)
+            assert b.running_mean.tolist() == [0, 0, 0] and b.running_var.tolist() == [1, 1, 1]
+            # (`c` pools its rank's own samples; the checkpoint holds rank 0's: rank 1 resumed has those after it)
+            own = torch.cat([pair[r] for pair in (xs[2:] if resumed and r == 1 else xs)])
+            assert torch.allclose(c.running_mean, own.mean(0), rtol=0, atol=1e-13), (resumed, r)
+            assert torch.allclose(c.running_var, own.var(0), rtol=0, atol=1e-12), (resumed, r)
+
+
+def test_one_update_pools_its_forwards_suspended_or_not_and_keeps_the_window_aside() -> None:
+    """Suspended (SWA's BatchNorm epoch), ``one_update``'s two forwards make one update with the statistics of both
+    (not two of BatchNorm's own); one that raises adds nothing; the window open before it goes on after it, and the
+    suspension too. Against fresh float64 layers given the same samples in one forward."""
+    g = torch.Generator().manual_seed(8)
+    xs = list(torch.randn(6, 4, 2, generator=g, dtype=torch.float64) + 3)
+    layer = nn.BatchNorm1d(2, momentum=None).double()
+    ref = copy.deepcopy(layer)
+    stats = WindowBatchNorm()
+    stats.attach(layer)
+    stats.arm()
+    layer(xs[0])
+    stats.accept()  # the window: xs[0]
+    stats.suspend()
+    with stats.one_update():
+        layer(xs[1])
+        layer(xs[2][:3])
+    with pytest.raises(KeyError), stats.one_update():
+        layer(xs[3])
+        raise KeyError("after a forward")
+    with torch.no_grad():
+        ref(torch.cat([xs[1], xs[2][:3]]))
+    assert int(layer.num_batches_tracked) == 1
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-14
+    layer(xs[4])  # (still suspended: BatchNorm's own)
+    stats.resume()
+    stats.commit()  # (the window kept aside: xs[0])
+    with torch.no_grad():
+        ref(xs[4])
+        ref(xs[0])
+    assert int(layer.num_batches_tracked) == 3
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-14
+
+
+def test_a_layer_taken_over_or_tracking_nothing_is_left_to_its_owner() -> None:
+    """A window of the first owner open when a second takes its layer over: the first's commit and checkpoint hold
+    nothing of it, the second's window is its own. A layer told ``track_running_stats = False`` after it was built
+    (its buffers kept, never written by BatchNorm) is left alone."""
+    g = torch.Generator().manual_seed(12)
+    xs = list(torch.randn(3, 5, 2, generator=g, dtype=torch.float64))
+    layer = nn.BatchNorm1d(2, momentum=None).double()
+    untracked = nn.BatchNorm1d(2).double()
+    untracked.track_running_stats = False
+    net = nn.Sequential(layer, untracked)
+    ref = copy.deepcopy(layer)
+    first, second = WindowBatchNorm(), WindowBatchNorm()
+    first.attach(net)
+    run_window(first, net, xs[:2])
+    second.attach(nn.Sequential(layer))  # (the first keeps `untracked`)
+    assert list(first.state_dict()) == [] and first.attached
+    first.commit()
+    assert int(layer.num_batches_tracked) == 0
+    run_window(second, nn.Sequential(layer), xs[2:])
+    second.commit()
+    with torch.no_grad():
+        ref(xs[2])
+    assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-14
+    assert untracked.running_mean.tolist() == [0, 0] and untracked.running_var.tolist() == [1, 1]
+    assert int(untracked.num_batches_tracked) == 0
