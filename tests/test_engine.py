@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import ast
+import warnings
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from lightning_accum import Constant, Lambda, Piecewise, Progress
+from lightning_accum import Budget, Constant, Lambda, NoiseScale, Piecewise, Progress
 from lightning_accum._core import sync
-from lightning_accum._core.engine import WindowEngine, window_id
+from lightning_accum._core.engine import WindowEngine, samples_needed_by, window_id
 from lightning_accum._core.window import lightning_divisor
 
 ENGINE = Path(__file__).parents[1] / "src" / "lightning_accum" / "_core" / "engine.py"
@@ -228,3 +230,194 @@ def test_probe_measures_through_the_engine() -> None:
     assert schedule.estimator.updates == 1
     # |g_1|^2 = 4 at B=1, |g_2|^2 = 2.25 at B=2: |G|^2 = 0.5, tr = 3.5
     assert schedule.estimator.grad_sq == pytest.approx(0.5) and schedule.estimator.trace == pytest.approx(3.5)
+
+
+# ---------------------------------------------------------------------- the engine's rules, one table each
+# (hand-computed expectations: integers, a ratio of them, a message's words; no Trainer)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "normalize", "lr_scaling", "needed"),
+    [
+        (Piecewise({0: 2}, unit="samples"), "items", None, "The schedule Piecewise({0: 2}, unit='samples')"),
+        (Budget(10, unit="samples"), "items", "linear", "The schedule Budget"),
+        (Constant(2), "mean", None, None),
+        (Constant(2), "mean", "linear", None),
+        (Constant(2), "mean", "sqrt", None),
+        (Constant(2), "mean", "adascale", "Measuring the gradient noise in samples (`normalize='mean'`)"),
+        (Constant(2), "items", "adascale", None),
+        (NoiseScale(2, 8), "mean", None, "Measuring the gradient noise in samples"),
+        (NoiseScale(2, 8), "items", None, None),
+        (Budget(10, unit="items"), "mean", None, None),
+        (Piecewise({0: 2}, unit="items"), "mean", None, None),
+    ],
+)
+def test_what_needs_the_sample_count(schedule: Any, normalize: str, lr_scaling: str | None, needed: str | None) -> None:
+    got = samples_needed_by(schedule, normalize, lr_scaling)
+    assert got == needed if needed is None else got is not None and got.startswith(needed)
+    assert WindowEngine(schedule, normalize, lr_scaling).samples_needed_by == got
+
+
+def test_window_identity_is_a_small_integer_and_its_square() -> None:
+    # (epoch * 1_000_003 + start) mod 65_521, plus 1: by hand, 1_000_003 = 15 * 65_521 + 17_188
+    assert window_id(0, 0) == [1, 1]
+    assert window_id(0, 5) == [6, 36]
+    assert window_id(1, 0) == [17_189, 17_189**2]
+    assert window_id(2, 3) == [34_380, 34_380**2]  # 2_000_006 + 3 = 30 * 65_521 + 34_379
+    assert window_id(0, 65_520) == [65_521, 65_521**2]  # the largest
+    assert window_id(0, 65_521) == [1, 1]  # wraps
+
+
+def test_open_under_a_budget_and_the_first_windows_size() -> None:
+    sizes = iter([10, 30])
+    engine = WindowEngine(Budget(lambda progress: next(sizes), max_k=4), lr_scaling="linear")
+    window = engine.open(epoch=0, start=0)
+    assert (window.k, window.divisor, window.budget, engine.first_k) == (4, 1, 10, 10)
+    engine.count(5, 5)
+    engine.count(5, 5)
+    closing = engine.close(None)
+    assert (closing.k, closing.scale, closing.lr_factor) == (2, 0.5, 1.0)  # sum of 2 micro-batches, undivided
+    engine.advance(0)
+    window = engine.open(epoch=0, start=2)
+    assert (window.k, window.budget, engine.first_k) == (4, 30, 10)  # (the first window's budget stays the base)
+    for _ in range(3):
+        engine.count(5, 5)
+    closing = engine.close(None)
+    assert (closing.k, closing.items, closing.lr_factor) == (3, 15, 1.5)  # 15 items over the first budget of 10
+
+
+def test_open_sets_the_epoch_and_forgets_the_last_windows_step() -> None:
+    engine = WindowEngine(Constant(1))
+    engine.open(0, 0)
+    engine.count(1, 1)
+    engine.close(None)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    engine.scale_lr(optimizer)
+    assert len(engine.used_lrs) == 1
+    engine.advance(0)
+    assert engine.progress.epoch == 0
+    engine.open(3, 0)
+    assert engine.progress.epoch == 3 and engine.progress.step == 1 and engine.closing is None
+    assert engine.used_lrs == []
+
+
+@pytest.mark.parametrize(("dtype", "divisor"), [(torch.bfloat16, 4), (torch.float32, 3)])
+def test_open_under_grad_accum_dtype_divides_by_a_power_of_two(dtype: torch.dtype, divisor: int) -> None:
+    """A narrow parameter's sum is kept wide: each loss divided by 4 (the power of two at or above k = 3), the rest
+    at the close; a parameter as wide as the dtype keeps the division by k."""
+    engine = WindowEngine(Constant(3), grad_accum_dtype=torch.float32)
+    engine.widen([torch.nn.Parameter(torch.zeros(2, dtype=dtype))])
+    assert engine.widened == (divisor == 4)
+    assert engine.open(0, 0).divisor == divisor
+    assert WindowEngine(Constant(3)).open(0, 0).divisor == 3
+
+
+def test_closes_after_the_kth_micro_batch() -> None:
+    engine = WindowEngine(Constant(3))
+    engine.open(0, 0)
+    table = []
+    for _ in range(3):
+        table.append((engine.closes_after(1, 1, None), engine.closes_after(1, 1, None, again=True)))
+        engine.count(1, 1)
+    table.append((engine.closes_after(1, 1, None), engine.closes_after(1, 1, None, again=True)))
+    # (about to go in: the (count + 1)-th; trained again: the count-th, already in)
+    assert table == [(False, False), (False, False), (True, False), (True, True)]
+
+
+def test_closes_after_a_budget_reached_over_ranks() -> None:
+    engine = WindowEngine(Budget(10, unit="items", max_k=4))
+    engine.open(0, 0)
+    assert engine.closes_after(99, 6, None) is False  # 6 of 10 (the samples do not count)
+    engine.count(99, 6)
+    engine.batch_done()
+    assert engine.closes_after(0, 0, None, again=True) is False  # (trained again: nothing added)
+    assert engine.closes_after(0, 0, None, total=4) is True  # 10 of 10 (a count read ahead)
+    assert engine.closes_after(0, 0, None, again=True) is True
+    assert engine.window is not None and engine.window.seen == 10
+
+    engine = WindowEngine(Budget(10, unit="items", max_k=4))
+    engine.open(0, 0)
+    engine.ask(0, 9, None)  # (issued as the micro-batch opens: its count is the one read)
+    assert engine.closes_after(0, 1, None) is False and engine.window.seen == 9
+    engine.count(0, 9)
+    engine.batch_done()
+    assert engine.closes_after(0, 1, None) is True and engine.window.seen == 10  # (the ask read once only)
+
+
+def test_a_budgets_count_of_a_micro_batch() -> None:
+    samples = WindowEngine(Budget(10, unit="samples"))
+    items = WindowEngine(Budget(10, unit="items"))
+    assert samples.budget_count(3, 7) == 3 and samples.budget_count(3, -1) == 3
+    assert items.budget_count(3, 7) == 7 and items.budget_count(3, 0) == 0
+    assert items.budget_count(3, torch.tensor(7)) == 7 and items.budget_count(3, torch.tensor([0])) == 0
+    for bad in (-1, True, 2.5, torch.tensor(-2), torch.tensor(1.5)):
+        with pytest.raises(ValueError, match="item count"):
+            items.budget_count(3, bad)  # type: ignore[arg-type]
+    assert WindowEngine(Constant(2)).budget_count(3, 7) == 7  # (no unit: items)
+
+
+@pytest.mark.parametrize(
+    ("normalize", "counts", "what"),
+    [("mean", [], "no micro-batch was back-propagated"), ("items", [(2, 0), (3, 0)], "its global item count is 0")],
+)
+def test_an_empty_window_is_not_stepped_and_warned_about_once(
+    normalize: str, counts: list[tuple[int, int]], what: str
+) -> None:
+    engine = WindowEngine(Constant(2), normalize, lr_scaling="linear")
+    for epoch in (0, 1):
+        engine.open(epoch, 0)
+        for samples, items in counts:
+            engine.count(samples, items)
+        if epoch == 0:
+            with pytest.warns(UserWarning, match=f"An accumulation window was not stepped: {what} "):
+                closing = engine.close(None)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # (once)
+                closing = engine.close(None)
+        assert closing.empty and closing.gain == 1.0
+        engine.advance(epoch)
+    n = len(counts)
+    assert engine.progress == Progress(epoch=1, step=0, samples=10 if n else 0, items=0, microbatches=2 * n)
+    assert engine.first_units is None  # (AdaScale's base: the first window stepped)
+    engine.open(2, 0)
+    engine.count(4, 3)
+    closing = engine.close(None)
+    assert not closing.empty and engine.first_units == (4 if normalize == "mean" else 3)
+    engine.advance(2)
+    assert (engine.progress.step, engine.progress.scaled_steps) == (1, 1.0)
+
+
+def test_a_window_of_micro_batches_but_no_items_under_mean_is_stepped() -> None:
+    engine = WindowEngine(Constant(2))
+    engine.open(0, 0)
+    engine.count(2, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        closing = engine.close(None)
+    assert not closing.empty and closing.scale == 2.0  # one micro-batch of k = 2: divided by 2, a mean over 1
+
+
+def test_lr_schedule_is_asked_as_the_window_opens_and_multiplies_the_scaling() -> None:
+    seen: list[int] = []
+
+    def multiplier(progress: Progress) -> float:
+        seen.append(progress.step)
+        return 0.5 + progress.step
+
+    engine = WindowEngine(Piecewise({0: 2, 1: 6}, unit="step"), lr_scaling="linear", lr_schedule=multiplier)
+    for step in range(2):
+        window = engine.open(0, 2 * step)
+        for _ in range(window.k):
+            engine.count(1, 1)
+        closing = engine.close(None)
+        assert closing.lr_factor == [0.5, 3 * 1.5][step]  # (k / first k = 1, then 3) * the multiplier at the open
+        engine.advance(0)
+    assert seen == [0, 1]
+    state = engine.state_dict()
+    engine.open(0, 8)  # (the open asks once; a window a checkpoint held asks at its close)
+    engine.count(1, 1)
+    twin = WindowEngine(Piecewise({0: 2, 1: 6}, unit="step"), lr_scaling="linear", lr_schedule=multiplier)
+    twin.load_state_dict({**engine.state_dict(), "progress": state["progress"]})
+    seen.clear()
+    assert twin.close(None).lr_factor == 3 * 2.5 and seen == [2]
