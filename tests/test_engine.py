@@ -421,3 +421,277 @@ def test_lr_schedule_is_asked_as_the_window_opens_and_multiplies_the_scaling() -
     twin.load_state_dict({**engine.state_dict(), "progress": state["progress"]})
     seen.clear()
     assert twin.close(None).lr_factor == 3 * 2.5 and seen == [2]
+
+
+def _two_in(k: int = 4, track: bool = False) -> WindowEngine:
+    """An engine whose window holds one micro-batch (2 samples, 1 item, loss 3) and counts a second (loss 5),
+    whose backward pass has not finished."""
+    engine = WindowEngine(Constant(k))
+    engine.metrics.tracking = track
+    engine.open(0, 0)
+    for loss in (3.0, 5.0):
+        engine.count(2, 1)
+        engine.metrics.add_loss(torch.tensor(loss))
+        if loss == 3.0:
+            engine.backward_done()
+            engine.batch_done()
+    return engine
+
+
+CUT = (
+    "a backward pass into the accumulation window was cut short: a checkpoint written now leaves its 2 micro-batch(es)"
+)
+
+
+@pytest.mark.parametrize(
+    ("finished", "in_backward", "open_pass", "lost", "microbatches", "redo", "losses"),
+    [
+        (False, False, False, None, 1, None, [3.0]),  # before its backward: taken back
+        (True, False, False, None, 2, (0, 1), [8.0]),  # its backward ran to its end: kept, adds nothing again
+        (False, True, False, CUT, None, None, []),  # inside its backward: the window is lost
+        (True, True, False, CUT, None, None, []),
+        (False, False, True, CUT, None, None, []),  # a block's backward that did not finish (the mixin)
+    ],
+)
+def test_settle_after_an_exception_in_a_micro_batch(
+    finished: bool, in_backward: bool, open_pass: bool, lost: str | None, microbatches: int | None,
+    redo: tuple[int, int] | None, losses: list[float],
+) -> None:  # fmt: skip
+    engine = _two_in(track=True)
+    if finished:
+        engine.pass_ended()
+    got = engine.settle((0, 1), processed=False, in_backward=in_backward, open_pass=open_pass, rescaled=False)
+    assert got == (None if lost is None else f"{lost} out")
+    assert (None if engine.window is None else engine.window.microbatches) == microbatches
+    if engine.window is not None:
+        assert (engine.window.samples, engine.window.items) == (2 * microbatches, microbatches)  # type: ignore[operator]
+    assert engine.redo == redo and engine.inflight is None and engine.closing is None
+    assert [float(s) for s in engine.metrics.sums()] == losses
+
+
+def test_settle_outside_a_micro_batch_and_around_a_step() -> None:
+    engine = _two_in()
+    engine.backward_done()
+    engine.batch_done()
+    # between micro-batches: nothing of the batch reached the window
+    assert engine.settle((0, 2), processed=False, in_backward=False, open_pass=False, rescaled=False) is None
+    assert engine.window is not None and engine.window.microbatches == 2 and engine.redo is None
+    # a backward pass cut short before any micro-batch's gradient went in: the window goes on, empty
+    fresh = WindowEngine(Constant(4))
+    window = fresh.open(0, 0)
+    assert fresh.settle((0, 0), processed=False, in_backward=True, open_pass=False, rescaled=False) is None
+    assert fresh.window is window
+
+    def closing_of_one() -> WindowEngine:
+        one = WindowEngine(Constant(1))
+        one.open(0, 0)
+        one.count(3, 3)
+        one.backward_done()
+        one.close(None)
+        return one
+
+    one = closing_of_one()  # the step had not touched the gradient: the window is as it was, the batch a redo
+    assert one.settle((0, 0), processed=False, in_backward=False, open_pass=False, rescaled=False) is None
+    assert one.closing is None and one.window is not None and one.window.microbatches == 1 and one.redo == (0, 0)
+    one = closing_of_one()  # the step changed the gradient in place: lost
+    got = one.settle((0, 0), processed=False, in_backward=False, open_pass=False, rescaled=True)
+    assert got == "the accumulation window was being stepped: a checkpoint written now leaves its 1 micro-batch(es) out"
+    assert one.window is None and one.closing is None
+    one = closing_of_one()  # the batch is done: so is the step
+    assert one.settle((0, 0), processed=True, in_backward=False, open_pass=False, rescaled=True) is None
+    assert one.window is None and one.progress.step == 1 and one.progress.samples == 3
+    one = closing_of_one()
+    one.advance(0)  # stepped already, and the batch is trained again (inflight: batch_done did not run)
+    got = one.settle((0, 0), processed=False, in_backward=False, open_pass=False, rescaled=False)
+    assert got == "this batch's accumulation window was stepped already, and the batch will be trained again"
+    engine = _two_in()  # processed: nothing to take back
+    assert engine.settle((0, 1), processed=True, in_backward=False, open_pass=False, rescaled=False) is None
+    assert engine.window is not None and engine.window.microbatches == 2 and engine.progress.step == 0
+
+
+def test_advance_adds_the_window_and_times_stepped_windows() -> None:
+    engine = WindowEngine(Constant(2))
+    engine.open(0, 0)
+    engine.start_fit(sync.SyncPlan(), track=False)
+    assert engine.seconds is None
+    engine.count(3, 4)
+    engine.close(None)
+    engine.advance(0)
+    first = engine.seconds
+    assert first is not None and first >= 0.0
+    engine.open(0, 2)
+    with pytest.warns(UserWarning, match="not stepped"):
+        engine.close(None)
+    engine.advance(0)
+    assert engine.seconds == first  # (an empty window: no step, no time)
+    assert engine.progress == Progress(epoch=0, step=1, samples=3, items=4, microbatches=1, scaled_steps=1.0)
+    timeless = WindowEngine(Constant(1))  # (no fit started: not timed)
+    timeless.open(0, 0)
+    timeless.count(1, 1)
+    timeless.close(None)
+    timeless.advance(0)
+    assert timeless.seconds is None
+
+
+def test_scale_lr_keeps_what_the_step_used() -> None:
+    engine = WindowEngine(Constant(1))
+    engine.open(0, 0)
+    engine.count(1, 1)
+    engine.close(None)
+    lr = torch.tensor(0.25)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    engine.scale_lr(optimizer, keep=False)
+    assert engine.used_lrs == []
+    engine.scale_lr(optimizer)
+    lr.mul_(2)  # (a scheduler changes a tensor rate in place after the step)
+    assert engine.used_lrs[0][0] is optimizer and float(engine.used_lrs[0][1][0]) == 0.25
+    engine.restore_lr()
+    assert optimizer.param_groups[0]["lr"] is lr  # (factor 1: nothing was changed)
+
+
+def test_local_numbers_of_an_open_window() -> None:
+    engine = WindowEngine(Constant(3))
+    engine.metrics.tracking = True
+    engine.open(0, 0)
+    engine.count(2, torch.tensor(5))
+    engine.metrics.add_loss(torch.tensor(1.5))
+    engine.backward_done()
+    assert engine.number_count() == 8
+    numbers = engine.local_numbers()
+    assert numbers == [1, 2, 5, 0.0, 0.0, 0.0, 0.0, 1.5]
+    twin = WindowEngine(Constant(3))
+    twin.metrics.tracking = True
+    twin.open(0, 0)
+    twin.metrics.load_sums(["loss"], [0.0])
+    twin.load_local_numbers([4, 9, 7, 0.0, 0.0, 0.0, 0.0, 2.5])
+    assert twin.window is not None and (twin.window.microbatches, twin.window.samples, twin.window.items) == (4, 9, 7)
+    assert [float(s) for s in twin.metrics.sums()] == [2.5]
+    assert WindowEngine(Constant(3)).number_count() == 7
+
+
+class Multiplier:
+    """An ``lr_schedule`` with a state (its count of calls)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, progress: Progress) -> float:
+        self.calls += 1
+        return 1.0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = state["calls"]
+
+
+def test_state_dict_holds_what_the_options_need() -> None:
+    plain = WindowEngine(Constant(2))
+    plain.open(0, 0)
+    state = plain.state_dict()
+    assert set(state) == {"progress", "window", "first_k", "first_units", "schedule", "window_options"}
+    assert state["window_options"] == {"normalize": "mean", "reduction": None}
+    assert state["first_k"] == 2 and state["first_units"] is None
+    plain.discard()
+    assert set(plain.state_dict()) == {"progress", "window", "first_k", "first_units", "schedule"}  # (no window)
+
+    rich = WindowEngine(
+        Budget(8, unit="samples"), "items", "adascale", Multiplier(), reduction="sum", grad_accum_dtype=torch.float64
+    )
+    rich.metrics.tracking = True
+    rich.open(0, 0)
+    rich.redo = (0, 4)
+    state = rich.state_dict()
+    assert {"adascale", "lr_schedule", "budget_unit", "probe", "redo", "losses"} <= set(state)
+    assert state["budget_unit"] == "samples" and state["redo"] == [0, 4] and state["losses"] == {}
+    assert state["lr_schedule"] == {"calls": 1}
+    assert state["window_options"] == {"normalize": "items", "reduction": "sum", "grad_accum_dtype": "float64"}
+    assert "adascale" not in WindowEngine(Constant(2), lr_scaling="linear").state_dict()
+
+
+def _held(schedule: Any, **options: Any) -> dict[str, Any]:
+    engine = WindowEngine(schedule, **options)
+    engine.open(0, 0)
+    engine.closes_after(1, 1, None)  # (a budget's count)
+    engine.count(1, 1)
+    return engine.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("saved", "here", "match"),
+    [
+        (
+            {"normalize": "mean"},
+            {"normalize": "items"},
+            r"summed under normalize='mean', reduction=None; this run has "
+            r"normalize='items', reduction=None",
+        ),
+        ({"normalize": "items", "reduction": "sum"}, {"normalize": "items", "reduction": "mean"}, "reduction='sum'"),
+        (
+            {"grad_accum_dtype": torch.float64},
+            {},
+            r"summed in float64 \(`grad_accum_dtype='float64'`\); this run has "
+            r"`grad_accum_dtype=None`",
+        ),
+        ({}, {"grad_accum_dtype": torch.float64}, r"summed in the parameters' dtype \(`grad_accum_dtype=None`\)"),
+        ({"grad_accum_dtype": torch.float32}, {"grad_accum_dtype": torch.float64}, "summed in float32"),
+    ],
+)
+def test_a_window_held_under_other_options_is_refused(saved: dict[str, Any], here: dict[str, Any], match: str) -> None:
+    state = _held(Constant(3), **saved)
+    engine = WindowEngine(Constant(3), **here)
+    with pytest.raises(ValueError, match=match):
+        engine.load_state_dict(state)
+    assert engine.window is None  # (nothing changed)
+    WindowEngine(Constant(3), **saved).load_state_dict(state)  # the same options: taken
+    engine.load_state_dict({**state, "window": None})  # no window held: any options
+    old = {key: value for key, value in state.items() if key != "window_options"}  # (written before the check)
+    engine.load_state_dict(old)
+    assert engine.window is not None and engine.window.microbatches == 1
+
+
+@pytest.mark.parametrize(
+    ("saved", "here", "match"),
+    [
+        (Budget(8), Constant(3), "closed by a `Budget`; this run's schedule Constant\\(3\\) is a schedule of k"),
+        (Constant(3), Budget(8), "closed by a schedule of k; this run's schedule Budget.* is a `Budget`"),
+        (
+            Budget(8, unit="samples"),
+            Budget(8, unit="items"),
+            r"closed by a `Budget` in samples; .* counts items, .*"
+            r"\(its 1 samples so far would be added to items\)\. Resume with `unit='samples'`",
+        ),
+    ],
+)
+def test_a_window_held_under_another_kind_of_schedule_is_refused(saved: Any, here: Any, match: str) -> None:
+    state = _held(saved)
+    with pytest.raises(ValueError, match=match):
+        WindowEngine(here).load_state_dict(state)
+    WindowEngine(here).load_state_dict({**state, "window": None})
+    if isinstance(here, Budget) and isinstance(saved, Budget):
+        WindowEngine(here).load_state_dict({k: v for k, v in state.items() if k != "budget_unit"})  # (not known)
+
+
+def test_load_puts_back_what_the_checkpoint_holds() -> None:
+    engine = WindowEngine(Constant(3), lr_schedule=Multiplier())
+    engine.metrics.tracking = True
+    engine.open(0, 0)
+    engine.count(1, 1)
+    engine.metrics.add_loss(torch.tensor(2.0))
+    engine.backward_done()
+    engine.redo = (0, 7)
+    state = engine.state_dict()
+    twin = WindowEngine(Constant(3), lr_schedule=Multiplier())
+    twin.closing, twin.inflight = engine.close(None), (1, 1)
+    twin.load_state_dict({**state, "first_units": 0})  # (a base of 0 items: checkpoints before 0.2)
+    assert twin.first_units is None and twin.first_k == 3 and twin.redo == (0, 7)
+    assert twin.closing is None and twin.inflight is None
+    assert twin.lr_schedule.calls == 1  # type: ignore[union-attr]
+    assert twin.metrics.names() == ["loss"] and [float(s) for s in twin.metrics.sums()] == [2.0]
+    assert twin.window is not None and twin.window.microbatches == 1
+    with pytest.warns(UserWarning, match=r"has no `load_state_dict` to take it: the run goes on without it"):
+        WindowEngine(Constant(3), lr_schedule=lambda progress: 1.0).load_state_dict(state)
+    blank = WindowEngine(Constant(3))
+    blank.load_state_dict({"progress": {"step": 4}})  # (the least a checkpoint holds)
+    assert blank.progress.step == 4 and blank.window is None and blank.first_k is None and blank.redo is None
