@@ -695,3 +695,53 @@ def test_load_puts_back_what_the_checkpoint_holds() -> None:
     blank = WindowEngine(Constant(3))
     blank.load_state_dict({"progress": {"step": 4}})  # (the least a checkpoint holds)
     assert blank.progress.step == 4 and blank.window is None and blank.first_k is None and blank.redo is None
+
+
+@pytest.mark.parametrize(
+    ("track", "norm", "noise", "others", "expected"),
+    [
+        # |g| = 5 (3, 4), read times the AMP scale 4; this rank's 2 micro-batches of k = 2 alone: scale 1
+        (True, True, False, None, 25 / 16),
+        (False, True, False, None, None),  # nobody logs it: not measured
+        (True, False, False, None, None),  # nobody reads it: not measured
+        (False, False, True, None, 25 / 16),  # the noise probe reads it all the same
+        # and a second rank with one micro-batch: DDP's mean over 2 ranks of sum / 2 -> a mean over 3 (4 / 3)
+        (True, True, False, [1, 4, 4], (4 / 3 / 4) ** 2 * 25),
+        (False, True, False, [1, 4, 4], None),
+    ],
+)
+def test_the_windows_gradient_norm_is_measured_where_it_is_read(
+    track: bool, norm: bool, noise: bool, others: list[int] | None, expected: float | None
+) -> None:
+    engine = WindowEngine(NoiseScale(2, 8, every=1, warmup=1) if noise else Constant(2))
+    engine.metrics.tracking = track
+    engine.open(0, 0)
+    engine.count(2, 2)
+    engine.count(2, 2)
+    strategy = None if others is None else FakeStrategy(world_size=2, others=[*others, *window_id(0, 0)])
+    closing = engine.close(strategy, grads=[torch.tensor([3.0, 4.0])], loss_scale=lambda: 4.0, norm=norm)
+    assert closing.norm_sq == (None if expected is None else pytest.approx(expected, rel=1e-12))
+    assert engine.close(strategy, loss_scale=lambda: 4.0).norm_sq is None  # (no gradient given: none)
+
+
+class OnDevice(torch.Tensor):
+    """A count that says it is on an accelerator (``budget_count`` only asks its device)."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def test_a_budgets_device_count_is_warned_about_once() -> None:
+    engine = WindowEngine(Budget(10, unit="items"))
+    count = torch.tensor(3).as_subclass(OnDevice)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert engine.budget_count(1, count, warn=False) == 3  # (not warned, and still to warn)
+    with pytest.warns(UserWarning, match=r"gave a tensor on cuda:0, whose read waits for the device") as caught:
+        assert engine.budget_count(1, count) == 3
+        assert engine.budget_count(1, count) == 3
+    assert len(caught) == 1  # only once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert WindowEngine(Budget(10, unit="items")).budget_count(1, torch.tensor(3)) == 3  # (on the CPU: no read)
