@@ -745,3 +745,38 @@ def test_a_budgets_device_count_is_warned_about_once() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert WindowEngine(Budget(10, unit="items")).budget_count(1, torch.tensor(3)) == 3  # (on the CPU: no read)
+
+
+def test_grad_accum_dtype_sums_the_narrow_parameters_and_lands_them_once() -> None:
+    """A bf16 parameter's window of 3: each loss divided by 4 (the power of two at or above 3), summed in float32
+    (0.375 for a gradient of 0.5 a micro-batch), and the sum times 4 / 3 landed in ``.grad`` once: 0.5."""
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    engine = WindowEngine(Constant(3), grad_accum_dtype=torch.float32)
+    engine.metrics.tracking = True
+    engine.widen([w])
+    assert engine.widened and engine.wide is not None and engine.wide_sums is engine.wide
+    assert engine.rewiden([w]) is False  # (nothing changed)
+    window = engine.open(0, 0)
+    for _ in range(3):
+        engine.count(1, 1)
+        ((w * 0.5).sum() / window.divisor).backward()
+    assert w.grad is None and engine.wide.views[0].tolist() == [0.375, 0.375]
+    closing = engine.close(None, grads=[])  # (no wide parameter's `.grad`: the narrow sums are the gradient)
+    assert closing.scale == 4 / 3 and closing.norm_sq == pytest.approx(0.5, rel=1e-6)  # |(0.5, 0.5)|^2 (a float32 norm)
+    engine.land(closing.scale)
+    assert w.grad is not None and w.grad.dtype == torch.bfloat16 and w.grad.tolist() == [0.5, 0.5]
+    engine.advance(0)
+    v = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))  # (a parameter group added mid-fit)
+    assert engine.rewiden([w, v]) is True and engine.wide.params == [w, v]
+    engine.unwiden()
+    w.grad = None
+    (w * 0.5).sum().backward()
+    assert w.grad is not None and w.grad.tolist() == [0.5, 0.5]  # (no longer taken into the sums)
+
+    plain = WindowEngine(Constant(3))
+    plain.widen([w])
+    assert not plain.widened and plain.wide is None and plain.wide_sums is None
+    assert plain.rewiden([w, v]) is False
+    wide_only = WindowEngine(Constant(3), grad_accum_dtype=torch.float32)
+    wide_only.widen([torch.nn.Parameter(torch.ones(2))])  # (float32 already: nothing to keep)
+    assert not wide_only.widened and wide_only.wide_sums is None
