@@ -761,6 +761,8 @@ def test_grad_accum_dtype_sums_the_narrow_parameters_and_lands_them_once() -> No
         engine.count(1, 1)
         ((w * 0.5).sum() / window.divisor).backward()
     assert w.grad is None and engine.wide.views[0].tolist() == [0.375, 0.375]
+    engine.widen([w])  # (a fit's start again, a resume: the sums held are kept)
+    assert engine.wide.views[0].tolist() == [0.375, 0.375]
     closing = engine.close(None, grads=[])  # (no wide parameter's `.grad`: the narrow sums are the gradient)
     assert closing.scale == 4 / 3 and closing.norm_sq == pytest.approx(0.5, rel=1e-6)  # |(0.5, 0.5)|^2 (a float32 norm)
     engine.land(closing.scale)
