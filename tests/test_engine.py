@@ -782,3 +782,84 @@ def test_grad_accum_dtype_sums_the_narrow_parameters_and_lands_them_once() -> No
     wide_only = WindowEngine(Constant(3), grad_accum_dtype=torch.float32)
     wide_only.widen([torch.nn.Parameter(torch.ones(2))])  # (float32 already: nothing to keep)
     assert not wide_only.widened and wide_only.wide_sums is None
+
+
+class Stats:
+    """``batchnorm="window"``'s statistics as the engine drives them: each call recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.loaded: dict[str, Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda: self.calls.append(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"moments": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def test_batchnorm_statistics_follow_the_micro_batches_into_the_window() -> None:
+    stats = Stats()
+    engine = WindowEngine(Constant(4))
+    engine.pool_batchnorm(stats)  # type: ignore[arg-type]
+    engine.open(0, 0)
+    engine.batch_start()
+    engine.count(1, 1)
+    engine.backward_done()  # its backward finished: its statistics join the window
+    engine.batch_done()
+    assert stats.calls == ["arm", "accept", "drop_pending"]
+    stats.calls.clear()
+    engine.batch_start()
+    engine.backward_done()  # (a batch trained again, uncounted: its statistics are not the window's)
+    engine.microbatch_over()
+    engine.keep_finished_pieces()
+    assert stats.calls == ["arm", "drop_pending", "drop_pending", "accept_held"]
+    stats.calls.clear()
+    engine.ran_without_backward()  # a micro-batch of no backward pass: its forwards count all the same, once
+    assert engine.settle((0, 1), processed=False, in_backward=False, open_pass=False, rescaled=False) is None
+    assert engine.redo == (0, 1) and not engine.pooled_alone  # trained again, it adds nothing
+    assert stats.calls == ["accept", "recover", "drop_pending"]
+    stats.calls.clear()
+    engine.ran_without_backward()
+    engine.batch_done()
+    engine.settle((0, 2), processed=False, in_backward=False, open_pass=False, rescaled=False)
+    assert engine.redo is None  # (its batch was over: no redo)
+    assert engine.state_dict()["batchnorm"] == {"moments": 1}
+    engine.close(None)
+    stats.calls.clear()
+    engine.advance(0)
+    engine.open(0, 3)
+    engine.discard()
+    assert stats.calls == ["commit", "discard"]
+
+
+def test_a_window_held_under_the_other_batchnorm_is_warned_about() -> None:
+    def held(pooled: bool, count: int = 1) -> dict[str, Any]:
+        engine = WindowEngine(Constant(4))
+        if pooled:
+            engine.pool_batchnorm(Stats())  # type: ignore[arg-type]
+        engine.open(0, 0)
+        for _ in range(count):
+            engine.count(1, 1)
+        return engine.state_dict()
+
+    stats = Stats()
+    pooled = WindowEngine(Constant(4))
+    pooled.pool_batchnorm(stats)  # type: ignore[arg-type]
+    pooled.load_state_dict(held(True))
+    assert stats.loaded == {"moments": 1}
+    pooled.load_state_dict({**held(True), "window": None})  # (no window: nothing of it)
+    assert stats.loaded == {}
+    with pytest.warns(UserWarning, match=r"under batchnorm='window'; this run has batchnorm='micro-batch', .*dropped"):
+        WindowEngine(Constant(4)).load_state_dict(held(True))
+    with pytest.warns(UserWarning, match=r"batchnorm='micro-batch'; this run has batchnorm='window', .*not in the wi"):
+        pooled.load_state_dict(held(False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pooled.load_state_dict(held(False, count=0))  # (no micro-batch in the window yet: nothing pooled)
+        WindowEngine(Constant(4)).load_state_dict(held(False))
