@@ -863,3 +863,35 @@ def test_a_window_held_under_the_other_batchnorm_is_warned_about() -> None:
         warnings.simplefilter("error")
         pooled.load_state_dict(held(False, count=0))  # (no micro-batch in the window yet: nothing pooled)
         WindowEngine(Constant(4)).load_state_dict(held(False))
+
+
+@pytest.mark.parametrize(
+    ("normalize", "others", "expected"),
+    [
+        # losses 3 and 5 (as they went into backward) on this rank; "task" 1
+        ("mean", None, {"loss": 4.0, "task": 0.5}),  # a mean over 2 micro-batches
+        ("items", None, {"loss": 8 / 5, "task": 1 / 5}),  # over 5 items
+        # a second rank: 1 micro-batch, 3 samples, 7 items, its losses' sums 4 and 2
+        ("mean", [1, 3, 7, 4, 2], {"loss": 4.0, "task": 1.0}),  # (8 + 4) / 3, (1 + 2) / 3
+        ("items", [1, 3, 7, 4, 2], {"loss": 1.0, "task": 0.25}),  # 12 / 12, 3 / 12
+    ],
+)
+def test_the_windows_losses_over_what_its_gradient_is_a_mean_of(
+    normalize: str, others: list[int] | None, expected: dict[str, float]
+) -> None:
+    engine = WindowEngine(Constant(2), normalize)
+    engine.metrics.tracking = True
+    for epoch in (0, 1):
+        engine.open(epoch, 0)
+        for loss, items in ((3.0, 2), (5.0, 3)):
+            engine.count(2, items)
+            engine.metrics.add_loss(torch.tensor(loss))
+            if loss == 3.0:
+                engine.metrics.add_loss(torch.tensor(1.0), name="task")
+            engine.backward_done()
+        strategy = None
+        if others is not None:  # (the counts, the extra, the window's identity, then the losses)
+            strategy = FakeStrategy(world_size=2, others=[*others[:3], 0, *window_id(epoch, 0), *others[3:]])
+        closing = engine.close(strategy, extra=[0] if others else (), losses=epoch == 0)
+        assert closing.losses == (pytest.approx(expected, rel=1e-12) if epoch == 0 else None)  # (nobody reads them)
+        engine.advance(epoch)
