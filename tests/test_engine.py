@@ -895,3 +895,56 @@ def test_the_windows_losses_over_what_its_gradient_is_a_mean_of(
         closing = engine.close(strategy, extra=[0] if others else (), losses=epoch == 0)
         assert closing.losses == (pytest.approx(expected, rel=1e-12) if epoch == 0 else None)  # (nobody reads them)
         engine.advance(epoch)
+
+
+def test_a_budgets_count_taken_back_with_a_micro_batch_that_did_not_go_in() -> None:
+    engine = WindowEngine(Budget(10, unit="items"))
+    window = engine.open(0, 0)
+    engine.closes_after(0, 6, None)
+    engine.take_back()  # (an exception before it was counted: it comes again)
+    assert window.seen == 0
+    engine.ask(0, 9, None)
+    engine.take_back()  # (the count asked for it is dropped, unread)
+    assert engine.closes_after(0, 1, None) is False and window.seen == 1
+    engine.batch_done()  # (its count stays, whether it went in or not)
+    engine.take_back()
+    assert window.seen == 1
+    plain = WindowEngine(Constant(2))
+    plain.ask(0, 9, None)  # (without a budget: nothing asked)
+    plain.open(0, 0)
+    assert plain.closes_after(0, 9, None) is False
+    plain.batch_done()
+
+
+def test_close_and_reduce_says_which_parameters_hold_a_gradient() -> None:
+    engine = WindowEngine(Constant(2))
+    engine.open(0, 0)
+    engine.count(1, 1)
+    held, empty = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    held.grad = torch.full((2,), 0.5)
+    closing = engine.close_and_reduce(None, [held, empty, held])
+    assert closing.extra == (1, 0, 1) and closing.scale == 2.0
+    assert held.grad.tolist() == [0.5, 0.5]  # (one rank: nothing to reduce; the adapter scales)
+
+
+@pytest.mark.parametrize("where", ["close", "factor"])
+def test_the_probe_takes_the_windows_gradient_measured_at_the_close_or_scaled(where: str) -> None:
+    from lightning_accum import NoiseScale
+
+    schedule = NoiseScale(2, 8, every=1, warmup=1, beta=0.0)
+    engine = WindowEngine(schedule)
+    engine.open(0, 0)
+    engine.count(1, 1)
+    engine.measure_prefix([torch.tensor([1.0])])  # as in test_probe_measures_through_the_engine
+    engine.count(1, 1)
+    if where == "close":  # (the window's gradient as it is: g_1 + g_2 over k = 2, 1.5, and its mean is 1.5 too)
+        engine.close(None, grads=[torch.tensor([1.5])])
+        engine.measure_window(None)
+    else:
+        engine.close(None)
+        engine.measure_window(None, [torch.tensor([0.75])], factor=2.0)
+    assert schedule.estimator.grad_sq == pytest.approx(0.5) and schedule.estimator.trace == pytest.approx(3.5)
+    engine.advance(0)
+    engine.measure_window(None, [torch.tensor([9.0])])  # (no closing window: nothing)
+    assert schedule.estimator.updates == 1
+    assert WindowEngine(Constant(2)).noise_scale is None
