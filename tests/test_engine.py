@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import time
 import warnings
 from fractions import Fraction
 from pathlib import Path
@@ -512,13 +513,14 @@ def test_settle_outside_a_micro_batch_and_around_a_step() -> None:
 def test_advance_adds_the_window_and_times_stepped_windows() -> None:
     engine = WindowEngine(Constant(2))
     engine.open(0, 0)
+    began = time.perf_counter()
     engine.start_fit(sync.SyncPlan(), track=False)
     assert engine.seconds is None
     engine.count(3, 4)
     engine.close(None)
     engine.advance(0)
     first = engine.seconds
-    assert first is not None and first >= 0.0
+    assert first is not None and 0.0 <= first <= time.perf_counter() - began  # (from the fit's start: a bound)
     engine.open(0, 2)
     with pytest.warns(UserWarning, match="not stepped"):
         engine.close(None)
@@ -948,3 +950,75 @@ def test_the_probe_takes_the_windows_gradient_measured_at_the_close_or_scaled(wh
     engine.measure_window(None, [torch.tensor([9.0])])  # (no closing window: nothing)
     assert schedule.estimator.updates == 1
     assert WindowEngine(Constant(2)).noise_scale is None
+
+
+def test_ranks_given_different_budgets_fail_as_the_window_opens() -> None:
+    """Under a ``Budget`` the ranks compare the budget (the count that closes the window), not its ``max_k``."""
+    engine = WindowEngine(Budget(lambda progress: 10, max_k=3))
+    assert engine.open(0, 0, TwoRanks(10)).budget == 10
+    engine.discard()
+    with pytest.raises(RuntimeError, match=r"k = \[10, 3\]"):
+        engine.open(0, 0, TwoRanks(3))
+
+
+def test_a_noise_scale_schedule_without_lr_scaling_leaves_the_rate() -> None:
+    """``NoiseScale`` measures as AdaScale does, but without ``lr_scaling='adascale'`` no gain: a second window of
+    another batch (3 samples against 2) would get AdaScale's (3.5 / 2 + 0.5) / (3.5 / 3 + 0.5) = 1.35."""
+    for lr_scaling, gain in ((None, 1.0), ("adascale", 1.35)):
+        schedule = NoiseScale(2, 8, every=1, warmup=1, beta=0.0)
+        engine = WindowEngine(schedule, lr_scaling=lr_scaling)
+        estimator = engine.probe.estimator  # type: ignore[union-attr]
+        engine.open(0, 0)
+        engine.count(1, 1)
+        engine.measure_prefix([torch.tensor([1.0])])
+        engine.count(1, 1)
+        engine.close(None, grads=[torch.tensor([1.5])])
+        engine.measure_window(None)
+        engine.advance(0)
+        assert estimator.grad_sq == pytest.approx(0.5) and estimator.trace == pytest.approx(3.5)
+        engine.open(0, 2)
+        engine.count(3, 3)
+        closing = engine.close(None)
+        assert (closing.lr_factor, closing.gain) == (pytest.approx(gain), pytest.approx(gain))
+        engine.advance(0)
+        assert engine.progress.scaled_steps == pytest.approx(1 + gain)
+
+
+def test_local_numbers_hold_the_probes_prefixes() -> None:
+    engine = WindowEngine(NoiseScale(2, 8, every=1, warmup=1))
+    engine.open(0, 0)
+    engine.count(2, 2)
+    engine.measure_prefix([torch.tensor([1.0])])
+    numbers = engine.local_numbers()
+    assert len(numbers) == engine.number_count() == 7 and numbers[:3] == [1, 2, 2] and any(numbers[3:7])
+    twin = WindowEngine(NoiseScale(2, 8, every=1, warmup=1))
+    twin.open(0, 0)
+    twin.load_local_numbers(numbers)
+    assert twin.local_numbers() == numbers
+
+
+def test_tensor_counts_and_the_gradient_norm_in_one_read() -> None:
+    engine = WindowEngine(Constant(2), "items")
+    engine.metrics.tracking = True
+    engine.open(0, 0)
+    engine.count(1, torch.tensor(3))
+    engine.count(1, 5)
+    engine.count(1, torch.tensor(2))
+    closing = engine.close(None, grads=[torch.tensor([3.0, 4.0]), torch.tensor([12.0])])
+    assert closing.items == 10 and closing.scale == 2 / 10
+    assert closing.norm_sq == pytest.approx(169 * 0.04, rel=1e-6)  # |(3, 4, 12)| = 13, times 2 / 10
+
+
+def test_a_resumed_window_drops_the_wide_sums_a_failed_fit_left() -> None:
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    engine = WindowEngine(Constant(3), grad_accum_dtype=torch.float32)
+    engine.widen([w])
+    engine.open(0, 0)
+    engine.count(1, 1)
+    state = engine.state_dict()
+    (w * 0.5).sum().backward()  # (a micro-batch after the checkpoint, in a fit that failed)
+    assert engine.wide is not None and engine.wide.views[0].tolist() == [0.5, 0.5]
+    engine.load_state_dict(state)
+    assert engine.wide.current([w]) == [None]  # (forgotten: the next gradient starts the sum afresh)
+    (w * 0.25).sum().backward()
+    assert engine.wide.views[0].tolist() == [0.25, 0.25]
