@@ -15,6 +15,7 @@ import torch
 from lightning_accum import Budget, Constant, Lambda, NoiseScale, Piecewise, Progress
 from lightning_accum._core import sync
 from lightning_accum._core.engine import WindowEngine, samples_needed_by, window_id
+from lightning_accum._core.wide import WideSums
 from lightning_accum._core.window import lightning_divisor
 
 ENGINE = Path(__file__).parents[1] / "src" / "lightning_accum" / "_core" / "engine.py"
@@ -721,7 +722,8 @@ def test_the_windows_gradient_norm_is_measured_where_it_is_read(
     engine.count(2, 2)
     engine.count(2, 2)
     strategy = None if others is None else FakeStrategy(world_size=2, others=[*others, *window_id(0, 0)])
-    closing = engine.close(strategy, grads=[torch.tensor([3.0, 4.0])], loss_scale=lambda: 4.0, norm=norm)
+    flag = {} if norm else {"norm": False}  # (read unless told not)
+    closing = engine.close(strategy, grads=[torch.tensor([3.0, 4.0])], loss_scale=lambda: 4.0, **flag)
     assert closing.norm_sq == (None if expected is None else pytest.approx(expected, rel=1e-12))
     assert engine.close(strategy, loss_scale=lambda: 4.0).norm_sq is None  # (no gradient given: none)
 
@@ -894,7 +896,7 @@ def test_the_windows_losses_over_what_its_gradient_is_a_mean_of(
         strategy = None
         if others is not None:  # (the counts, the extra, the window's identity, then the losses)
             strategy = FakeStrategy(world_size=2, others=[*others[:3], 0, *window_id(epoch, 0), *others[3:]])
-        closing = engine.close(strategy, extra=[0] if others else (), losses=epoch == 0)
+        closing = engine.close(strategy, extra=[0] if others else (), **({} if epoch == 0 else {"losses": False}))
         assert closing.losses == (pytest.approx(expected, rel=1e-12) if epoch == 0 else None)  # (nobody reads them)
         engine.advance(epoch)
 
@@ -1022,3 +1024,28 @@ def test_a_resumed_window_drops_the_wide_sums_a_failed_fit_left() -> None:
     assert engine.wide.current([w]) == [None]  # (forgotten: the next gradient starts the sum afresh)
     (w * 0.25).sum().backward()
     assert engine.wide.views[0].tolist() == [0.25, 0.25]
+
+
+def test_engines_sharing_wide_sums_land_and_forget_their_own_parameters() -> None:
+    """(The mixin's optimizers, one engine each, share one ``WideSums``.)"""
+    w, v = (torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16)) for _ in range(2))
+    shared = WideSums(torch.float32)
+    shared.attach([w, v])
+    first, second = (WindowEngine(Constant(1), grad_accum_dtype=torch.float32) for _ in range(2))
+    first.widen([w], shared)
+    second.widen([v], shared)
+    assert first.wide is second.wide is shared and first.widened
+    for engine in (first, second):
+        engine.open(0, 0)
+        engine.count(1, 1)
+    ((w + v) * 0.5).sum().backward()
+    first.land(2.0)  # its own parameter's sum only
+    assert w.grad is not None and w.grad.tolist() == [1.0] and v.grad is None
+    first.close(None)
+    first.advance(0)
+    assert shared.current([v])[0] is not None  # (the other engine's sum is held still)
+    first.open(0, 1)
+    first.discard()
+    assert shared.current([v])[0] is not None
+    second.discard()
+    assert shared.current([v]) == [None]
