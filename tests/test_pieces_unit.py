@@ -111,18 +111,17 @@ def make_net() -> torch.nn.Linear:
 
 def attach(pieces: Pieces, net: torch.nn.Linear, returns: str, family: str = "single", **kwargs: Any) -> Fit:
     normalize, mean_items = MODES[returns]
+    parts: dict[str, Any] = {"scaler": None, "put_back": lambda: None, **kwargs}
     fit = Fit(
         module=net,
         precision=Precision(),
-        scaler=None,
         strategy=Strategy(),
         plan=sync.SyncPlan(family),  # type: ignore[arg-type]
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
         normalize=normalize,
         mean_items=mean_items,
         count=count,
-        put_back=lambda: None,
-        **kwargs,
+        **parts,
     )
     pieces.attach(fit)
     return fit
@@ -892,3 +891,121 @@ def test_rng_restores_the_generators() -> None:
     first = torch.rand(4)
     state.restore()
     assert torch.equal(torch.rand(4), first)
+
+
+# ---------------------------------------------------------------------------- Lightning's parts the backward meets
+class Scaler:
+    """AMP's GradScaler, as far as the pieces use it: the loss times a scale."""
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return loss * 4.0
+
+
+@pytest.mark.parametrize("returns", ["mean", "sum", "items"])
+def test_each_pieces_backward_is_scaled_as_amp_scales_the_batchs(returns: str) -> None:
+    net, batch = make_net(), make_batch(60)
+    pieces = Pieces(3)
+    attach(pieces, net, returns, scaler=Scaler())
+    begin(pieces, batch, divisor=2)
+    out = pieces.step(Step(net, returns), batch, 0)
+    assert close(grads(net), reference([batch], returns, 4.0 / 2))
+    with torch.no_grad():
+        assert torch.allclose(out, whole_loss(make_net(), batch, returns), rtol=1e-12, atol=0)  # not scaled
+
+
+@pytest.mark.parametrize("final", [True, False])
+@pytest.mark.parametrize("family", ["fsdp2", "fsdp", "ddp", "single"])
+def test_a_sharded_strategy_syncs_at_the_windows_last_piece_only(
+    monkeypatch: pytest.MonkeyPatch, final: bool, family: str
+) -> None:
+    net, batch = make_net(), make_batch(61)
+    pieces = Pieces(3)
+    fit = attach(pieces, net, "mean", family=family)
+    seen: list[bool] = []
+
+    def skip_sync(plan: Any, strategy: Any, last: bool) -> contextlib.AbstractContextManager[None]:
+        assert plan is fit.plan and strategy is fit.strategy
+        seen.append(last)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(pieces_module.sync, "skip_sync", skip_sync)
+    begin(pieces, batch, final=final)
+    pieces.step(Step(net, "mean"), batch, 0)
+    sharded = family in ("fsdp", "fsdp2")
+    assert seen == ([False, False, final] if sharded else [])
+    assert close(grads(net), reference([batch], "mean"))
+
+
+@pytest.mark.parametrize("returns", ["mean", "sum", "items"])
+@pytest.mark.parametrize("size", [3, "auto"])
+def test_grad_accum_dtype_sums_take_each_pieces_weight(returns: str, size: Any) -> None:
+    """``grad_accum_dtype``: a narrow (float32) net's gradients summed in float64, each piece's weight taken on its
+    gradient (not its loss); cleared with ``.grad`` where the window starts, and on a redo."""
+    from lightning_accum._core.wide import WideSums
+
+    net, batch = make_net().float(), make_batch(62)
+    narrow = {k: v.float() for k, v in batch.items()}
+    sums = WideSums(torch.float64)
+    sums.attach(list(net.parameters()))
+    pieces = Pieces(size)
+    attach(pieces, net, returns)
+    pieces.rewiden(sums)
+    (net.weight.sum() * 1000).backward()  # an earlier window's, in the sums: cleared where Lightning zeroes
+    begin(pieces, narrow, zeroes_after=True, factor=0.5)
+    step = Step(net, returns, fits=4 if size == "auto" else None, where="backward")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pieces.step(step, narrow, 0)
+    pieces.restore_aside()
+    want = reference([batch], returns, 0.5)
+    for got, w in zip(sums.views, want, strict=True):
+        assert torch.allclose(got.view_as(w), w, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_redo_starts_from_a_resumed_windows_partial_gradient() -> None:
+    """A window resumed with a partial gradient (``put_back``, once): an out-of-memory backward redoes the window
+    from that gradient, not from none."""
+    net, batch = make_net(), make_batch(63)
+    base = [torch.full_like(p, 0.5) for p in net.parameters()]
+    handed: list[Any] = [base]
+
+    def put_back() -> Any:
+        out = handed.pop() if handed else None
+        if out is not None:
+            for p, g in zip(net.parameters(), out, strict=True):
+                p.grad = g.clone()
+        return out
+
+    pieces = Pieces("auto")
+    attach(pieces, net, "sum", put_back=put_back)
+    begin(pieces, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pieces.step(Step(net, "sum", fits=4, where="backward"), batch, 0)
+    want = [w + b for w, b in zip(reference([batch], "sum"), base, strict=True)]
+    assert close(grads(net), want)
+
+
+def test_detach_ends_the_fit() -> None:
+    net, batch = make_net(), make_batch(64)
+    pieces = Pieces(3)
+    fit = attach(pieces, net, "mean", family="ddp")
+    begin(pieces, batch)
+    pieces.step(Step(net, "mean"), batch, 0)
+    pieces.detach()
+    assert fit.strategy.blocked == 0 and pieces.batch is None
+    pieces.rewiden(None)  # nothing attached: nothing to do
+    with pytest.raises(AssertionError, match="attaches the pieces at train start"):
+        pieces.step(Step(net, "mean"), batch, 0)
+
+
+def test_a_resume_with_every_sample_in_returns_the_kept_loss_as_a_tensor() -> None:
+    net, batch = make_net(), make_batch(65)
+    pieces = Pieces(3)
+    pieces.load_state_dict({"resume": [0, 1, N, 0.75, 0.0]})
+    attach(pieces, net, "mean")
+    begin(pieces, batch, where=(0, 1))
+    step = Step(net, "mean")
+    out = pieces.step(step, batch, 1)
+    assert step.calls == [] and isinstance(out, Tensor) and float(out.detach()) == 0.75
+    assert all(p.grad is None for p in net.parameters())
