@@ -1009,3 +1009,25 @@ def test_a_resume_with_every_sample_in_returns_the_kept_loss_as_a_tensor() -> No
     out = pieces.step(step, batch, 1)
     assert step.calls == [] and isinstance(out, Tensor) and float(out.detach()) == 0.75
     assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("returns", ["mean", "sum", "items"])
+def test_auto_forward_out_of_memory_inside_a_window_redoes_nothing(returns: str) -> None:
+    """An out-of-memory error in a forward pass left no gradient: the batch goes on from that piece at the smaller
+    size; the window's earlier batches are not run again (their gradient is in once)."""
+    net = make_net()
+    batches = [make_batch(70), make_batch(71)]
+    pieces = Pieces("auto")
+    attach(pieces, net, returns)
+    step = Step(net, returns, fits=3, where="forward", at=1)
+    for i, batch in enumerate(batches):
+        begin(pieces, batch, where=(0, i), final=i == 1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            pieces.step(step, batch, i)
+    assert [str(w.message).split("; ")[1] for w in seen] == [
+        "continuing with micro-batches of 4 samples.",
+        "continuing with micro-batches of 2 samples.",
+    ]
+    assert step.calls == [8, 2, 2, 2, 2]
+    assert close(grads(net), reference(batches, returns))
