@@ -1031,3 +1031,25 @@ def test_auto_forward_out_of_memory_inside_a_window_redoes_nothing(returns: str)
     ]
     assert step.calls == [8, 2, 2, 2, 2]
     assert close(grads(net), reference(batches, returns))
+
+
+def test_auto_out_of_memory_at_a_later_piece_halves_that_pieces_size() -> None:
+    """The second piece of 4 (samples 4:8) runs out of memory: the size halves from its 4 samples, and the batch goes
+    on from sample 4."""
+    net, batch = make_net(), make_batch(72)
+    pieces = Pieces("auto")
+    pieces.found = 4
+    attach(pieces, net, "sum")
+    calls: list[tuple[int, int]] = []
+
+    def step(b: Any, i: int) -> Tensor:
+        calls.append((len(b["x"]), len(calls)))
+        if len(calls) == 2:
+            raise OOM("CUDA out of memory (injected)")
+        return whole_loss(net, b, "sum")
+
+    begin(pieces, batch)
+    with pytest.warns(UserWarning, match="micro-batch of 4 samples; continuing with micro-batches of 2 samples"):
+        pieces.step(step, batch, 0)
+    assert [n for n, _ in calls] == [4, 4, 2, 2] and pieces.found == 2
+    assert close(grads(net), reference([batch], "sum"))
