@@ -4,6 +4,7 @@ trainer (no fit)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -150,6 +151,15 @@ def test_the_micro_batch_under_way_is_not_the_windows_until_committed() -> None:
     assert [float(s) for s in metrics.sums()] == [10.0, 3.0]
     metrics.clear()
     assert metrics.names() == [] and metrics.sums() == []
+    metrics.add_loss(torch.tensor(4.0))  # (under way in a cleared window: not the window's yet)
+    assert metrics.names() == [] and metrics.read() == ({}, [])
+    fresh = WindowMetrics()
+    fresh.tracking = True
+    fresh.add_loss(torch.tensor(4.0))
+    assert fresh.names() == [] and fresh.sums() == []
+    fresh.drop()
+    fresh.commit()
+    assert fresh.names() == []
 
 
 def test_parts_and_read_give_each_sum_as_factor_times_parts_plus_offset() -> None:
@@ -167,7 +177,9 @@ def test_parts_and_read_give_each_sum_as_factor_times_parts_plus_offset() -> Non
         ("y", 1.0, 0.0),
         ("z", 1.0, 0.0),
     ]
-    assert [float(p) for p in parts[0][1]] == [2.0, 3.0] and parts[1][1] == [] and [float(p) for p in parts[2][1]] == [2.0]
+    assert (
+        [float(p) for p in parts[0][1]] == [2.0, 3.0] and parts[1][1] == [] and [float(p) for p in parts[2][1]] == [2.0]
+    )
     assert [float(p) for p in parts[3][1]] == [13.0]  # (mixed factors: summed on the device)
     sums, extra = metrics.read([torch.tensor(5.0), torch.tensor(7.0)])
     assert sums == {"loss": 11.5, "x": 0.25, "y": 2.0, "z": 13.0} and extra == [5.0, 7.0]
@@ -234,11 +246,19 @@ def test_window_report_defaults() -> None:
     assert window.task_losses is empty() and len(empty()) == 0
     with pytest.raises(TypeError):
         empty()["x"] = 1  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):  # (a hook cannot change what the next one is handed)
+        window.k = 1  # type: ignore[misc]
 
 
 def test_metric_values_table() -> None:
     assert metric_values(_window(loss=None)) == {"k": 3, "effective_batch": 12, "samples": 40, "items": 100}
-    assert metric_values(_window(seconds=0.0)) == {"k": 3, "loss": 0.5, "effective_batch": 12, "samples": 40, "items": 100}
+    assert metric_values(_window(seconds=0.0)) == {
+        "k": 3,
+        "loss": 0.5,
+        "effective_batch": 12,
+        "samples": 40,
+        "items": 100,
+    }
     full = _window(
         task_losses={"loss/a": 0.25}, grad_norm=2.0, lr={"lr": 0.1}, noise_scale=0.0, microbatch_size=0, seconds=4.0
     )
@@ -358,10 +378,17 @@ def test_what_a_window_computes_and_where_it_goes(
         ({**_A, "log": False, "hooks": [counts_only]}, False, False, False),
     ],
 )
-def test_whether_anyone_reads_a_windows_numbers(readers: dict[str, Any], any_: bool, any_key: bool, asks_last: bool) -> None:
+def test_whether_anyone_reads_a_windows_numbers(
+    readers: dict[str, Any], any_: bool, any_key: bool, asks_last: bool
+) -> None:
     found = Readers(**readers)
     assert (found.any, found.any_key, found.asks_last) == (any_, any_key, asks_last)
     assert found.loggers == (readers["log"] and readers["loggers"]) and found.bar == (readers["log"] and readers["bar"])
+
+
+def test_nothing_is_wanted_by_default() -> None:
+    assert tuple(NOTHING) == (False, False, False, False, False, False, None)
+    assert Wants(True, True, True, True, True) == (True, True, True, True, True, False, None)
 
 
 def test_of_nobody_reads_nothing() -> None:
@@ -405,7 +432,9 @@ def test_readers_of_a_trainer() -> None:
     monitors = [_Monitor("accum/loss"), _Monitor(3), _Monitor(None, "{epoch}-{accum/grad_norm:.2f}"), _Monitor(None, 7)]
     trainer = _trainer([*monitors, _Quiet()], loggers=[object()], log_every_n_steps=10)
     readers = Readers.of(trainer, log=True, hooks=[], watched=["accum/k"])
-    assert readers.wants(3) == Wants(True, False, True, True, False, False, frozenset({"accum/loss", "accum/grad_norm", "accum/k"}))
+    assert readers.wants(3) == Wants(
+        True, False, True, True, False, False, frozenset({"accum/loss", "accum/grad_norm", "accum/k"})
+    )
     assert readers.wants(20).logs and not readers.any_key
     scheduler = SimpleNamespace(monitor="accum/lr")
     readers = Readers.of(_trainer([], lr_scheduler_configs=[scheduler], progress_bar_callback=object()), True, [])
@@ -456,7 +485,15 @@ def test_publish_puts_every_number_in_callback_metrics_and_writes_the_loggers_st
     reported = Reported()
     window = _window(step=3, grad_norm=torch.tensor(2.0, dtype=torch.float64), lr={"lr": 0.1})
     reported.publish(trainer, window)
-    expected = {"k": 3.0, "loss": 0.5, "grad_norm": 2.0, "lr": 0.1, "effective_batch": 12.0, "samples": 40.0, "items": 100.0}
+    expected = {
+        "k": 3.0,
+        "loss": 0.5,
+        "grad_norm": 2.0,
+        "lr": 0.1,
+        "effective_batch": 12.0,
+        "samples": 40.0,
+        "items": 100.0,
+    }
     assert {key: value.item() for key, value in connector._callback_metrics.items()} == {
         f"accum/{name}": pytest.approx(value) for name, value in expected.items()
     }
@@ -533,7 +570,9 @@ def test_reported_checkpoint_restore_and_clear() -> None:
     resumed.load_state_dict({"metrics": {"accum/loss": 0.25}})
     fresh = _trainer([])
     resumed.restore(fresh)
-    assert {key: value.item() for key, value in fresh._logger_connector._callback_metrics.items()} == {"accum/loss": 0.25}
+    assert {key: value.item() for key, value in fresh._logger_connector._callback_metrics.items()} == {
+        "accum/loss": 0.25
+    }
     reported.load_state_dict({"metrics": {"accum/loss": 0.25}})  # (the numbers kept before are forgotten)
     assert _kept(reported, trainer, loss=0.5)["accum/loss"].item() == 0.5
     reported.load_state_dict({})
@@ -559,7 +598,9 @@ def test_report_of_a_closing_window() -> None:
         metrics=metrics, progress=Progress(epoch=2, step=7, samples=70, items=140), used_lrs=[(sgd, [0.1])],
         noise_scale=3.0, seconds=1.5,
     )  # fmt: skip
-    closing = Closing(4, 3, 12, 24, (), 1.0, 1.0, False, losses={"loss": 0.5, "loss/b": 2.0, "loss/a": 1.0}, norm_sq=9.0)
+    closing = Closing(
+        4, 3, 12, 24, (), 1.0, 1.0, False, losses={"loss": 0.5, "loss/b": 2.0, "loss/a": 1.0}, norm_sq=9.0
+    )
     window = report([sgd], engine, closing, (1, 2), microbatch_size=6)  # type: ignore[arg-type]
     assert window == WindowReport(
         7, 2, 4, 3, 12, 24, 0.5, engine.progress, {"loss/b": 2.0, "loss/a": 1.0}, 3.0, {"lr": 0.1}, 3.0, (1, 2), 6, 1.5
