@@ -156,6 +156,7 @@ def test_the_micro_batch_under_way_is_not_the_windows_until_committed() -> None:
     fresh = WindowMetrics()
     fresh.tracking = True
     fresh.add_loss(torch.tensor(4.0))
+    fresh.add_loss(torch.tensor(5.0), "task")
     assert fresh.names() == [] and fresh.sums() == []
     fresh.drop()
     fresh.commit()
