@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -231,3 +233,69 @@ def test_auto_halves_on_out_of_memory_and_redoes_the_window(monkeypatch: pytest.
         _acc(StandIn(normalize="mean"), torch.ones(1)).backward_microbatches(never, "auto")
     with pytest.raises(KeyError):
         _acc(StandIn(normalize="mean"), torch.ones(2)).backward_microbatches(lambda p: {}["x"], "auto")
+
+
+class Wide:
+    """``grad_accum_dtype``'s sums: the weights the passes inside ``weighting`` get."""
+
+    def __init__(self) -> None:
+        self.active: list[Any] = []
+        self.cleared: list[list[torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def weighting(self, weight: Any) -> Iterator[None]:
+        self.active.append(weight)
+        try:
+            yield
+        finally:
+            self.active.append("end")
+
+    def clear(self, params: list[torch.Tensor]) -> None:
+        self.cleared.append(params)
+
+
+def _wide(block: StandIn) -> Wide:
+    wide = Wide()
+    block.windows.wide_sums = lambda: wide
+    block.engine.wide = wide
+    return wide
+
+
+@pytest.mark.parametrize(("mean", "items", "weights"), [(False, None, []), (False, 4, [4]), (True, None, [5])])
+def test_under_wide_sums_the_weight_goes_on_the_gradients_not_the_loss(mean: bool, items: Any, weights: list) -> None:
+    block = StandIn(mean=mean, counted=5, divisor=2.0)
+    wide = _wide(block)
+    _acc(block).backward(3.0 * block.w + 3.0, items=items)
+    assert wide.active == [x for w in weights for x in (w, "end")]
+    assert float(block.w.grad) == 1.5 and block.calls[0][0] == 1.5  # type: ignore[arg-type]  # (3 / 2, unweighted)
+    assert block.losses == [("loss", 3.0 * (weights[0] if weights else 1))]
+
+
+@pytest.mark.parametrize(
+    ("mean", "task_weights", "expected"),
+    [(False, [1.0, 2.0], [2.0]), (True, [1.0, 2.0], [5, 10.0]), (False, [1.0, 1.0], []), (True, [1.0, 0.5], [5, 2.5])],
+)
+def test_backward_each_under_wide_sums_weighs_each_task_with_the_count(
+    mean: bool, task_weights: list[float], expected: list[Any]
+) -> None:
+    block = StandIn(mean=mean, counted=5, divisor=2.0)
+    wide = _wide(block)
+    _acc(block).backward_each([lambda: 2.0 * block.w, lambda: 4.0 * block.w], task_weights)
+    assert [w for w in wide.active if w != "end"] == expected
+    assert float(block.w.grad) == 3.0  # type: ignore[arg-type]  # (2 + 4) / 2: each task's weight is wide's
+
+
+def test_out_of_memory_clears_the_wide_sums_and_batchnorm_statistics() -> None:
+    block = StandIn(normalize="mean", divisor=1.0)
+    wide = _wide(block)
+    discarded: list[int] = []
+    block.engine.batchnorm = SimpleNamespace(discard=lambda: discarded.append(1))
+    first = [True]
+
+    def loss_fn(part: torch.Tensor) -> torch.Tensor:
+        if first.pop() if first else False:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return (part * block.w).mean()
+
+    _acc(block, torch.arange(1.0, 5.0)).backward_microbatches(loss_fn, "auto")
+    assert wide.cleared == [[block.w]] and discarded == [1] and block.cleared == 1
