@@ -265,3 +265,10 @@ def test_gather_rows_pads_to_the_longest_and_cuts_each_ranks_rows(rank: int) -> 
     assert out[0].tolist() == expected and out[1].tolist() == [[10 * v[0]] for v in expected]
     assert start == (0 if rank == 0 else 3)
     assert math.isclose(float(out[0].sum()), 15.0)
+
+
+@pytest.mark.parametrize(("extra", "buckets"), [(0, 1), (1, 2)])
+def test_gradient_buckets_hold_at_most_25_mib(extra: int, buckets: int) -> None:
+    """docs/benchmarks.md: the gradient goes in buckets of at most 25 MiB (as DDP's default)."""
+    grads = [torch.empty(25 * 2**20 // 4 - 1 + extra), torch.empty(1)]  # float32: 25 MiB exactly, or 4 bytes more
+    assert [len(b) for b in collectives._buckets(grads)] == ([2] if buckets == 1 else [1, 1])
