@@ -209,6 +209,8 @@ def test_gradient_buckets_are_bounded_by_bytes_and_split_by_dtype(monkeypatch: p
     grads = [torch.zeros(3), torch.zeros(1), torch.zeros(1)]  # (an oversized one alone; then the next)
     assert [len(b) for b in collectives._buckets(grads)] == [1, 2]
     assert list(collectives._buckets([])) == []
+    monkeypatch.setattr(collectives, "BUCKET_BYTES", 12)  # (sizes add up: three 4-byte ones fill a bucket)
+    assert [len(b) for b in collectives._buckets([torch.zeros(1)] * 4)] == [3, 1]
 
 
 def test_sum_tensors_one_reduce_per_dtype_new_tensors_in_their_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
