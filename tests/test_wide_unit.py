@@ -382,3 +382,23 @@ def test_inert_note_names_the_dtype() -> None:
     note = wide.inert_note(torch.float64)
     assert note.startswith("`grad_accum_dtype='float64'` changes nothing") and "narrower than float64" in note
 
+
+
+def test_a_parameter_widened_between_attaches_is_weighed_instead_of_taken() -> None:
+    """``module.float()`` keeps the parameter objects: re-attached, a formerly narrow one loses its taking hook and is
+    weighed in its own dtype like any wide one."""
+    a, b = bf(1.0), bf(1.0, 1.0)
+    sums = WideSums(torch.float32)
+    sums.attach([a, b])
+    b.data = b.data.float()
+    sums.attach([a, b])
+    assert not sums.holds(b) and sums.holds(a)
+    with sums.weighting(2.0):
+        ((a * 0.5).sum() + (b * 0.75).sum()).backward()
+    assert b.grad is not None and b.grad.dtype == torch.float32 and b.grad.tolist() == [1.5, 1.5]
+    assert a.grad is None and sums.views[0].tolist() == [1.0]
+    b.data = b.data.to(BF)  # narrow again: taken again
+    b.grad = None
+    sums.attach([a, b])
+    (b * 0.75).sum().backward()
+    assert b.grad is None and sums.views[1].tolist() == [0.75, 0.75]
