@@ -402,3 +402,20 @@ def test_a_parameter_widened_between_attaches_is_weighed_instead_of_taken() -> N
     sums.attach([a, b])
     (b * 0.75).sum().backward()
     assert b.grad is None and sums.views[1].tolist() == [0.75, 0.75]
+
+
+def test_a_tensor_weight_is_moved_once_per_weighting_to_each_other_device() -> None:
+    """(``meta`` stands in for an accelerator: a second device on a CPU-only machine.)"""
+    sums = WideSums(torch.float32)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert sums._weight_on(meta) == 1.0
+    two = torch.tensor(2.0)
+    with sums.weighting(two):
+        assert sums._weight_on(cpu) is two
+        moved = sums._weight_on(meta)
+        assert isinstance(moved, torch.Tensor) and moved.device == meta
+        assert sums._weight_on(meta) is moved  # moved once
+    assert sums._weight_on(meta) == 1.0
+    with sums.weighting(torch.tensor(3.0)):
+        again = sums._weight_on(meta)
+        assert isinstance(again, torch.Tensor) and again is not moved  # a new weighting moves its own weight
