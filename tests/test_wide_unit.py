@@ -419,3 +419,13 @@ def test_a_tensor_weight_is_moved_once_per_weighting_to_each_other_device() -> N
     with sums.weighting(torch.tensor(3.0)):
         again = sums._weight_on(meta)
         assert isinstance(again, torch.Tensor) and again is not moved  # a new weighting moves its own weight
+
+
+def test_a_large_non_contiguous_gradient_is_summed() -> None:
+    """A transposed parameter's gradient keeps its strides: added whole, not split through ``view(-1)``."""
+    p = nn.Parameter(torch.ones(520, 520, dtype=BF).t())
+    sums = WideSums(torch.float32)
+    sums.attach([p])
+    for c in (0.1, 0.3):
+        (p * c).sum().backward()
+    assert sums.views[0][0, 0].item() == pytest.approx(grad_of(0.1) + grad_of(0.3), rel=1e-7)
