@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_accum._core import sync
 from lightning_accum._trainer import pieces as pieces_module
@@ -618,23 +618,39 @@ def test_auto_forward_out_of_memory_redraws_from_the_pieces_generators_state() -
 
 
 # ---------------------------------------------------------------------------- cut short, resumed
+def failing_at(n: int, net: nn.Module, normalize: str) -> Callable[[Any, int], Tensor]:
+    """A ``training_step`` over ``net`` that raises at its ``n``-th call (a piece)."""
+    calls: list[int] = []
+
+    def step(b: Any, i: int) -> Tensor:
+        calls.append(len(b["x"]))
+        if len(calls) == n:
+            raise KeyError("interrupted")
+        return whole_loss(net, b, normalize)
+
+    return step
+
+
+def resumed_from(state: dict[str, Any], part: list[Tensor], normalize: str) -> tuple[Pieces, nn.Module]:
+    """A fresh run resumed from ``state`` (a checkpoint's), its gradient holding ``part``."""
+    resumed = Pieces(3)
+    resumed.load_state_dict(state)
+    net = make_net()
+    for p, g in zip(net.parameters(), part, strict=True):
+        p.grad = g.clone()
+    attach(resumed, net, normalize)
+    return resumed, net
+
+
 def test_cut_short_between_pieces_keeps_the_part_done_on_one_process() -> None:
     """An exception after the first piece's backward: on one process the part is kept (``resume``), several
     processes must leave the window out; a resumed run trains the rest of the batch and returns its whole loss."""
     net, batch = make_net(), make_batch(50)
     pieces = Pieces(3)
     attach(pieces, net, "mean")
-    calls: list[int] = []
-
-    def failing(b: Any, i: int) -> Tensor:
-        calls.append(len(b["x"]))
-        if len(calls) == 2:
-            raise KeyError("interrupted")
-        return whole_loss(net, b, "mean")
-
     begin(pieces, batch, where=(1, 4))
     with pytest.raises(KeyError):
-        pieces.step(failing, batch, 4)
+        pieces.step(failing_at(2, net, "mean"), batch, 4)
     part = grads(net)
     assert close(part, reference([{k: v[:3] for k, v in batch.items()}], "mean", 3 / 8))
     kept = pieces.batch
@@ -647,13 +663,7 @@ def test_cut_short_between_pieces_keeps_the_part_done_on_one_process() -> None:
     pieces.batch = kept
     assert pieces.cut_short((1, 4), single=False)  # several processes: the window is left out
     # resumed (a checkpoint's state), in a fresh run whose gradient holds the part
-    state = pieces.state_dict()
-    resumed = Pieces(3)
-    resumed.load_state_dict(state)
-    net2 = make_net()
-    for p, g in zip(net2.parameters(), part, strict=True):
-        p.grad = g.clone()
-    attach(resumed, net2, "mean")
+    resumed, net2 = resumed_from(pieces.state_dict(), part, "mean")
     begin(resumed, batch, where=(1, 4))
     step = Step(net2, "mean")
     out = resumed.step(step, batch, 4)
@@ -667,26 +677,12 @@ def test_cut_short_items_mean_resumes_with_its_summed_loss() -> None:
     net, batch = make_net(), make_batch(51)
     pieces = Pieces(3)
     attach(pieces, net, "items")
-    calls: list[int] = []
-
-    def failing(b: Any, i: int) -> Tensor:
-        calls.append(len(b["x"]))
-        if len(calls) == 3:
-            raise KeyError("interrupted")
-        return whole_loss(net, b, "items")
-
     begin(pieces, batch, where=(0, 2))
     with pytest.raises(KeyError):
-        pieces.step(failing, batch, 2)
+        pieces.step(failing_at(3, net, "items"), batch, 2)
     assert not pieces.cut_short((0, 2), single=True)
     assert pieces.resume is not None and pieces.resume[2] == 6
-    part = grads(net)
-    resumed = Pieces(3)
-    resumed.load_state_dict(pieces.state_dict())
-    net2 = make_net()
-    for p, g in zip(net2.parameters(), part, strict=True):
-        p.grad = g.clone()
-    attach(resumed, net2, "items")
+    resumed, net2 = resumed_from(pieces.state_dict(), grads(net), "items")
     begin(resumed, batch, where=(0, 2))
     step = Step(net2, "items")
     out = resumed.step(step, batch, 2)
