@@ -397,6 +397,15 @@ def summary(db: Path) -> dict[str, object]:
     }
 
 
+def failed_test(line: str) -> str:
+    """The test a pytest summary line names (its id may hold spaces; the message follows `` - ``).
+
+    >>> failed_test("FAILED tests/t.py::f[1-`a` of b] - AssertionError: x")
+    'tests/t.py::f[1-`a` of b]'
+    """
+    return line.split(" ", 1)[1].split(" - ", 1)[0]
+
+
 def first_failures(db: Path) -> dict[str, int]:
     """The test that failed first for each killed mutant of a session (not a timeout), and how many it killed."""
     from cosmic_ray.work_db import WorkDB, use_db
@@ -407,7 +416,7 @@ def first_failures(db: Path) -> dict[str, int]:
         for _, result in work_db.completed_work_items:
             if result.test_outcome == TestOutcome.KILLED and result.output != "timeout":
                 failed = [
-                    line.split()[1]
+                    failed_test(line)
                     for line in (result.output or "").splitlines()
                     if line.startswith(("FAILED ", "ERROR "))
                 ]
