@@ -642,6 +642,17 @@ def resumed_from(state: dict[str, Any], part: list[Tensor], normalize: str) -> t
     return resumed, net
 
 
+def the_rest_trained(resumed: Pieces, net: nn.Module, batch: Any, where: tuple[int, int], normalize: str) -> list[int]:
+    """The resumed run trains the rest of ``batch``: the whole batch's gradient and loss, by hand; the pieces' sizes."""
+    begin(resumed, batch, where=where)
+    step = Step(net, normalize)
+    out = resumed.step(step, batch, where[1])
+    assert close(grads(net), reference([batch], normalize))
+    with torch.no_grad():
+        assert torch.allclose(out, whole_loss(make_net(), batch, normalize), rtol=1e-12, atol=0)
+    return step.calls
+
+
 def test_cut_short_between_pieces_keeps_the_part_done_on_one_process() -> None:
     """An exception after the first piece's backward: on one process the part is kept (``resume``), several
     processes must leave the window out; a resumed run trains the rest of the batch and returns its whole loss."""
@@ -664,13 +675,7 @@ def test_cut_short_between_pieces_keeps_the_part_done_on_one_process() -> None:
     assert pieces.cut_short((1, 4), single=False)  # several processes: the window is left out
     # resumed (a checkpoint's state), in a fresh run whose gradient holds the part
     resumed, net2 = resumed_from(pieces.state_dict(), part, "mean")
-    begin(resumed, batch, where=(1, 4))
-    step = Step(net2, "mean")
-    out = resumed.step(step, batch, 4)
-    assert step.calls == [3, 2] and resumed.resume is None
-    assert close(grads(net2), reference([batch], "mean"))
-    with torch.no_grad():
-        assert torch.allclose(out, whole_loss(make_net(), batch, "mean"), rtol=1e-12, atol=0)
+    assert the_rest_trained(resumed, net2, batch, (1, 4), "mean") == [3, 2] and resumed.resume is None
 
 
 def test_cut_short_items_mean_resumes_with_its_summed_loss() -> None:
@@ -683,13 +688,7 @@ def test_cut_short_items_mean_resumes_with_its_summed_loss() -> None:
     assert not pieces.cut_short((0, 2), single=True)
     assert pieces.resume is not None and pieces.resume[2] == 6
     resumed, net2 = resumed_from(pieces.state_dict(), grads(net), "items")
-    begin(resumed, batch, where=(0, 2))
-    step = Step(net2, "items")
-    out = resumed.step(step, batch, 2)
-    assert step.calls == [2]
-    assert close(grads(net2), reference([batch], "items"))
-    with torch.no_grad():
-        assert torch.allclose(out, whole_loss(make_net(), batch, "items"), rtol=1e-12, atol=0)
+    assert the_rest_trained(resumed, net2, batch, (0, 2), "items") == [2]
 
 
 def test_cut_short_with_nothing_in_the_gradient_keeps_nothing() -> None:
