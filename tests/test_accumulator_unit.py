@@ -299,3 +299,19 @@ def test_out_of_memory_clears_the_wide_sums_and_batchnorm_statistics() -> None:
 
     _acc(block, torch.arange(1.0, 5.0)).backward_microbatches(loss_fn, "auto")
     assert wide.cleared == [[block.w]] and discarded == [1] and block.cleared == 1
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_out_of_memory_empties_the_cuda_cache_where_there_is_cuda(monkeypatch: pytest.MonkeyPatch, cuda: bool) -> None:
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    block = StandIn(normalize="mean", divisor=1.0)
+
+    def loss_fn(part: torch.Tensor) -> torch.Tensor:
+        if len(part) > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return (part * block.w).mean()
+
+    _acc(block, torch.arange(1.0, 5.0)).backward_microbatches(loss_fn, "auto")  # 4, 2, then pieces of 1
+    assert emptied == ([1, 1] if cuda else [])  # (once per back-off, before the window is redone)

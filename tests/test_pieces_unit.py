@@ -1048,3 +1048,27 @@ def test_auto_out_of_memory_at_a_later_piece_halves_that_pieces_size() -> None:
         pieces.step(step, batch, 0)
     assert [n for n, _ in calls] == [4, 4, 2, 2] and pieces.found == 2
     assert close(grads(net), reference([batch], "sum"))
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_auto_out_of_memory_empties_the_cuda_cache_where_there_is_cuda(
+    monkeypatch: pytest.MonkeyPatch, cuda: bool
+) -> None:
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    net, batch = make_net(), make_batch(73)
+    pieces = Pieces("auto")
+    attach(pieces, net, "sum")
+
+    def step(b: Any, i: int) -> Tensor:
+        if len(b["x"]) > 2:
+            raise OOM("CUDA out of memory (injected)")
+        return whole_loss(net, b, "sum")
+
+    begin(pieces, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pieces.step(step, batch, 0)
+    assert pieces.found == 2 and emptied == ([1, 1] if cuda else [])  # (8 -> 4 -> 2: once per back-off)
+    assert close(grads(net), reference([batch], "sum"))
