@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from test_budget import BATCH, DATA, epochs_of, reference
 
-from lightning_accum import AccumulationScheduler, Budget
+from lightning_accum import AccumulationScheduler, Budget, _seam
 from lightning_accum._core import ahead as core_ahead
 from lightning_accum._core.ahead import CountsAhead
 
@@ -51,7 +51,6 @@ class Ranks:
                 return sums + present
 
         return Sum()
-
 
 
 def ask(counts: CountsAhead, ranks: Ranks, positions: Sequence[int], mine: Callable[[int], int | None]) -> list[int]:
@@ -111,6 +110,81 @@ def test_one_process_reads_its_own_counts_as_they_are() -> None:
     assert [CountsAhead(chunk=3).total(p, None, lambda q: q * q) for p in range(1)] == [0]
     counts = CountsAhead(chunk=3)
     assert [counts.total(p, None, lambda q: q * q) for p in range(7)] == [p * p for p in range(7)]
+
+
+class Loop:
+    """A stand-in trainer: each epoch's batch counts, the epoch, and ``at``, the batch being trained (one process)."""
+
+    strategy = None
+
+    def __init__(self, epochs: Sequence[Sequence[int]]) -> None:
+        self.epochs, self.current_epoch, self.at = epochs, 0, 0
+
+
+class Upcoming:
+    """A stand-in for ``_seam.Upcoming``: the loop's batches after the one being trained, as ``{"n": count}``."""
+
+    def __init__(self, trainer: Loop) -> None:
+        self.trainer = trainer
+
+    def usable(self) -> bool:
+        return True
+
+    def batch(self, ahead: int) -> Any:
+        loop = self.trainer
+        counts, n = loop.epochs[loop.current_epoch], loop.at + ahead
+        return {"n": counts[n], "at": (loop.current_epoch, n)} if n < len(counts) else _seam.ENDED
+
+    def detach(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("lengths", "issued"),
+    [
+        ((3, 3), [0, 4, 0, 4]),
+        ((2, 4), [0, 4, 0, 4]),
+        ((4, 2), [0, 4, 0, 4]),
+        ((6, 6), [0, 4, 8, 0, 4, 8]),
+    ],
+)
+def test_the_counts_read_ahead_are_kept_through_an_epoch_and_read_anew_at_the_next(
+    reads_ahead: list[int], monkeypatch: pytest.MonkeyPatch, lengths: tuple[int, int], issued: list[int]
+) -> None:
+    """``BudgetAhead.total`` over two epochs whose batches differ (epoch 0: counts 1, 2, ...; epoch 1: 10, 20, ...):
+    each position's total is its own epoch's count (one process: the count itself). Within an epoch what was read
+    ahead is kept: each batch's count is read once, the epoch's first as ``current()``, every other one ahead from
+    the loader; at the new epoch it is all dropped and read anew, chunks from position 0 again (an epoch shorter
+    than two chunks leaves the next epoch's first positions among those held: they must not be taken from it)."""
+    from lightning_accum._trainer.ahead import BudgetAhead
+
+    monkeypatch.setattr(_seam, "Upcoming", Upcoming)
+    loop = Loop([[(i + 1) * 10**epoch for i in range(n)] for epoch, n in enumerate(lengths)])
+    currents: list[tuple[int, int]] = []
+    counted: list[tuple[int, int]] = []
+
+    def count_of(batch: dict[str, Any]) -> int:
+        counted.append(batch["at"])
+        return int(batch["n"])
+
+    def current() -> int:
+        currents.append((loop.current_epoch, loop.at))
+        return loop.epochs[loop.current_epoch][loop.at]
+
+    budget = BudgetAhead()
+    budget.start(loop)
+    assert budget.reading
+    totals = []
+    for epoch, n in enumerate(lengths):
+        loop.current_epoch = epoch
+        for position in range(n):
+            loop.at = position
+            totals.append(budget.total(loop, position, current, count_of))
+    budget.stop()
+    assert totals == [c for counts in loop.epochs for c in counts]
+    assert currents == [(0, 0), (1, 0)]
+    assert counted == [(epoch, i) for epoch, n in enumerate(lengths) for i in range(1, n)]
+    assert reads_ahead == issued
 
 
 # ------------------------------------------------------------------ the callback, reading ahead on one process

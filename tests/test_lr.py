@@ -281,6 +281,36 @@ def test_adascale_base_batch_is_the_first_stepped_window_not_an_empty_first_one(
     assert gains[2] == pytest.approx((trace / 8 + grad_sq) / (trace / 12 + grad_sq), rel=1e-15)
 
 
+@pytest.mark.parametrize(
+    ("beta", "windows", "batch", "first_batch", "gain"),
+    [
+        # one window of |G|^2 = tr(Sigma) = 4: (4/2 + 4) / (4/8 + 4) = 6 / 4.5
+        (0.0, [(4.0, 4.0, 1.0)], 8, 2, 4 / 3),
+        # (|G|^2, tr, weight) (2, 6, 1) then (6, 2, 0.5) at beta = 0.5: sums 0.5 * 1 + 0.5 = 1, 0.5 * 2 + 0.5 * 6 = 4,
+        # 0.5 * 6 + 0.5 * 2 = 4, so |G|^2 = tr = 4 though neither window's are equal
+        (0.5, [(2.0, 6.0, 1.0), (6.0, 2.0, 0.5)], 8, 2, 4 / 3),
+        (0.5, [(2.0, 6.0, 1.0), (6.0, 2.0, 0.5)], 2, 8, (4 / 8 + 4) / (4 / 2 + 4)),  # (a smaller batch: under 1)
+        (0.0, [(0.0, 4.0, 1.0)], 8, 2, 4.0),  # (no signal: the linear rule, B / B0)
+        (0.0, [(4.0, 0.0, 1.0)], 8, 2, 1.0),  # (no noise: 1 from the formula)
+        (0.0, [(0.0, 0.0, 1.0)], 8, 2, 1.0),  # (|G|^2 = tr = 0: 0 / 0 is taken as 1)
+        (0.0, [], 8, 2, 1.0),  # (nothing measured)
+    ],
+)
+def test_adascale_gain_is_the_formula_wherever_the_estimates_are_not_both_zero(
+    beta: float, windows: list[tuple[float, float, float]], batch: int, first_batch: int, gain: float
+) -> None:
+    """``adascale_gain`` from an estimator fed known window estimates (``add``: moving averages weighted by
+    ``weight``, decayed by ``beta`` per window): ``(tr / B0 + |G|^2) / (tr / B + |G|^2)``, also where the averaged
+    trace equals the averaged squared norm; 1 only where both are 0 or nothing was measured."""
+    from lightning_accum.lr import adascale_gain
+    from lightning_accum.noise import NoiseScaleEstimator
+
+    estimator = NoiseScaleEstimator(beta=beta)
+    for grad_sq, trace, weight in windows:
+        estimator.add(grad_sq, trace, weight)
+    assert adascale_gain(estimator, batch, first_batch) == pytest.approx(gain, rel=1e-15)
+
+
 def test_adascale_on_a_regression_with_known_noise() -> None:
     """x ~ N(0, I_10), y = x . w* + N(0, 1), the model at |w - w*| = 1 with learning rate 0: |G|^2 = 1,
     tr(Sigma) = 21. Windows of 2, then 4, then 8 micro-batches of 4 samples: the gain of the last

@@ -242,3 +242,39 @@ def test_auto_sizes_agree_on_the_smallest_over_ranks_that_found_one(
     auto.remember((0,), {"x": torch.zeros(4)}, None)
     auto.window_closed((0,), SimpleNamespace(root_device=torch.device("cpu"), reduce=reduce), world=2)
     assert auto.size == agreed
+
+
+@pytest.mark.parametrize("agreed", [3, 2**62], ids=["agreed 3", "none agreed"])
+@pytest.mark.parametrize(
+    ("auto_sized", "world"),
+    [(True, 2), (True, 1), (False, 2), (False, 1)],
+    ids=["auto 2 ranks", "auto 1", "not 2", "not 1"],
+)
+def test_the_ranks_agree_on_a_size_only_after_a_window_that_auto_sized_on_several_ranks(
+    auto_sized: bool, world: int, agreed: int
+) -> None:
+    """``window_closed`` all-reduces (the minimum of) the size only where the window auto-sized (passes to redo were
+    held) and there are several ranks: a window that did not, or one process, makes no collective and keeps its size.
+    After the all-reduce the size is the ranks' agreed one; the "no size" sentinel agreed (2**62) is no size (None).
+    Either way the window's passes are let go (the other window's stay)."""
+    from types import SimpleNamespace
+
+    from lightning_accum._core.microbatch import AutoSize
+
+    calls: list[tuple[int, str]] = []
+
+    def reduce(size: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        calls.append((int(size), reduce_op))
+        return torch.tensor(agreed)
+
+    auto = AutoSize()
+    auto.size = 8
+    auto.remember((1,), {"x": torch.zeros(4)}, None)  # (another window's pass)
+    if auto_sized:
+        auto.remember((0,), {"x": torch.zeros(4)}, None)
+    auto.window_closed((0,), SimpleNamespace(root_device=torch.device("cpu"), reduce=reduce), world=world)
+    if auto_sized and world == 2:
+        assert calls == [(8, "min")] and auto.size == (None if agreed == 2**62 else agreed)
+    else:
+        assert calls == [] and auto.size == 8
+    assert auto.passes((0,)) == 0 and auto.passes((1,)) == 1
