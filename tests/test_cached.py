@@ -371,6 +371,7 @@ def test_a_transformers_encoder_drops_in() -> None:
         return out.last_hidden_state[:, 0]
 
     torch.manual_seed(2)
+
     def encode(**batch: Tensor) -> Tensor:
         return cls(bert(**batch))
 
@@ -1576,9 +1577,9 @@ def test_an_output_mapping_without_a_sentence_embedding_is_named() -> None:
 
 @pytest.mark.parametrize("other", ["none", "some"])
 def test_the_sum_over_ranks_of_the_cached_gradients(other: str) -> None:
-    """One collective: each gradient (zeros where this rank has none) and, last, which ranks have each and the
-    losses; a gradient no rank has stays None; the loss returned is the ranks' sum, in the loss's dtype. The
-    other rank here sends ``theirs``."""
+    """Each gradient (zeros where this rank has none) and, last, which ranks have each and the losses, in the
+    widest of their dtypes (the float64 loss's, here); a gradient no rank has stays None; the loss returned is the
+    ranks' sum, in the loss's dtype. The other rank here sends ``theirs``."""
     a, b = torch.ones(2, 1).requires_grad_(), torch.ones(3, 2).requires_grad_()
     c = torch.ones(3)  # (no gradient: not sent)
     grads: list[list[Tensor | None]] = [[torch.tensor([[1.0], [2.0]])], [None, None]]
@@ -1594,11 +1595,36 @@ def test_the_sum_over_ranks_of_the_cached_gradients(other: str) -> None:
     got = _cached._sum_over_ranks([(a,), (b, c)], grads, total, reduce)
     mine = sent[0]
     assert [t.tolist() for t in mine] == [[[1.0], [2.0]], [[0.0, 0.0]] * 3, [1.0, 0.0, 0.25]]
-    assert mine[2].dtype == torch.float32
+    assert mine[2].dtype == torch.float64
     assert got.dtype == torch.float64 and got.item() == 0.75
     assert grads[0][0].tolist() == [[11.0], [22.0]]  # type: ignore[union-attr]
     assert grads[1][1] is None
     assert grads[1][0] is None if other == "none" else grads[1][0].tolist() == [[3.0, 3.0]] * 3  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("grad", "loss", "sent"),
+    [
+        (torch.bfloat16, torch.float32, torch.float32),  # (bf16-mixed: the loss's bits kept, in a second collective)
+        (torch.float32, torch.bfloat16, torch.float32),  # (with the gradients: one collective)
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        (torch.float64, torch.float32, torch.float64),
+    ],
+)
+def test_the_loss_summed_over_ranks_keeps_every_bit_of_its_dtype(
+    grad: torch.dtype, loss: torch.dtype, sent: torch.dtype
+) -> None:
+    leaf = torch.ones(2, dtype=grad).requires_grad_()
+    grads: list[list[Tensor | None]] = [[torch.tensor([1.0, 2.0], dtype=grad)]]
+    total = torch.tensor(2.3456, dtype=loss)  # (2.34375 in bfloat16)
+    seen: list[torch.dtype] = []
+
+    def reduce(tensors: Any) -> list[Tensor]:
+        seen.extend(t.dtype for t in tensors)
+        return [t * 2 for t in tensors]
+
+    got = _cached._sum_over_ranks([(leaf,)], grads, total, reduce)
+    assert seen == [grad, sent] and got.dtype == loss and got.item() == (total.double() * 2).item()
 
 
 def test_the_sum_over_ranks_of_one_gradient() -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -627,10 +628,11 @@ def _sum_over_ranks(
     leaves: list[tuple[Tensor, ...]], grads: list[list[Tensor | None]], total: Tensor, reduce: Reduce
 ) -> Tensor:
     """Every rank's gradient of the gathered representations summed over ranks (in ``grads``, in place;
-    ``None`` where no rank has one), in one collective with each rank's loss; returns the loss's sum."""
+    ``None`` where no rank has one), in one collective with each rank's loss (two where the loss's dtype is wider
+    than every gradient's, as a float32 loss beside bfloat16 representations); returns the loss's sum."""
     slots = [(i, j) for i, leaf in enumerate(leaves) for j, t in enumerate(leaf) if t.requires_grad]
     tensors = [_or_zeros(grads[i][j], leaves[i][j]) for i, j in slots]
-    dtype = tensors[0].dtype if tensors else total.dtype
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors], total.dtype)  # (the loss's bits kept)
     present = torch.tensor([grads[i][j] is not None for i, j in slots], dtype=dtype, device=total.device)
     summed = reduce([*tensors, torch.cat([present, total.reshape(1).to(dtype)])])  # type: ignore[list-item]
     counts = summed[-1].tolist()  # (which gradients some rank has: every rank skips the same)
