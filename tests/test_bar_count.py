@@ -492,3 +492,24 @@ def test_a_second_fit_of_the_bar_starts_afresh() -> None:
     fit.count.start_epoch(fit.trainer)  # (Progress moved on, e.g. a fit that restored its loop but not the bar)
     assert fit.count.state_dict() == {"epoch": 0, "first_step": 6, "first_microbatches": 17, "known": True}
     assert fit.count.steps == 0
+
+
+def test_a_checkpoint_written_before_known_existed_is_a_known_epoch_start() -> None:
+    """A bar's state without the ``known`` entry (a checkpoint written before it existed) is a resume whose epoch
+    start is known, as ``known=True`` says: the same totals and steps (exact from the resume: 6, the counter from the
+    epoch's start), not those of ``known=False`` (the steps counted from the resume, the total unknown at first)."""
+
+    def resumed(state: dict[str, Any]) -> tuple[list[float], int]:
+        fit = Fit("steps", Constant(3))
+        fit.trainer.callbacks[0].progress = Progress(step=2, samples=12, items=12, microbatches=6)
+        fit.trainer.global_step = 2
+        fit.count.load_state_dict(state)
+        fit.count.start_fit(fit.trainer, "Bar")
+        return totals_of(fit, 0, first=6), fit.count.steps
+
+    old = {"epoch": 0, "first_step": 0, "first_microbatches": 0}  # (no "known")
+    seen, counted = resumed(old)
+    assert seen == [6] * len(seen) and counted == 6
+    assert (seen, counted) == resumed({**old, "known": True})
+    unknown, counted_unknown = resumed({**old, "known": False})
+    assert unknown[0] == math.inf and (unknown, counted_unknown) != (seen, counted)

@@ -210,6 +210,59 @@ def test_skipped_step_keeps_the_residual() -> None:
     decay.detach()
 
 
+def test_detach_takes_its_hooks_off_the_optimizers() -> None:
+    """After ``detach`` the optimizer's steps are no longer seen: a step taken by hand between two fits of the same
+    ``GradientDecay`` does not count as the next fit's step, whose skipped step (AMP, inf) keeps the residual; the
+    optimizer's step hooks are back to those it had, and it no longer keeps the policy alive."""
+    import gc
+    import weakref
+
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = torch.optim.SGD([p], lr=1.0)
+    hooks = (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))
+    decay = GradientDecay(0.5)
+    decay.attach([opt])
+    assert len(opt._optimizer_step_post_hooks) == hooks[1] + 1  # (the hook the test watches is there)
+    p.grad = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    decay.combine(opt)
+    opt.step()
+    decay.after_step()
+    decay.detach()  # (the fit's end: the residual G_1 = [1, 2] back in .grad)
+    opt.step()  # by hand, between the fits
+    opt.zero_grad(set_to_none=True)
+    decay.attach([opt])  # the next fit: its first window's step skipped for inf
+    p.grad = torch.tensor([float("inf"), 0.0], dtype=torch.float64)
+    decay.combine(opt)
+    decay.after_step()
+    assert decay.steps == 1 and torch.equal(decay._residual[0][0], torch.tensor([1.0, 2.0], dtype=torch.float64))
+    decay.detach()
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == hooks
+    gone = weakref.ref(decay)
+    del decay
+    gc.collect()
+    assert gone() is None  # (the optimizer holds nothing of it)
+
+
+def test_a_fit_leaves_no_hook_on_its_optimizers() -> None:
+    """The ``GradientDecay`` callback's fit ends with its optimizer's step hooks as they were when it was made."""
+
+    class Counted(TokenModel):
+        made: tuple[int, int] | None = None
+
+        def configure_optimizers(self) -> Any:
+            config = super().configure_optimizers()
+            opt = config["optimizer"] if isinstance(config, dict) else config
+            self.made = (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks))
+            return config
+
+    model = Counted()
+    t = trainer(callbacks=[GradientDecay(0.5)], max_epochs=1)
+    t.fit(model, loader(TokenData(8), 4))
+    (opt,) = t.optimizers
+    assert model.made is not None
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == model.made
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [

@@ -218,3 +218,116 @@ def test_wide_sums_keep_a_held_sum_when_a_parameter_joins_and_a_slot_lands() -> 
     landed = sums.land(2.0)
     assert [g.tolist() for g in landed] == [[1.0, 1.0], [4.0, 4.0, 4.0]]
     assert a.grad is not None and b.grad is not None and b.grad.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- a parameter unfrozen in its optimizer (the mixin)
+STEPS = 4  # the window size of the mixin models below (a power of two: each loss is divided exactly before backward)
+SIZES = 2 * STEPS  # the batches there are (a window of as many, for the staggered model)
+
+
+def _pairs() -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(2, 8, generator=g), torch.randn(2, 4, generator=g)) for _ in range(SIZES)]
+
+
+def _linear() -> nn.Linear:
+    torch.manual_seed(5)
+    return nn.Linear(8, 4)
+
+
+def _round_bf16(x: Tensor) -> Tensor:
+    """``x`` (float64) rounded to the nearest bf16 number once, ties to even."""
+    mantissa, exponent = torch.frexp(x)
+    return torch.ldexp(torch.round(mantissa * 256.0) / 256.0, exponent)
+
+
+class Unfrozen(AccumulationMixin, pl.LightningModule):
+    """``a``'s weight frozen from the start, though in the optimizer, and unfrozen (``requires_grad_(True)``) at batch
+    ``at`` (before its block); each batch's end records whether the weight has a ``.grad`` and whether the float32
+    sums hold it, and each step of ``a``'s optimizer its weight's window gradient. ``staggered``: a second optimizer
+    over ``b`` whose windows open a batch after ``a``'s (its blocks from batch 1 on), so that each opens while ``a``'s
+    holds a sum. ``k``: the windows' size."""
+
+    def __init__(self, at: int, staggered: bool, k: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = _linear(), _linear()
+        self.a.weight.requires_grad_(False)
+        self.at, self.staggered = at, staggered
+        self.between: list[tuple[int, bool, bool]] = []  # (batch, `.grad` is None, in the float32 sums)
+        self.stepped: list[Tensor | None] = []  # (None: the weight had no gradient)
+        self.configure_accumulation(k, grad_accum_dtype=torch.float32, log=False)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        x, y = batch
+        if batch_idx == self.at:
+            self.a.weight.requires_grad_(True)
+        with self.accumulate(batch, optimizer=0) as acc:
+            acc.backward(nn.functional.mse_loss(self.a(x), y))
+        if self.staggered and batch_idx >= 1:
+            with self.accumulate(batch, optimizer=1) as acc:
+                acc.backward(nn.functional.mse_loss(self.b(x), y))
+        wide = self._accumulation.windows.wide
+        assert wide is not None
+        self.between.append((batch_idx, self.a.weight.grad is None, wide.holds(self.a.weight)))
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        first = torch.optim.SGD(self.a.parameters(), lr=0.0)  # (the frozen weight in it all along)
+        first.register_step_post_hook(lambda *_: self.stepped.append(self._weight_grad()))  # (SGD at lr 0)
+        return [first, torch.optim.SGD(self.b.parameters(), lr=0.0)] if self.staggered else [first]
+
+    def _weight_grad(self) -> Tensor | None:
+        grad = self.a.weight.grad
+        return None if grad is None else grad.detach().clone()
+
+
+def _fit_unfrozen(at: int, staggered: bool, k: int) -> Unfrozen:
+    model = Unfrozen(at, staggered, k)
+    trainer = pl.Trainer(
+        max_epochs=1, precision="bf16-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(_pairs(), batch_size=None))
+    return model
+
+
+def test_a_parameter_unfrozen_between_windows_is_summed_in_float32_from_the_next_window() -> None:
+    """Mixin: a parameter of the optimizer unfrozen between two windows (no param group added) is taken into the
+    float32 sums as the next window opens (``MixinWindows.rewiden``): ``.grad`` ``None`` between its micro-batches,
+    and its window gradient the float64 mean of its micro-batch gradients (of the bf16 model) rounded to bf16 once."""
+    model = _fit_unfrozen(at=STEPS, staggered=False, k=STEPS)
+    assert model.between[:STEPS] == [(b, True, False) for b in range(STEPS)]  # (frozen: no gradient, not summed)
+    assert model.between[STEPS:-1] == [(b, True, True) for b in range(STEPS, 2 * STEPS - 1)]
+    reference = _linear().to(torch.bfloat16)
+    exact = torch.zeros(4, 8, dtype=torch.float64)
+    for x, y in _pairs()[STEPS:]:
+        reference.zero_grad()
+        nn.functional.mse_loss(reference(x.bfloat16()), y.bfloat16()).backward()
+        exact += reference.weight.grad.double()  # type: ignore[union-attr]
+    assert len(model.stepped) == 2 and model.stepped[0] is None  # (frozen through the first window)
+    got = model.stepped[1]
+    assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got.double(), _round_bf16(exact / STEPS))
+    # (what a bf16 running sum in `.grad` gives instead: not the value above, so the check can tell them apart)
+    running = torch.zeros(4, 8, dtype=torch.bfloat16)
+    for x, y in _pairs()[STEPS:]:
+        reference.zero_grad()
+        (nn.functional.mse_loss(reference(x.bfloat16()), y.bfloat16()) / STEPS).backward()
+        running += reference.weight.grad  # type: ignore[operator]
+    assert not torch.equal(running.double(), _round_bf16(exact / STEPS))
+
+
+def test_a_parameter_unfrozen_inside_an_open_window_is_not_taken_into_the_sums_it_holds() -> None:
+    """Mixin, two optimizers whose windows are staggered: ``a``'s weight unfrozen at the second micro-batch of ``a``'s
+    window; ``b``'s window opening next, while ``a``'s holds sums, does not take the weight into them: as documented
+    (docs/guide/precision.md), a parameter that joins after its window opened is summed in its ``.grad`` until that
+    window ends, normalised all the same: its window gradient (a window of 8) is the bf16 running sum of its
+    micro-batch gradients (each loss divided by the window's 8 before backward), formed by hand."""
+    model = _fit_unfrozen(at=1, staggered=True, k=SIZES)
+    assert model.between == [(0, True, False)] + [(b, False, False) for b in range(1, SIZES)]
+    reference = _linear().to(torch.bfloat16)
+    for x, y in _pairs()[1:]:
+        (nn.functional.mse_loss(reference(x.bfloat16()), y.bfloat16()) / SIZES).backward()
+    (got,) = model.stepped
+    assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, reference.weight.grad)
