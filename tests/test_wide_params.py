@@ -6,6 +6,7 @@ by hand (2.8x where it is left in `.grad`). Each epoch is one window of the same
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -293,11 +294,13 @@ def _fit_unfrozen(at: int, staggered: bool, k: int) -> Unfrozen:
     return model
 
 
-def test_a_parameter_unfrozen_between_windows_is_summed_in_float32_from_the_next_window() -> None:
+@pytest.mark.parametrize("staggered", [False, True], ids=["alone", "staggered"])
+def test_a_parameter_unfrozen_between_windows_is_summed_in_float32_from_the_next_window(staggered: bool) -> None:
     """Mixin: a parameter of the optimizer unfrozen between two windows (no param group added) is taken into the
     float32 sums as the next window opens (``MixinWindows.rewiden``): ``.grad`` ``None`` between its micro-batches,
-    and its window gradient the float64 mean of its micro-batch gradients (of the bf16 model) rounded to bf16 once."""
-    model = _fit_unfrozen(at=STEPS, staggered=False, k=STEPS)
+    and its window gradient the float64 mean of its micro-batch gradients (of the bf16 model) rounded to bf16 once.
+    ``staggered``: also while another optimizer's window holds sums as it opens (one always does)."""
+    model = _fit_unfrozen(at=STEPS, staggered=staggered, k=STEPS)
     assert model.between[:STEPS] == [(b, True, False) for b in range(STEPS)]  # (frozen: no gradient, not summed)
     assert model.between[STEPS:-1] == [(b, True, True) for b in range(STEPS, 2 * STEPS - 1)]
     reference = _linear().to(torch.bfloat16)
@@ -331,3 +334,56 @@ def test_a_parameter_unfrozen_inside_an_open_window_is_not_taken_into_the_sums_i
         (nn.functional.mse_loss(reference(x.bfloat16()), y.bfloat16()) / SIZES).backward()
     (got,) = model.stepped
     assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, reference.weight.grad)
+
+
+# ------------------------------------------------ MixinWindows.rewiden's rule: when a joining parameter is taken in
+def _two_groups(others: torch.dtype) -> tuple[Any, nn.Parameter, nn.Parameter]:
+    """Windows of two optimizers: ``[a, c]`` (``a`` bf16, frozen) and ``[b]``, ``b`` and ``c`` of dtype ``others``
+    (float32: nothing narrow is trained, the sums are off)."""
+    from types import SimpleNamespace
+
+    from lightning_accum._core.options import AccumulationConfig
+    from lightning_accum._trainer.windows import MixinWindows
+    from lightning_accum.schedules import as_schedule
+
+    a = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    b, c = nn.Parameter(torch.ones(2, dtype=others)), nn.Parameter(torch.ones(2, dtype=others))
+    a.requires_grad_(False)
+    first = torch.optim.SGD([{"params": [a]}, {"params": [c]}], lr=0.0)
+    second = torch.optim.SGD([b], lr=0.0)
+    module = SimpleNamespace(optimizers=lambda: [SimpleNamespace(optimizer=first), SimpleNamespace(optimizer=second)])
+    windows = MixinWindows(module)
+    windows.configure(AccumulationConfig(schedule=as_schedule(4), grad_accum_dtype=torch.float32))
+    windows.engine((0,)), windows.engine((1,))
+    windows.widen()
+    return windows, a, c
+
+
+@pytest.mark.parametrize(
+    ("others", "open_", "removed", "taken"),
+    [
+        (torch.bfloat16, (), False, True),  # no window holds a sum
+        (torch.bfloat16, (1,), False, True),  # another optimizer's window does: `a` joins outside it
+        (torch.bfloat16, (0,), False, False),  # `a`'s own window is open: it stays in `.grad` till that ends
+        (torch.bfloat16, (0, 1), False, False),
+        (torch.float32, (1,), False, False),  # the sums were off (nothing narrow): not switched on inside a window
+        (torch.float32, (), False, True),
+        (torch.bfloat16, (1,), True, False),  # `c` left with its param group: not retaken inside a window
+        (torch.bfloat16, (), True, True),
+    ],
+)
+def test_a_joining_parameter_is_taken_in_unless_a_window_holding_it_or_the_switch_is_open(
+    others: torch.dtype, open_: tuple[int, ...], removed: bool, taken: bool
+) -> None:
+    from types import SimpleNamespace
+
+    windows, a, c = _two_groups(others)
+    assert windows.wide is not None and not windows.wide.holds(a)
+    assert windows.wide.holds(c) is (others == torch.bfloat16)
+    a.requires_grad_(True)
+    if removed:
+        windows.optimizers()[0].optimizer.param_groups.pop()  # (`c`'s group)
+    for key in open_:
+        windows.engines[(key,)].window = SimpleNamespace(microbatches=1)  # (a stand-in: a window holding a sum)
+    windows.rewiden()
+    assert windows.wide.holds(a) is taken

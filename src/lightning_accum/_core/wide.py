@@ -187,6 +187,15 @@ class WideSums:
         held."""
         return [id(p) for p in narrow(params, self.dtype, self._hooks)] != [id(p) for p in self.params]
 
+    def joining(self, params: Iterable[Tensor]) -> list[Tensor] | None:
+        """``params``' narrow trainable ones not attached yet (a param group added, a parameter unfrozen); ``None``
+        where an attached one is no longer among them (its param group removed)."""
+        chosen = narrow(params, self.dtype, self._hooks)
+        kept = {id(p) for p in chosen}
+        if any(id(p) not in kept for p in self.params):
+            return None
+        return [p for p in chosen if id(p) not in self._index]
+
     def _allocate(self, params: list[Tensor]) -> None:
         held = {id(p): self.views[i] for i, p in enumerate(self.params) if self.filled[i]}  # (kept: copied over)
         by_device: dict[torch.device, list[int]] = {}

@@ -90,9 +90,20 @@ class MixinWindows:
 
     def rewiden(self) -> None:
         """As a window opens: the narrow parameters taken again if they changed since ``widen`` (a param group added,
-        a parameter unfrozen), where no group's window holds a sum."""
-        if self.wide is not None and not self.window_open() and self.wide.stale(self.params()):
+        a parameter unfrozen), where no group's window holds a sum, or where those joining are outside every window
+        that does (another optimizer's, its windows staggered with this one's) and the sums are on already."""
+        if self.wide is None or not self.wide.stale(self.params()):
+            return
+        if not self.window_open() or self._joining_outside_open_windows(self.wide):
             self.widen()
+
+    def _joining_outside_open_windows(self, wide: WideSums) -> bool:
+        joining = wide.joining(self.params())
+        if joining is None or not wide.active:  # (a parameter leaving, or the sums' path switched on mid-window)
+            return False
+        held = {id(p) for key, e in self.engines.items() if e.window is not None and e.window.microbatches
+                for p in self.params(key)}  # fmt: skip
+        return not any(id(p) in held for p in joining)
 
     def unwiden(self) -> None:
         """At a fit's end: the sums take no more gradients (those held are kept, for a checkpoint)."""
