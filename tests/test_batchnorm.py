@@ -262,9 +262,7 @@ def test_callback_checkpoint_of_the_other_mode_resumed(tmp_path: Path) -> None:
     micro-batch updates the buffers; under ``"window"`` from a ``"micro-batch"`` checkpoint the window's earlier
     micro-batches have updated the buffers already, and the window pools the later ones only."""
     path = tmp_path / "micro.ckpt"  # after batch 4: batches 3 and 4 of the window 3-5 ran
-    trainer(callbacks=[AccumulationScheduler(3), SaveAt(4, path)], max_epochs=1).fit(
-        Model(), ResumableLoader(DATA, 4)
-    )
+    trainer(callbacks=[AccumulationScheduler(3), SaveAt(4, path)], max_epochs=1).fit(Model(), ResumableLoader(DATA, 4))
     saved = torch.load(path, weights_only=False)["state_dict"]
     assert int(saved["net.bn2.num_batches_tracked"]) == 5  # one update per micro-batch
     resumed = Model()
@@ -1576,3 +1574,57 @@ def test_a_layer_taken_over_or_tracking_nothing_is_left_to_its_owner() -> None:
     assert max_diff(list(buffers(layer).values()), list(buffers(ref).values())) <= 1e-14
     assert untracked.running_mean.tolist() == [0, 0] and untracked.running_var.tolist() == [1, 1]
     assert int(untracked.num_batches_tracked) == 0
+
+
+# ------------------------------------------------------- the mixin's one window of every optimizer, refused otherwise
+def _windows_of(keys: list[tuple[int, ...]]) -> Any:
+    """A mixin's windows over two optimizers with ``keys``' engines made (as an earlier fit, or a checkpoint, left
+    them), then set to ``batchnorm="window"``."""
+    from types import SimpleNamespace
+
+    from lightning_accum._core.options import AccumulationConfig
+    from lightning_accum._trainer.windows import MixinWindows
+    from lightning_accum.schedules import as_schedule
+
+    a, b = nn.Linear(1, 1), nn.Linear(1, 1)
+    optimizers = [SimpleNamespace(optimizer=torch.optim.SGD(m.parameters(), lr=0.1)) for m in (a, b)]
+    windows = MixinWindows(SimpleNamespace(optimizers=lambda: optimizers))
+    windows.configure(AccumulationConfig(schedule=as_schedule(2)))
+    for key in keys:
+        windows.engine(key)
+    windows.configure(AccumulationConfig(schedule=as_schedule(2), batchnorm="window"))
+    return windows
+
+
+@pytest.mark.parametrize(
+    ("made", "key", "named"),
+    [
+        ([], (0, 1), None),
+        ([(0, 1)], (0, 1), None),
+        ([], (0,), "optimizers [0] ("),
+        ([], (1,), "optimizers [1] ("),
+        ([(0,)], (0, 1), "optimizers [0, 1] beside the window of [0] ("),  # (a fit before, a window per optimizer)
+        ([(0,), (1,)], (0,), "optimizers [0] beside the window of [1] ("),
+        ([(0,), (1,)], (1,), "optimizers [1] beside the window of [0] ("),
+        ([(0, 1)], (0,), "optimizers [0] beside the window of [0, 1] ("),
+    ],
+)
+def test_a_window_of_some_optimizers_is_refused_naming_it_and_the_other(
+    made: list[tuple[int, ...]], key: tuple[int, ...], named: str | None
+) -> None:
+    windows = _windows_of(made)
+    if named is None:
+        windows.refuse_window_of_some(key)
+        return
+    with pytest.raises(ValueError) as refused:
+        windows.refuse_window_of_some(key)
+    assert f"but this model opens a window of {named}" in str(refused.value)
+
+
+def test_a_second_window_made_under_batchnorm_window_is_refused_as_it_is_made() -> None:
+    """As a checkpoint of two windows (one per optimizer) loads into a model set to ``batchnorm="window"``: the
+    second group's engine is refused where it would be made, and not made."""
+    windows = _windows_of([(0,)])
+    with pytest.raises(ValueError, match=r"opens a window of optimizers \[1\] beside the window of \[0\]"):
+        windows.engine((1,))
+    assert list(windows.engines) == [(0,)]

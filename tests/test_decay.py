@@ -359,3 +359,40 @@ def test_each_combined_gradient_lands_in_its_parameters_grad() -> None:
     assert unused.grad is None and same.grad is kept
     assert narrow.grad is not None and narrow.grad.dtype == torch.bfloat16
     assert narrow.grad.tolist() == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("state", [{}, {"residual": {}}], ids=["empty", "no-steps"])
+def test_a_state_without_steps_loads_as_a_fresh_policy(state: dict[str, Any]) -> None:
+    """A state with no ``steps`` entry counts no step taken: the first bias-corrected step's gradient is the window's
+    own, G_1 = (1 - f) g / (1 - f^1) = g."""
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = torch.optim.SGD([p], lr=1.0)
+    decay = GradientDecay(0.5, mode="ema", bias_correction=True)
+    decay.load_state_dict(state)
+    decay.attach([opt])
+    p.grad = torch.tensor([1.0, -3.0], dtype=torch.float64)
+    decay.combine(opt)
+    assert decay.steps == 0 and torch.equal(p.grad, torch.tensor([1.0, -3.0], dtype=torch.float64))
+    decay.detach()
+
+
+def test_a_checkpointed_residual_is_kept_wide_only_for_a_parameter_the_wide_sums_hold() -> None:
+    """Under ``grad_accum_dtype``: a narrow parameter the sums hold gets its residual back in the wide dtype, as it
+    was saved; one they do not hold (frozen, so not summed) keeps it in its own dtype, as its ``.grad`` path forms
+    G_t."""
+    from lightning_accum._core.wide import WideSums
+
+    held, frozen = (torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)) for _ in range(2))
+    frozen.requires_grad_(False)
+    opt = torch.optim.SGD([held, frozen], lr=1.0)
+    sums = WideSums(torch.float32)
+    sums.attach([held, frozen])
+    decay = GradientDecay(0.5)
+    decay.keep_wide(sums)
+    third = torch.tensor([1 / 3, 1.0], dtype=torch.float32)  # (1/3 is not a bf16 number)
+    decay.load_state_dict({"steps": 1, "residual": {0: [third, third.to(torch.bfloat16)]}})
+    decay.attach([opt])
+    residual = decay._residual[0]
+    assert [r.dtype for r in residual] == [torch.float32, torch.bfloat16]  # type: ignore[union-attr]
+    assert torch.equal(residual[0], third) and torch.equal(residual[1], third.to(torch.bfloat16))  # type: ignore[arg-type]
+    decay.detach(restore_residual=False)

@@ -361,6 +361,25 @@ def test_a_pass_into_another_optimizers_window_is_refused_and_toggling_trains_as
     assert all(p.requires_grad for p in toggled.parameters())
 
 
+def test_a_fit_leaves_no_guard_on_its_optimizers_or_parameters() -> None:
+    """The guards' hooks (a step the mixin does not take is refused; a pass into another optimizer's window) go with
+    the fit: after it, the optimizers and parameters hold the hooks they had before, and a step of the user's own
+    (a plain loop after ``trainer.fit``) is the optimizer's."""
+    model = GAN(toggle=True)
+    trainer().fit(model, loader(DATA, 4))
+    optimizers = [o.optimizer for o in model.optimizers()]  # type: ignore[union-attr]
+    assert [len(o._optimizer_step_pre_hooks) for o in optimizers] == [0, 0]
+    assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+    before = params_of(model)
+    for optimizer in optimizers:
+        optimizer.zero_grad()
+    g_loss, d_loss = model.losses(next(iter(loader(DATA, 4))))
+    (g_loss() + d_loss()).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    assert max_diff(params_of(model), before) > 0.0
+
+
 # ---------------------------------------------------------------------- hooks refused at the start
 def test_a_callbacks_hook_with_the_modules_signature_is_refused_at_the_start() -> None:
     """Before, Python's bare TypeError came after the first optimizer step."""

@@ -177,3 +177,15 @@ def test_exponential_ramp_lands_on_its_exact_powers(start: int, end: int, over: 
     got = [ramp(Progress(step=s)) for s in range(over + 2)]
     want = [floor_power(start, end, Fraction(min(s, over), over)) for s in range(over + 2)]
     assert got == want
+
+
+def _k(p: Progress) -> int:
+    return 2
+
+
+@pytest.mark.parametrize(
+    ("unit", "shown"),
+    [(None, ""), ("samples", ", unit='samples'"), ("tokens", ", unit='items'"), ("epoch", ", unit='epoch'")],
+)
+def test_a_lambdas_repr_names_its_function_and_its_unit_where_given(unit: Any, shown: str) -> None:
+    assert repr(Lambda(_k, unit=unit)) == f"Lambda({_k!r}{shown})"
