@@ -202,3 +202,12 @@ def test_a_forgotten_partial_window_leaves_nothing_waiting() -> None:
             partial.forget()
             assert partial.put_back([param]) is None
         assert not partial.pending
+    # a checkpoint loaded over one still waiting, with or without a partial gradient of its own: nothing waits till
+    # train start reads it
+    for state in ({"window": None}, {"grads": [torch.tensor([1.0, 2.0])], "world_size": 1}):
+        partial = PartialWindow()
+        partial.load({"grads": [torch.tensor([3.0, 4.0])], "world_size": 1})
+        partial.numbers(strategy=None, rank=0)
+        partial.load(state)
+        assert not partial.pending
+        assert partial.numbers(strategy=None, rank=0) is None and partial.pending is ("grads" in state)

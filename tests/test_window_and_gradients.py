@@ -303,3 +303,28 @@ def test_gather_partial_gives_every_ranks_numbers_and_gradients() -> None:
             assert g is not None and want is not None and g.dtype == want.dtype and torch.equal(g, want)
     wide = collectives.gather_partial(TwoSameRanks(), [], params, grads, [torch.float64] * 3)[1][1]
     assert [None if g is None else g.dtype for g in wide] == [torch.float64, None, torch.float64]
+
+
+@pytest.mark.parametrize("reset", ["zero", "none"])
+def test_a_dropped_window_clears_its_gradient_as_reset_says(reset: str) -> None:
+    """A window dropped unstepped (its loop stopped inside it): forgotten, and its gradient zeroed in the buffers it
+    had (``reset="zero"``) or set to ``None`` (``"none"``, as ``zero_grad(set_to_none=True)``)."""
+    from types import SimpleNamespace
+
+    from lightning_accum._core.options import AccumulationConfig
+    from lightning_accum._trainer.window_step import drop
+    from lightning_accum.schedules import as_schedule
+
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]
+    buffers = []
+    for p in params:
+        p.grad = torch.full((2,), 5.0)
+        buffers.append(p.grad)
+    discarded: list[int] = []
+    engine = SimpleNamespace(discard=lambda: discarded.append(1))
+    drop(engine, params, AccumulationConfig(schedule=as_schedule(2), reset=reset))  # type: ignore[arg-type]
+    assert discarded == [1]
+    if reset == "zero":
+        assert all(p.grad is b and b.tolist() == [0.0, 0.0] for p, b in zip(params, buffers, strict=True))
+    else:
+        assert all(p.grad is None for p in params)
