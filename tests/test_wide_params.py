@@ -387,3 +387,61 @@ def test_a_joining_parameter_is_taken_in_unless_a_window_holding_it_or_the_switc
         windows.engines[(key,)].window = SimpleNamespace(microbatches=1)  # (a stand-in: a window holding a sum)
     windows.rewiden()
     assert windows.wide.holds(a) is taken
+
+
+class Joined(AccumulationMixin, pl.LightningModule):
+    """``c`` frozen and out of the optimizer, its output in the loss; at batch ``at``, before the block, unfrozen and
+    added to the optimizer as a param group (inside the window of batches 4-7). Each step records ``c``'s weight's
+    window gradient."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.c = _linear(), _linear()
+        self.c.requires_grad_(False)
+        self.at = at
+        self.stepped: list[Tensor | None] = []
+        self.configure_accumulation(STEPS, grad_accum_dtype=torch.float32, log=False)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        x, y = batch
+        if batch_idx == self.at:
+            self.c.requires_grad_(True)
+            self.optimizers().optimizer.add_param_group({"params": list(self.c.parameters())})  # type: ignore[union-attr]
+        with self.accumulate(batch) as acc:
+            acc.backward(nn.functional.mse_loss(self.a(x) + self.c(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optimizer = torch.optim.SGD(self.a.parameters(), lr=0.0)
+        optimizer.register_step_post_hook(lambda *_: self.stepped.append(self._weight_grad()))
+        return optimizer
+
+    def _weight_grad(self) -> Tensor | None:
+        grad = self.c.weight.grad
+        return None if grad is None else grad.detach().clone()
+
+
+def test_a_param_group_added_inside_a_mixin_window_is_summed_in_float32_from_its_block() -> None:
+    """Mixin: a param group added inside a window (its parameters new to the optimizer, holding none of the window's
+    gradient) is summed in float32 from the block it joins at (``MixinWindows.widen_joined``): its window gradient
+    is the float64 sum of its micro-batch gradients since (of the bf16 model), over the window's k, rounded once."""
+    model = Joined(at=STEPS + 1)
+    trainer = pl.Trainer(
+        max_epochs=1, precision="bf16-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(_pairs(), batch_size=None))
+    a, c = _linear().to(torch.bfloat16), _linear().to(torch.bfloat16)
+    exact = torch.zeros(4, 8, dtype=torch.float64)
+    running = torch.zeros(4, 8, dtype=torch.bfloat16)
+    for x, y in _pairs()[STEPS + 1 :]:
+        c.zero_grad()
+        nn.functional.mse_loss(a(x.bfloat16()) + c(x.bfloat16()), y.bfloat16()).backward()
+        exact += c.weight.grad.double()  # type: ignore[union-attr]
+        running += c.weight.grad / STEPS  # type: ignore[operator]
+    assert len(model.stepped) == 2 and model.stepped[0] is None
+    got = model.stepped[1]
+    assert got is not None and torch.equal(got.double(), _round_bf16(exact / STEPS))
+    assert not torch.equal(running.double(), _round_bf16(exact / STEPS))  # (a bf16 sum in `.grad`: told apart)
