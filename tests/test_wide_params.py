@@ -282,8 +282,8 @@ class Unfrozen(AccumulationMixin, pl.LightningModule):
         return None if grad is None else grad.detach().clone()
 
 
-def _fit_unfrozen(at: int, staggered: bool, k: int) -> Unfrozen:
-    model = Unfrozen(at, staggered, k)
+def _fit_pairs(model: pl.LightningModule) -> None:
+    """One epoch over ``_pairs()`` in bf16-true."""
     trainer = pl.Trainer(
         max_epochs=1, precision="bf16-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu",
@@ -291,6 +291,11 @@ def _fit_unfrozen(at: int, staggered: bool, k: int) -> Unfrozen:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, DataLoader(_pairs(), batch_size=None))
+
+
+def _fit_unfrozen(at: int, staggered: bool, k: int) -> Unfrozen:
+    model = Unfrozen(at, staggered, k)
+    _fit_pairs(model)
     return model
 
 
@@ -426,13 +431,7 @@ def test_a_param_group_added_inside_a_mixin_window_is_summed_in_float32_from_its
     gradient) is summed in float32 from the block it joins at (``MixinWindows.widen_joined``): its window gradient
     is the float64 sum of its micro-batch gradients since (of the bf16 model), over the window's k, rounded once."""
     model = Joined(at=STEPS + 1)
-    trainer = pl.Trainer(
-        max_epochs=1, precision="bf16-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu",
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, DataLoader(_pairs(), batch_size=None))
+    _fit_pairs(model)
     a, c = _linear().to(torch.bfloat16), _linear().to(torch.bfloat16)
     exact = torch.zeros(4, 8, dtype=torch.float64)
     running = torch.zeros(4, 8, dtype=torch.bfloat16)
