@@ -501,3 +501,18 @@ class FileReport(pl.Callback):
         for report in reports:
             report["params"] = [torch.tensor(p, dtype=torch.float64) for p in report["params"]]
         return reports
+
+
+def windows_over(*optimizers: torch.optim.Optimizer, **config: Any) -> Any:
+    """The mixin's window groups over ``optimizers`` (Lightning's wrappers stood in for, no module or Trainer),
+    configured with ``AccumulationConfig(**config)`` (``schedule``: an int or a schedule, 1 unless given)."""
+    from types import SimpleNamespace
+
+    from lightning_accum._core.options import AccumulationConfig
+    from lightning_accum._trainer.windows import MixinWindows
+    from lightning_accum.schedules import as_schedule
+
+    wrapped = [SimpleNamespace(optimizer=o) for o in optimizers]
+    windows = MixinWindows(SimpleNamespace(optimizers=lambda: wrapped))
+    windows.configure(AccumulationConfig(schedule=as_schedule(config.pop("schedule", 1)), **config))
+    return windows

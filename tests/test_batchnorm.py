@@ -22,7 +22,7 @@ from lightning_accum import AccumulationMixin, AccumulationScheduler, Budget
 from lightning_accum._core.batchnorm import Moments, RankMoments, WindowBatchNorm, _Rows, check_batchnorm, union
 from lightning_accum.fabric import FabricAccumulator
 
-from helpers import ResumableLoader, default_dtype, trainer
+from helpers import ResumableLoader, default_dtype, trainer, windows_over
 
 Batch = dict[str, Tensor]
 
@@ -1580,16 +1580,10 @@ def test_a_layer_taken_over_or_tracking_nothing_is_left_to_its_owner() -> None:
 def _windows_of(keys: list[tuple[int, ...]]) -> Any:
     """A mixin's windows over two optimizers with ``keys``' engines made (as an earlier fit, or a checkpoint, left
     them), then set to ``batchnorm="window"``."""
-    from types import SimpleNamespace
-
     from lightning_accum._core.options import AccumulationConfig
-    from lightning_accum._trainer.windows import MixinWindows
     from lightning_accum.schedules import as_schedule
 
-    a, b = nn.Linear(1, 1), nn.Linear(1, 1)
-    optimizers = [SimpleNamespace(optimizer=torch.optim.SGD(m.parameters(), lr=0.1)) for m in (a, b)]
-    windows = MixinWindows(SimpleNamespace(optimizers=lambda: optimizers))
-    windows.configure(AccumulationConfig(schedule=as_schedule(2)))
+    windows = windows_over(*(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1) for _ in range(2)), schedule=2)
     for key in keys:
         windows.engine(key)
     windows.configure(AccumulationConfig(schedule=as_schedule(2), batchnorm="window"))

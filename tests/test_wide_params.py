@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accum import AccumulationMixin, AccumulationScheduler
 from lightning_accum.fabric import FabricAccumulator
 
+from helpers import windows_over
+
 K, WINDOWS, UNFREEZE_AT = 8, 2, 1  # the first layer joins the optimizer at the second epoch (window)
 
 
@@ -345,20 +347,12 @@ def test_a_parameter_unfrozen_inside_an_open_window_is_not_taken_into_the_sums_i
 def _two_groups(others: torch.dtype) -> tuple[Any, nn.Parameter, nn.Parameter]:
     """Windows of two optimizers: ``[a, c]`` (``a`` bf16, frozen) and ``[b]``, ``b`` and ``c`` of dtype ``others``
     (float32: nothing narrow is trained, the sums are off)."""
-    from types import SimpleNamespace
-
-    from lightning_accum._core.options import AccumulationConfig
-    from lightning_accum._trainer.windows import MixinWindows
-    from lightning_accum.schedules import as_schedule
-
     a = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     b, c = nn.Parameter(torch.ones(2, dtype=others)), nn.Parameter(torch.ones(2, dtype=others))
     a.requires_grad_(False)
     first = torch.optim.SGD([{"params": [a]}, {"params": [c]}], lr=0.0)
     second = torch.optim.SGD([b], lr=0.0)
-    module = SimpleNamespace(optimizers=lambda: [SimpleNamespace(optimizer=first), SimpleNamespace(optimizer=second)])
-    windows = MixinWindows(module)
-    windows.configure(AccumulationConfig(schedule=as_schedule(4), grad_accum_dtype=torch.float32))
+    windows = windows_over(first, second, schedule=4, grad_accum_dtype=torch.float32)
     windows.engine((0,)), windows.engine((1,))
     windows.widen()
     return windows, a, c
