@@ -1283,6 +1283,18 @@ def test_commit_updates_once_per_window_with_its_momentum_or_the_cumulative_aver
     assert int(net["m"].num_batches_tracked) == 2
 
 
+def _window_of_one(x: Tensor) -> tuple[nn.BatchNorm1d, nn.BatchNorm1d, WindowBatchNorm]:
+    """A float64 layer (``momentum=None``), a fresh copy of it, and its window statistics holding ``x`` accepted."""
+    layer = nn.BatchNorm1d(2, momentum=None).double()
+    ref = copy.deepcopy(layer)
+    stats = WindowBatchNorm()
+    stats.attach(layer)
+    stats.arm()
+    layer(x)
+    stats.accept()
+    return layer, ref, stats
+
+
 def test_what_joins_the_window_accepted_held_dropped_uncounted_and_one_update() -> None:
     """Micro-batches accepted join the window; dropped ones do not; finished parts ``hold`` keeps join it when the
     micro-batch is cut short (``accept_held``) or accepted; forwards ``uncounted`` add nothing; ``one_update`` is one
@@ -1290,13 +1302,7 @@ def test_what_joins_the_window_accepted_held_dropped_uncounted_and_one_update() 
     fresh copy of the layer (``momentum=None``: after one update, the buffers are those samples' statistics)."""
     g = torch.Generator().manual_seed(2)
     xs = list(torch.randn(8, 3, 2, generator=g, dtype=torch.float64) * 2 + 1)
-    layer = nn.BatchNorm1d(2, momentum=None).double()
-    ref = copy.deepcopy(layer)
-    stats = WindowBatchNorm()
-    stats.attach(layer)
-    stats.arm()
-    layer(xs[0])
-    stats.accept()  # in
+    layer, ref, stats = _window_of_one(xs[0])  # in
     stats.arm()
     layer(xs[1])
     stats.drop_pending()  # out
@@ -1521,13 +1527,7 @@ def test_one_update_pools_its_forwards_suspended_or_not_and_keeps_the_window_asi
     suspension too. Against fresh float64 layers given the same samples in one forward."""
     g = torch.Generator().manual_seed(8)
     xs = list(torch.randn(6, 4, 2, generator=g, dtype=torch.float64) + 3)
-    layer = nn.BatchNorm1d(2, momentum=None).double()
-    ref = copy.deepcopy(layer)
-    stats = WindowBatchNorm()
-    stats.attach(layer)
-    stats.arm()
-    layer(xs[0])
-    stats.accept()  # the window: xs[0]
+    layer, ref, stats = _window_of_one(xs[0])  # the window: xs[0]
     stats.suspend()
     with stats.one_update():
         layer(xs[1])
